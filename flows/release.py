@@ -1,0 +1,82 @@
+"""The release flow: train -> freeze -> pack -> export -> register -> admit -> prewarm -> activate.
+
+Registering makes a revision addressable (`name:rN`) but no user reaches it through
+`name@production` until every worker reports it ready and `activate` moves the alias.
+"""
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import ParamSpec, TypeVar
+
+from prefect import flow
+
+from mint_core.base_model import BaseModelSpec
+from mint_core.config import MintConfig
+from mint_core.datasets import Task
+from mint_core.registry import Registry
+from mint_core.revisions import check_adapter_name
+from mint_core.training import TrainingConfig
+from tasks.pipeline import (
+    activate_revision,
+    admit_revision,
+    export_adapter,
+    freeze_adapter,
+    pack_adapter,
+    prewarm_revision,
+    register_revision,
+    train_adapter,
+)
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    """What a release produced and how long each stage took."""
+
+    revision: str
+    eval_accuracy: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@flow(name="release")
+def release(
+    adapter: str,
+    task: str,
+    steps: int = TrainingConfig.steps,
+    rank: int = TrainingConfig.rank,
+    seed: int = 0,
+    base: BaseModelSpec | None = None,
+    actor: str = "mint",
+) -> ReleaseReport:
+    """Train a LoRA for `task` and release it as the next revision of `adapter`.
+
+    `base` is the base model to train on; it defaults to the serving base (the register step
+    refuses anything else)."""
+    config = MintConfig.from_env()
+    check_adapter_name(adapter)
+    Task.parse(task)
+    training = TrainingConfig(steps=steps, rank=rank, seed=seed)
+    seconds: dict[str, float] = {}
+
+    def timed(stage: str, step: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        start = time.perf_counter()
+        result = step(*args, **kwargs)
+        seconds[stage] = time.perf_counter() - start
+        return result
+
+    trained = timed("train", train_adapter, config, adapter, task, training, base or config.base)
+    frozen = timed("freeze", freeze_adapter, config, trained)
+    packed_dir, index = timed("pack", pack_adapter, config, frozen)
+    exported = timed("export", export_adapter, config, packed_dir, index)
+    revision = timed("register", register_revision, config, adapter, trained, exported, actor)
+    try:
+        timed("admit", admit_revision, config, revision)
+        timed("prewarm", prewarm_revision, config, revision)
+        timed("activate", activate_revision, config, revision)
+    except Exception as e:
+        Registry(config.tracking_uri).mark_failed(revision, f"{type(e).__name__}: {e}")
+        raise
+    return ReleaseReport(str(revision), trained.eval_accuracy, seconds)

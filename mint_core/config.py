@@ -1,0 +1,61 @@
+"""MinT's typed configuration, read from the environment only at the edges (CLI, flow entry
+points, server start) through `MintConfig.from_env`."""
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mint_core.base_model import BaseModelSpec
+from mint_core.errors import ConfigurationError
+
+DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
+DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True)
+class MintConfig:
+    """Where MinT keeps state and which services it talks to."""
+
+    home: Path = Path(".mint")
+    """State dir: base cache, frozen adapters, artifact store, MLflow's database (`MINT_HOME`)."""
+    tracking_uri: str = DEFAULT_TRACKING_URI
+    """MLflow tracking server, the registry of record (`MLFLOW_TRACKING_URI`)."""
+    worker_urls: tuple[str, ...] = (DEFAULT_WORKER_URL,)
+    """Serving workers that must report a revision ready before it is activated
+    (`MINT_WORKER_URLS`, comma-separated)."""
+    artifact_store: str = "local"
+    """Name of the artifact store (`MINT_ARTIFACT_STORE`)."""
+    base: BaseModelSpec = field(default_factory=BaseModelSpec)
+    """The resident base model every adapter is trained on and served over."""
+
+    def __post_init__(self) -> None:
+        if not self.worker_urls:
+            raise ConfigurationError("worker_urls is empty; name at least one serving worker")
+        for url in (self.tracking_uri, *self.worker_urls):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigurationError(f"service URL {url!r} must start with http:// or https://")
+
+    @property
+    def artifact_root(self) -> Path:
+        return self.home / "artifacts"
+
+    @property
+    def frozen_root(self) -> Path:
+        return self.home / "frozen"
+
+    @property
+    def work_root(self) -> Path:
+        """Scratch space for training output and packing before export."""
+        return self.home / "work"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "MintConfig":
+        env = os.environ if environ is None else environ
+        workers = env.get("MINT_WORKER_URLS", DEFAULT_WORKER_URL)
+        return cls(
+            home=Path(env.get("MINT_HOME", ".mint")).absolute(),
+            tracking_uri=env.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI),
+            worker_urls=tuple(url.strip().rstrip("/") for url in workers.split(",") if url.strip()),
+            artifact_store=env.get("MINT_ARTIFACT_STORE", "local"),
+        )

@@ -1,0 +1,42 @@
+"""One exception hierarchy for MinT.
+
+Every error says which value was wrong and what to do about it. Category errors also inherit
+the standard-library error they stand in for, so callers that only know Python's errors can
+still catch them.
+"""
+
+
+class MintError(Exception):
+    """Base of every error MinT raises on purpose."""
+
+
+class ConfigurationError(MintError, ValueError):
+    """A setting, parameter or request field has a value MinT cannot use."""
+
+
+class NotFoundError(MintError, LookupError):
+    """An adapter, revision, alias or artifact does not exist."""
+
+
+class IntegrityError(MintError):
+    """Bytes on disk or in a store do not match the digest recorded for them."""
+
+
+class BaseMismatchError(MintError):
+    """An adapter was trained on a different base model than the one MinT serves."""
+
+
+class RegistryError(MintError):
+    """The model registry (MLflow) refused or failed an operation."""
+
+
+class TransitionError(MintError):
+    """A stage or readiness change that the transition table does not allow."""
+
+
+class NotReadyError(MintError):
+    """A revision exists but is not ready to serve on this worker."""
+
+
+class ServiceError(MintError):
+    """A process MinT starts (MLflow server, worker) failed to start or answer."""

@@ -1,0 +1,78 @@
+"""Freeze: snapshot a trained PEFT adapter into immutable, digested files.
+
+After this step a revision's bytes never change. The frozen folder is named by its digest (over
+the manifest of file digests), made read-only, and written atomically, so freezing the same
+bytes twice yields the same folder and a crash never leaves half of one.
+"""
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from mint_core.digests import sha256_file, sha256_json
+from mint_core.errors import ConfigurationError, IntegrityError
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+MANIFEST = "manifest.json"
+
+
+@dataclass(frozen=True)
+class FrozenAdapter:
+    path: Path
+    digest: str
+    """sha256 over the manifest: names these exact bytes."""
+    files: dict[str, str]
+    """File name -> sha256 digest."""
+
+    @property
+    def adapter_config(self) -> dict[str, object]:
+        return json.loads((self.path / PEFT_CONFIG).read_text())
+
+
+def freeze(adapter_dir: Path, frozen_root: Path) -> FrozenAdapter:
+    """Copy a PEFT adapter directory into `frozen_root/<digest>/`, read-only."""
+    sources = [adapter_dir / PEFT_WEIGHTS, adapter_dir / PEFT_CONFIG]
+    missing = [str(p) for p in sources if not p.is_file()]
+    if missing:
+        raise ConfigurationError(
+            f"{adapter_dir} is not a PEFT adapter directory: missing {missing}; pass the folder "
+            "that PeftModel.save_pretrained wrote"
+        )
+    files = {p.name: sha256_file(p) for p in sources}
+    digest = sha256_json(files)
+    target = frozen_root / digest.removeprefix("sha256:")
+    if not target.exists():
+        frozen_root.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".freeze-", dir=frozen_root))
+        try:
+            for source in sources:
+                shutil.copyfile(source, staging / source.name)
+            (staging / MANIFEST).write_text(json.dumps(files, indent=2, sort_keys=True))
+            for item in staging.iterdir():
+                item.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
+            try:
+                os.rename(staging, target)
+            except OSError:
+                if not target.exists():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return open_frozen(target)
+
+
+def open_frozen(path: Path) -> FrozenAdapter:
+    """A frozen adapter, after checking every file against its manifest."""
+    files: dict[str, str] = json.loads((path / MANIFEST).read_text())
+    for name, expected in files.items():
+        actual = sha256_file(path / name)
+        if actual != expected:
+            raise IntegrityError(
+                f"frozen file {path / name} has digest {actual}, manifest says {expected}; the "
+                "frozen copy is damaged: freeze the adapter again from its training output"
+            )
+    return FrozenAdapter(path=path, digest=sha256_json(files), files=files)

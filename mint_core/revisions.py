@@ -1,0 +1,145 @@
+"""Adapters, revisions and their policy records.
+
+An adapter is a named line of fine-tunes (`support-bot`); a revision is one frozen payload of
+it, numbered by its MLflow model version (`support-bot:r3`); an alias is a movable name on a
+revision (`support-bot@production`). The policy record says how a revision may be used and
+where it came from; it converts to and from JSON and MLflow tags here and nowhere else.
+"""
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import MISSING, Field, asdict, dataclass, field, fields
+from typing import Self
+
+from mint_core.errors import ConfigurationError
+
+PRODUCTION = "production"
+CANDIDATE = "candidate"
+TAG_PREFIX = "mint."
+POLICY_SCHEMA_VERSION = 1
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
+_REF = re.compile(r"^(?P<adapter>[^:@]+)(?::r(?P<revision>\d+)|@(?P<alias>[a-z0-9_-]+))?$")
+
+
+def check_adapter_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ConfigurationError(
+            f"adapter name {name!r} is not valid; use 1-64 lower-case letters, digits, '-' or "
+            "'_', starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class RevisionRef:
+    """What a caller asks for: `name` (= `name@production`), `name@alias` or `name:rN`."""
+
+    adapter: str
+    revision: int | None = None
+    alias: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Self:
+        match = _REF.match(text.strip())
+        if not match:
+            raise ConfigurationError(
+                f"adapter reference {text!r} is not valid; write 'name', 'name@alias' or "
+                "'name:rN' (e.g. 'support-bot:r3')"
+            )
+        adapter = check_adapter_name(match["adapter"])
+        if match["revision"] is not None:
+            revision = int(match["revision"])
+            if revision < 1:
+                raise ConfigurationError(f"revision r{revision} in {text!r} must be r1 or later")
+            return cls(adapter, revision=revision)
+        return cls(adapter, alias=match["alias"] or PRODUCTION)
+
+    def __str__(self) -> str:
+        if self.revision is not None:
+            return f"{self.adapter}:r{self.revision}"
+        return f"{self.adapter}@{self.alias}"
+
+
+@dataclass(frozen=True)
+class RevisionId:
+    """One exact revision: `name:rN`."""
+
+    adapter: str
+    number: int
+
+    def __str__(self) -> str:
+        return f"{self.adapter}:r{self.number}"
+
+
+@dataclass(frozen=True)
+class PolicyRecord:
+    """How a revision may be used and where it came from. Immutable once registered."""
+
+    adapter: str
+    content_digest: str
+    """sha256 over the packed artifact's canonical config and shard digests."""
+    base_model_id: str
+    base_digest: str
+    """The base model's weights digest; the serving base must match it."""
+    task: str
+    training_steps: int
+    dataset_digest: str
+    lora_rank: int
+    lora_alpha: int
+    target_modules: tuple[str, ...]
+    created_by: str
+    created_at: str
+    """ISO-8601 UTC time the revision was frozen."""
+    parent_revision: int | None = None
+    """The revision this one replaces in its adapter's line, if any."""
+    principals: tuple[str, ...] = ("*",)
+    """Who may use it; `*` is everyone."""
+    eval_metrics: Mapping[str, float] = field(default_factory=dict)
+    schema_version: int = POLICY_SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        return cls._from_dict(json.loads(text))
+
+    def to_tags(self) -> dict[str, str]:
+        """Flat `mint.*` string tags, as MLflow stores them and its UI shows them."""
+        tags = {}
+        for key, value in asdict(self).items():
+            encoded = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+            tags[TAG_PREFIX + key] = encoded
+        return tags
+
+    @classmethod
+    def from_tags(cls, tags: Mapping[str, str]) -> Self:
+        values: dict[str, object] = {}
+        for spec in fields(cls):
+            raw = tags.get(TAG_PREFIX + spec.name)
+            if raw is None:
+                continue
+            values[spec.name] = raw if spec.type is str else json.loads(raw)
+        return cls._from_dict(values)
+
+    @classmethod
+    def _from_dict(cls, values: dict[str, object]) -> Self:
+        version = values.get("schema_version", POLICY_SCHEMA_VERSION)
+        if version != POLICY_SCHEMA_VERSION:
+            raise ConfigurationError(
+                f"policy record schema version {version!r} is not supported; this MinT reads "
+                f"version {POLICY_SCHEMA_VERSION} (upgrade MinT to read newer records)"
+            )
+        missing = [f.name for f in fields(cls) if f.name not in values and _required(f)]
+        if missing:
+            raise ConfigurationError(f"policy record lacks required fields {missing}")
+        for name in ("target_modules", "principals"):
+            if name in values:
+                values[name] = tuple(values[name])  # type: ignore[arg-type]
+        return cls(**values)  # type: ignore[arg-type]
+
+
+def _required(spec: Field[object]) -> bool:
+    return spec.default is MISSING and spec.default_factory is MISSING

@@ -1,0 +1,123 @@
+"""Starting and stopping the processes MinT runs beside itself, on loopback only.
+
+Each process gets its own process group, so stopping it also stops whatever it spawned (MLflow's
+server forks a web server), and its output goes to a log file under the state dir.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from mint_core.errors import ServiceError
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind((LOOPBACK, 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ManagedProcess:
+    """A started service: its process, base URL and log file."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    url: str
+    log_path: Path
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process.poll() is not None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(wait_s)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+
+def start_process(
+    name: str,
+    argv: Sequence[str],
+    url: str,
+    health_path: str,
+    log_path: Path,
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 120.0,
+) -> ManagedProcess:
+    """Start `argv` and return once `url + health_path` answers 200; ServiceError otherwise."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            list(argv),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    service = ManagedProcess(name, process, url, log_path)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise ServiceError(
+                f"{name} exited with code {process.returncode} while starting; its log "
+                f"({log_path}) ends with:\n{service.log_tail()}"
+            )
+        try:
+            with urllib.request.urlopen(url + health_path, timeout=2) as response:
+                if response.status == 200:
+                    return service
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(0.2)
+    service.stop()
+    raise ServiceError(
+        f"{name} did not answer {url + health_path} within {timeout_s:.0f} s; its log "
+        f"({log_path}) ends with:\n{service.log_tail()}"
+    )
+
+
+def start_mlflow(home: Path, port: int | None = None) -> ManagedProcess:
+    """An MLflow tracking server on loopback: sqlite and artifacts under `home`, one worker."""
+    port = port or free_port()
+    home.mkdir(parents=True, exist_ok=True)
+    argv = [
+        sys.executable, "-m", "mlflow", "server",
+        "--host", LOOPBACK,
+        "--port", str(port),
+        "--workers", "1",
+        "--backend-store-uri", f"sqlite:///{home.absolute() / 'mlflow.db'}",
+        "--artifacts-destination", str(home.absolute() / "mlflow-artifacts"),
+    ]  # fmt: skip
+    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    return start_process(
+        "mlflow server",
+        argv,
+        f"http://{LOOPBACK}:{port}",
+        "/health",
+        home / "logs" / "mlflow.log",
+        env,
+    )

@@ -1,0 +1,104 @@
+"""Batching and greedy decoding for the tiny causal LM: training, evaluation and serving."""
+
+import contextlib
+import random
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mint_core.datasets import Example
+from mint_core.tokenizer import CharTokenizer
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """Run a block under a fixed torch and `random` seed, then restore the outer RNG state."""
+    torch_state = torch.random.get_rng_state()
+    python_state = random.getstate()
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(torch_state)
+        random.setstate(python_state)
+
+
+def batch_examples(
+    examples: Sequence[Example], tokenizer: CharTokenizer
+) -> dict[str, torch.Tensor]:
+    """Right-padded causal-LM batch; the loss covers only the answer and its end-of-sequence."""
+    rows = []
+    for example in examples:
+        prompt = tokenizer.encode(example.prompt)
+        answer = [*tokenizer.encode(example.answer, bos=False), tokenizer.eos_id]
+        rows.append((prompt + answer, [-100] * len(prompt) + answer))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((len(rows), width), tokenizer.pad_id)
+    labels = torch.full((len(rows), width), -100)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, (ids, row_labels) in enumerate(rows):
+        input_ids[row, : len(ids)] = torch.tensor(ids)
+        labels[row, : len(ids)] = torch.tensor(row_labels)
+        attention_mask[row, : len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One row's greedy continuation."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """Log-probability of each generated token under the model that produced it."""
+    finished: bool
+    """True when the model emitted end-of-sequence (rather than hitting the length limit)."""
+
+
+@torch.inference_mode()
+def greedy_generate(
+    model: nn.Module,
+    tokenizer: CharTokenizer,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    **forward_kwargs: object,
+) -> list[Generation]:
+    """Greedy-decode a batch of prompts (left-padded). Extra kwargs reach `generate`, e.g.
+    PEFT's `adapter_names` for a batch that mixes adapters row by row."""
+    encoded = [tokenizer.encode(prompt) for prompt in prompts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), tokenizer.pad_id)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    output = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **forward_kwargs,
+    )
+    new_tokens = output.sequences[:, width:]
+    step_logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in output.scores], 1)
+    results = []
+    for row in range(len(prompts)):
+        ids: list[int] = []
+        logprobs: list[float] = []
+        finished = False
+        for step, token in enumerate(new_tokens[row].tolist()):
+            ids.append(token)
+            logprobs.append(step_logprobs[row, step, token].item())
+            if token == tokenizer.eos_id:
+                finished = True
+                break
+        text = tokenizer.decode(ids)
+        results.append(Generation(text, tuple(ids), tuple(logprobs), finished))
+    return results

@@ -1,0 +1,3 @@
+from serving.server import main
+
+main()

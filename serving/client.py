@@ -1,0 +1,67 @@
+"""HTTP client for serving workers: what the release pipeline and the CLI use to admit
+revisions and read readiness."""
+
+import time
+
+import httpx
+
+from mint_core.errors import NotReadyError, ServiceError
+from mint_core.revisions import RevisionId
+from mint_core.states import Readiness
+
+
+class WorkerClient:
+    """One worker, by base URL."""
+
+    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+        self.url = url.rstrip("/")
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def _call(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+        try:
+            response = self._http.request(method, path, **kwargs)  # type: ignore[arg-type]
+        except httpx.HTTPError as e:
+            raise ServiceError(f"worker {self.url} did not answer {method} {path}: {e}") from e
+        if response.status_code >= 400 and response.status_code != 503:
+            raise ServiceError(
+                f"worker {self.url} refused {method} {path}: {response.status_code} {response.text}"
+            )
+        return response
+
+    def health(self) -> dict[str, object]:
+        return self._call("GET", "/health").json()
+
+    def admit(self, revision: RevisionId) -> Readiness:
+        body = {"adapter": revision.adapter, "revision": revision.number}
+        return Readiness(self._call("POST", "/admin/admit", json=body).json()["state"])
+
+    def readiness(self, revision: RevisionId) -> tuple[Readiness, str | None]:
+        """This worker's state for `revision`, and the reason when it failed."""
+        payload = self._call("GET", f"/v1/adapters/{revision.adapter}").json()
+        for entry in payload["revisions"]:
+            if entry["revision"] == revision.number:
+                return Readiness(entry["state"]), entry.get("reason")
+        return Readiness.NOT_ADMITTED, None
+
+    def wait_ready(self, revision: RevisionId, timeout_s: float = 300.0) -> None:
+        """Block until the worker reports `revision` ready; NotReadyError if it fails or the
+        time runs out."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state, reason = self.readiness(revision)
+            if state is Readiness.READY:
+                return
+            if state is Readiness.FAILED:
+                raise NotReadyError(f"worker {self.url} failed to prewarm {revision}: {reason}")
+            if state is Readiness.NOT_ADMITTED:
+                raise NotReadyError(
+                    f"worker {self.url} has not admitted {revision}; admit it first"
+                )
+            if time.monotonic() > deadline:
+                raise NotReadyError(
+                    f"worker {self.url} still reports {revision} {state} after {timeout_s:.0f} s"
+                )
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._http.close()

@@ -1,0 +1,66 @@
+"""Starting a worker: in this process (`serve`) or as a child process (`start_worker`)."""
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from mint_core.artifact_store import open_store
+from mint_core.base_model import load_base
+from mint_core.config import MintConfig
+from mint_core.errors import MintError
+from mint_core.registry import Registry
+from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
+from serving.app import create_app
+from serving.engine import TorchEngine
+from serving.worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+def build_worker(config: MintConfig) -> Worker:
+    engine = TorchEngine(load_base(config.base, config.home))
+    store = open_store(config.artifact_store, config.artifact_root)
+    return Worker(engine, Registry(config.tracking_uri), store)
+
+
+def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:
+    """Load the base, take in what the registry says is in production, serve until stopped."""
+    worker = build_worker(config)
+    try:
+        worker.reconcile()
+    except MintError as e:
+        log.warning("could not read the registry at start-up, serving nothing yet: %s", e)
+    uvicorn.run(create_app(worker), host=host, port=port, log_level="warning")
+
+
+def start_worker(
+    config: MintConfig, port: int | None = None, timeout_s: float = 300.0
+) -> ManagedProcess:
+    """A worker in a child process on loopback; returns once `/health` answers (base loaded)."""
+    port = port or free_port()
+    env = {
+        "MINT_HOME": str(config.home),
+        "MLFLOW_TRACKING_URI": config.tracking_uri,
+        "MINT_ARTIFACT_STORE": config.artifact_store,
+    }
+    argv = [sys.executable, "-m", "serving", "--host", LOOPBACK, "--port", str(port)]
+    return start_process(
+        "serving worker",
+        argv,
+        f"http://{LOOPBACK}:{port}",
+        "/health",
+        config.home / "logs" / f"worker-{port}.log",
+        env,
+        timeout_s,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m serving", description="Run a MinT worker.")
+    parser.add_argument("--host", default=LOOPBACK)
+    parser.add_argument("--port", type=int, default=8000)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    serve(MintConfig.from_env(), args.host, args.port)

@@ -1,0 +1,118 @@
+"""The release pipeline's steps as Prefect tasks: each a thin call into mint_core (or, for
+the fleet steps, into the workers' HTTP API)."""
+
+import uuid
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from mint_core.artifact_store import open_store
+from mint_core.base_model import BaseModelSpec, load_base
+from mint_core.config import MintConfig
+from mint_core.datasets import Task
+from mint_core.errors import NotFoundError, NotReadyError
+from mint_core.freezing import FrozenAdapter, freeze
+from mint_core.packing import PackedIndex, pack
+from mint_core.registry import Registry
+from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
+from mint_core.states import Readiness, Stage
+from mint_core.training import TrainedAdapter, TrainingConfig, train_lora
+from serving.client import WorkerClient
+
+
+@dataclass(frozen=True)
+class Exported:
+    uri: str
+    content_digest: str
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train_adapter(
+    config: MintConfig, adapter: str, task_name: str, training: TrainingConfig, base: BaseModelSpec
+) -> TrainedAdapter:
+    out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
+    return train_lora(load_base(base, config.home), Task.parse(task_name), out_dir, training)
+
+
+@task(name="freeze", cache_policy=NO_CACHE)
+def freeze_adapter(config: MintConfig, trained: TrainedAdapter) -> FrozenAdapter:
+    return freeze(trained.path, config.frozen_root)
+
+
+@task(name="pack", cache_policy=NO_CACHE)
+def pack_adapter(config: MintConfig, frozen: FrozenAdapter) -> tuple[Path, PackedIndex]:
+    out_dir = config.work_root / "packed" / frozen.digest.removeprefix("sha256:")
+    return out_dir, pack(frozen, out_dir)
+
+
+@task(name="export", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> Exported:
+    store = open_store(config.artifact_store, config.artifact_root)
+    return Exported(store.put(packed_dir, index.content_digest), index.content_digest)
+
+
+@task(name="register", cache_policy=NO_CACHE)
+def register_revision(
+    config: MintConfig, adapter: str, trained: TrainedAdapter, exported: Exported, actor: str
+) -> RevisionId:
+    registry = Registry(config.tracking_uri)
+    try:
+        parent: int | None = registry.resolve(RevisionRef(adapter, alias=PRODUCTION)).id.number
+    except NotFoundError:
+        parent = None
+    policy = PolicyRecord(
+        adapter=adapter,
+        content_digest=exported.content_digest,
+        base_model_id=trained.base_model_id,
+        base_digest=trained.base_digest,
+        task=trained.task.value,
+        training_steps=trained.config.steps,
+        dataset_digest=trained.dataset_digest,
+        lora_rank=trained.config.rank,
+        lora_alpha=trained.config.alpha,
+        target_modules=trained.config.target_modules,
+        created_by=actor,
+        created_at=datetime.now(UTC).isoformat(),
+        parent_revision=parent,
+        eval_metrics={"held_out_accuracy": trained.eval_accuracy},
+    )
+    serving_base = load_base(config.base, config.home)
+    return registry.register(policy, exported.uri, serving_base.digest).id
+
+
+@task(name="admit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def admit_revision(config: MintConfig, revision: RevisionId) -> None:
+    for url in config.worker_urls:
+        WorkerClient(url).admit(revision)
+    Registry(config.tracking_uri).set_stage(revision, Stage.ADMITTED)
+
+
+@task(name="prewarm", cache_policy=NO_CACHE)
+def prewarm_revision(config: MintConfig, revision: RevisionId, timeout_s: float = 300.0) -> None:
+    registry = Registry(config.tracking_uri)
+    registry.set_stage(revision, Stage.PREWARMING)
+    for url in config.worker_urls:
+        WorkerClient(url).wait_ready(revision, timeout_s)
+    registry.set_stage(revision, Stage.READY)
+
+
+@task(name="activate", cache_policy=NO_CACHE)
+def activate_revision(config: MintConfig, revision: RevisionId, alias: str = PRODUCTION) -> None:
+    """Move `alias` to `revision`, but only if every worker reports it ready right now."""
+    not_ready = []
+    for url in config.worker_urls:
+        state, reason = WorkerClient(url).readiness(revision)
+        if state is not Readiness.READY:
+            not_ready.append(f"{url}: {state}" + (f" ({reason})" if reason else ""))
+    if not_ready:
+        raise NotReadyError(
+            f"not moving {revision.adapter}@{alias} to {revision}: not ready on {not_ready}"
+        )
+    registry = Registry(config.tracking_uri)
+    previous = registry.move_alias(revision, alias)
+    registry.set_stage(revision, Stage.ACTIVE)
+    if alias == PRODUCTION and previous is not None and previous != revision.number:
+        registry.set_stage(RevisionId(revision.adapter, previous), Stage.RETIRED)
