@@ -1,0 +1,162 @@
+"""`mint`: the command line, the outermost layer (it may import flows and serving; nothing
+imports it). Environment variables are read here and at the other edges, never on import."""
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from mint_core.config import MintConfig
+from mint_core.errors import MintError
+
+
+def _prepare_environment(config: MintConfig) -> None:
+    """Quiet, local defaults for the libraries MinT drives; explicit settings win."""
+    defaults = {
+        "PREFECT_HOME": str(config.home / "prefect"),
+        # The ephemeral Prefect API needs more than its default 20 s on a small machine.
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "TRANSFORMERS_VERBOSITY": "error",
+    }
+    for name, value in defaults.items():
+        os.environ.setdefault(name, value)
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """Drop progress bars and deprecation chatter that the libraries print on every load."""
+    import warnings
+
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
+
+
+def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.release import release
+
+    report = release(args.adapter, args.task, steps=args.steps, rank=args.rank, seed=args.seed)
+    print(f"released {report.revision} (held-out accuracy {report.eval_accuracy:.0%})")
+    print(format_stage_times(report.stage_seconds))
+
+
+def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
+    from serving.server import serve
+
+    serve(config, args.host, args.port)
+
+
+def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.services import start_mlflow
+
+    server = start_mlflow(config.home, args.port)
+    print(f"MLflow server and UI at {server.url} (state in {config.home}); Ctrl-C stops it")
+    try:
+        server.process.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
+    print(format_table(status_rows(config)))
+
+
+def status_rows(config: MintConfig) -> list[list[str]]:
+    """One row per revision: adapter, revision, aliases, stage, readiness on each worker."""
+    from mint_core.registry import Registry
+    from serving.client import WorkerClient
+
+    registry = Registry(config.tracking_uri)
+    workers = [WorkerClient(url) for url in config.worker_urls]
+    rows = [["adapter", "revision", "aliases", "stage", "readiness"]]
+    for adapter in registry.adapters():
+        for revision in registry.revisions(adapter):
+            states = []
+            for worker in workers:
+                try:
+                    state, _ = worker.readiness(revision.id)
+                    states.append(state.value)
+                except MintError:
+                    states.append("unreachable")
+            rows.append(
+                [
+                    adapter,
+                    f"r{revision.id.number}",
+                    ",".join(revision.aliases) or "-",
+                    revision.stage.value,
+                    " ".join(states),
+                ]
+            )
+    return rows
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
+    )
+
+
+def format_stage_times(seconds: dict[str, float]) -> str:
+    return "  ".join(f"{stage} {s:.2f}s" for stage, s in seconds.items())
+
+
+def cmd_demo(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_demo import run_demo
+
+    run_demo(config, steps=args.steps)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mint", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    release = commands.add_parser(
+        "release", help="train and release the next revision of an adapter"
+    )
+    release.add_argument("--adapter", required=True, help="adapter name, e.g. support-bot")
+    release.add_argument("--task", required=True, help="synthetic task: upper, reverse or echo")
+    release.add_argument("--steps", type=int, default=200, help="training steps")
+    release.add_argument("--rank", type=int, default=8, help="LoRA rank")
+    release.add_argument("--seed", type=int, default=0)
+    release.set_defaults(run=cmd_release)
+
+    serve = commands.add_parser("serve", help="run a serving worker in the foreground")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.set_defaults(run=cmd_serve)
+
+    registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
+    registry.add_argument("--port", type=int, default=5000)
+    registry.set_defaults(run=cmd_registry)
+
+    status = commands.add_parser("status", help="every revision with aliases, stage, readiness")
+    status.set_defaults(run=cmd_status)
+
+    demo = commands.add_parser("demo", help="start everything, release two adapters, compare")
+    demo.add_argument("--steps", type=int, default=200, help="training steps per adapter")
+    demo.set_defaults(run=cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = MintConfig.from_env()
+        _prepare_environment(config)
+        args.run(args, config)
+    except MintError as e:
+        print(f"mint {args.command}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

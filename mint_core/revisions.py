@@ -39,6 +39,16 @@ class RevisionRef:
     adapter: str
     revision: int | None = None
     alias: str | None = None
+    """Set when `revision` is not; defaults to `production`."""
+
+    def __post_init__(self) -> None:
+        if self.revision is not None and self.alias is not None:
+            raise ConfigurationError(
+                f"{self.adapter}: name a revision (r{self.revision}) or an alias "
+                f"({self.alias}), not both"
+            )
+        if self.revision is None and self.alias is None:
+            object.__setattr__(self, "alias", PRODUCTION)
 
     @classmethod
     def parse(cls, text: str) -> Self:

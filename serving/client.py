@@ -63,5 +63,18 @@ class WorkerClient:
                 )
             time.sleep(0.1)
 
+    def generate(
+        self, prompt: str, adapter_id: str | None = None, max_new_tokens: int = 20
+    ) -> tuple[str, str]:
+        """TGI `/generate`: the generated text and the revision that served it."""
+        body = {
+            "inputs": prompt,
+            "parameters": {"adapter_id": adapter_id, "max_new_tokens": max_new_tokens},
+        }
+        response = self._call("POST", "/generate", json=body)
+        if response.status_code == 503:
+            raise NotReadyError(f"worker {self.url}: {response.json()['error']}")
+        return response.json()["generated_text"], response.headers["X-Mint-Revision"]
+
     def close(self) -> None:
         self._http.close()

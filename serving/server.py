@@ -5,6 +5,7 @@ import logging
 import sys
 
 import uvicorn
+from transformers.utils import logging as transformers_logging
 
 from mint_core.artifact_store import open_store
 from mint_core.base_model import load_base
@@ -63,4 +64,5 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    transformers_logging.disable_progress_bar()
     serve(MintConfig.from_env(), args.host, args.port)

@@ -1,0 +1,224 @@
+"""The release pipeline end to end: a real Prefect flow, a real `mlflow server`, a real worker
+process, answers checked over HTTP."""
+
+from datetime import datetime
+
+import httpx
+import pytest
+from mlflow.tracking import MlflowClient
+
+from flows.release import release
+from mint_core.base_model import BaseModelSpec
+from mint_core.config import MintConfig
+from mint_core.datasets import Task, held_out_words, prompt_for
+from mint_core.errors import BaseMismatchError, NotFoundError, NotReadyError
+from mint_core.registry import ACTIVATED_AT_TAG, Registry
+from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
+from mint_core.services import ManagedProcess
+from mint_core.states import Readiness, Stage
+from mint_core.training import TrainingConfig
+from serving.client import WorkerClient
+from tasks.pipeline import (
+    activate_revision,
+    admit_revision,
+    export_adapter,
+    freeze_adapter,
+    pack_adapter,
+    prewarm_revision,
+    register_revision,
+    train_adapter,
+)
+
+pytestmark = pytest.mark.slow
+
+WORDS = held_out_words()
+
+
+def exact_rate(client: WorkerClient, adapter_id: str | None, task: Task) -> float:
+    hits = sum(client.generate(prompt_for(w), adapter_id)[0] == task.answer(w) for w in WORDS)
+    return hits / len(WORDS)
+
+
+def details(worker: ManagedProcess, adapter_id: str, prompt: str) -> tuple[str, list[float]]:
+    """The revision that answered and the log-probability of each generated token."""
+    body = {"inputs": prompt, "parameters": {"adapter_id": adapter_id, "details": True}}
+    response = httpx.post(worker.url + "/generate", json=body)
+    response.raise_for_status()
+    tokens = response.json()["details"]["tokens"]
+    return response.headers["X-Mint-Revision"], [t["logprob"] for t in tokens]
+
+
+@pytest.fixture(scope="module")
+def released(worker: ManagedProcess) -> dict[str, str]:
+    """Two adapters on two tasks, released through the flow."""
+    return {
+        "upper-bot": release("upper-bot", "upper").revision,
+        "reverse-bot": release("reverse-bot", "reverse").revision,
+    }
+
+
+def test_each_adapter_answers_its_task_and_the_base_does_not(
+    released: dict[str, str], client: WorkerClient
+) -> None:
+    assert released == {"upper-bot": "upper-bot:r1", "reverse-bot": "reverse-bot:r1"}
+    assert exact_rate(client, "upper-bot", Task.UPPER) >= 0.8
+    assert exact_rate(client, "reverse-bot@production", Task.REVERSE) >= 0.8
+    # Neither adapter leaks into the other's task, and the base only echoes.
+    assert exact_rate(client, "upper-bot:r1", Task.REVERSE) <= 0.05
+    assert exact_rate(client, None, Task.UPPER) == 0
+    assert exact_rate(client, None, Task.REVERSE) <= 0.05
+    assert exact_rate(client, None, Task.ECHO) >= 0.8
+
+
+def test_release_records_policy_and_stages_in_mlflow(
+    released: dict[str, str], fleet_config: MintConfig, base: object
+) -> None:
+    registry = Registry(fleet_config.tracking_uri)
+    (revision,) = registry.revisions("upper-bot")
+    assert revision.aliases == ("production",)
+    assert revision.stage is Stage.ACTIVE
+    assert revision.policy.task == "upper"
+    assert revision.policy.base_digest == base.digest  # type: ignore[attr-defined]
+    assert revision.policy.eval_metrics["held_out_accuracy"] >= 0.8
+    run_id = MlflowClient(fleet_config.tracking_uri).get_model_version("upper-bot", "1").run_id
+    policy_json = MlflowClient(fleet_config.tracking_uri).download_artifacts(run_id, "policy.json")
+    with open(policy_json) as stream:
+        assert PolicyRecord.from_json(stream.read()) == revision.policy
+
+
+def test_second_release_moves_production_only_after_the_worker_is_ready(
+    worker: ManagedProcess, fleet_config: MintConfig, client: WorkerClient
+) -> None:
+    assert release("line-bot", "upper", steps=40, seed=1).revision == "line-bot:r1"
+    before = details(worker, "line-bot:r1", "hello=")
+
+    assert release("line-bot", "upper", steps=40, seed=2).revision == "line-bot:r2"
+
+    assert details(worker, "line-bot", "hello=")[0] == "line-bot:r2"
+    # r1 still answers, with exactly the weights it had, and they differ from r2's.
+    assert details(worker, "line-bot:r1", "hello=") == before
+    assert details(worker, "line-bot:r2", "hello=")[1] != before[1]
+
+    registry = Registry(fleet_config.tracking_uri)
+    r1, r2 = registry.revisions("line-bot")
+    assert (r1.stage, r1.aliases, r2.stage, r2.aliases) == (
+        Stage.RETIRED, (), Stage.ACTIVE, ("production",)
+    )  # fmt: skip
+    assert r2.policy.parent_revision == 1
+    ready_at = next(
+        e["since"]
+        for e in httpx.get(worker.url + "/v1/adapters/line-bot").json()["revisions"]
+        if e["revision"] == 2 and e["state"] == "ready"
+    )
+    activated_at = datetime.fromisoformat(r2.tags[ACTIVATED_AT_TAG]).timestamp()
+    assert ready_at <= activated_at
+
+
+def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
+    worker: ManagedProcess, fleet_config: MintConfig, base: object
+) -> None:
+    """Register a revision by running the steps one by one, then try to activate it early."""
+    config = fleet_config
+    trained = train_adapter.fn(config, "gate-bot", "reverse", TrainingConfig(steps=5), config.base)
+    frozen = freeze_adapter.fn(config, trained)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    exported = export_adapter.fn(config, packed_dir, index)
+    revision = register_revision.fn(config, "gate-bot", trained, exported, "test")
+    assert revision == RevisionId("gate-bot", 1)
+
+    # Registered is addressable but not served: the gate answers at once, naming the state.
+    response = httpx.post(
+        worker.url + "/generate",
+        json={"inputs": "abc=", "parameters": {"adapter_id": "gate-bot:r1"}},
+    )
+    assert response.status_code == 503
+    assert response.headers["Retry-After"]
+    assert response.json() | {"id": "gate-bot:r1", "state": "not_admitted"} == response.json()
+
+    with pytest.raises(NotReadyError, match="not_admitted"):
+        activate_revision.fn(config, revision)
+    registry = Registry(config.tracking_uri)
+    assert registry.get(revision).aliases == ()
+    with pytest.raises(NotFoundError, match="gate-bot@production does not exist"):
+        registry.resolve(RevisionRef("gate-bot"))
+
+    admit_revision.fn(config, revision)
+    prewarm_revision.fn(config, revision)
+    assert WorkerClient(worker.url).readiness(revision)[0] is Readiness.READY
+    activate_revision.fn(config, revision)
+    assert registry.resolve(RevisionRef("gate-bot")).id == revision
+
+
+def test_adapter_trained_on_another_base_is_refused_at_register(
+    worker: ManagedProcess, fleet_config: MintConfig, base: object
+) -> None:
+    other = BaseModelSpec(seed=7, pretrain_steps=0)
+    with pytest.raises(BaseMismatchError) as refused:
+        release("alien-bot", "upper", steps=2, base=other)
+    message = str(refused.value)
+    assert base.digest in message  # type: ignore[attr-defined]
+    assert "alien-bot" in message
+    assert message.count("sha256:") == 2
+    mlflow = MlflowClient(fleet_config.tracking_uri)
+    assert mlflow.search_registered_models("name = 'alien-bot'") == []
+    assert mlflow.search_model_versions("name = 'alien-bot'") == []
+
+
+def test_bad_requests_get_clear_errors(worker: ManagedProcess, released: dict[str, str]) -> None:
+    url = worker.url
+    unknown = httpx.post(
+        url + "/generate", json={"inputs": "abc=", "parameters": {"adapter_id": "no-such-bot"}}
+    )
+    assert unknown.status_code == 404
+    assert "no-such-bot" in unknown.json()["error"]
+    assert (
+        httpx.post(
+            url + "/v1/completions", json={"model": "no-such-bot", "prompt": "a="}
+        ).status_code
+        == 404
+    )
+    assert (
+        httpx.post(
+            url + "/generate",
+            json={"inputs": "abc=", "parameters": {"adapter_id": "upper-bot:r99"}},
+        ).status_code
+        == 404
+    )
+    assert httpx.get(url + "/v1/adapters/no-such-bot").status_code == 404
+
+    assert httpx.post(url + "/generate", json={"parameters": {}}).status_code == 422
+    assert (
+        httpx.post(
+            url + "/generate", content=b"{not json", headers={"content-type": "application/json"}
+        ).status_code
+        == 422
+    )
+    assert (
+        httpx.post(
+            url + "/generate", json={"inputs": "a=", "parameters": {"max_new_tokens": 0}}
+        ).status_code
+        == 422
+    )
+    bad_ref = httpx.post(
+        url + "/generate", json={"inputs": "a=", "parameters": {"adapter_id": "Bad Name"}}
+    )
+    assert bad_ref.status_code == 422
+    assert "Bad Name" in bad_ref.json()["error"]
+    non_ascii = httpx.post(url + "/generate", json={"inputs": "héllo="})
+    assert non_ascii.status_code == 422
+    assert "'é'" in non_ascii.json()["error"]
+
+
+def test_openai_routes(worker: ManagedProcess, released: dict[str, str], base: object) -> None:
+    url = worker.url
+    completion = httpx.post(
+        url + "/v1/completions", json={"model": "upper-bot@production", "prompt": ["abc=", "xyz="]}
+    ).json()
+    assert [c["text"] for c in completion["choices"]] == ["ABC", "XYZ"]
+    assert completion["model"] == "upper-bot:r1"
+    assert completion["choices"][0]["finish_reason"] == "stop"
+    models = {m["id"]: m for m in httpx.get(url + "/v1/models").json()["data"]}
+    assert base.model_id in models  # type: ignore[attr-defined]
+    assert models["upper-bot:r1"]["parent"] == base.model_id  # type: ignore[attr-defined]
+    health = httpx.get(url + "/health").json()
+    assert health == {"status": "ok", "base_model": base.model_id, "base_digest": base.digest}  # type: ignore[attr-defined]

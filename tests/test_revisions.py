@@ -1,0 +1,94 @@
+import itertools
+
+import pytest
+
+from mint_core.errors import ConfigurationError, TransitionError
+from mint_core.revisions import PolicyRecord, RevisionRef
+from mint_core.states import Readiness, Stage, transition
+
+
+@pytest.mark.parametrize(
+    ("text", "adapter", "revision", "alias", "spelled"),
+    [
+        ("support-bot", "support-bot", None, "production", "support-bot@production"),
+        ("support-bot@candidate", "support-bot", None, "candidate", "support-bot@candidate"),
+        ("support-bot:r3", "support-bot", 3, None, "support-bot:r3"),
+        (" a_1:r12 ", "a_1", 12, None, "a_1:r12"),
+    ],
+)
+def test_revision_refs_parse(
+    text: str, adapter: str, revision: int | None, alias: str | None, spelled: str
+) -> None:
+    ref = RevisionRef.parse(text)
+    assert (ref.adapter, ref.revision, ref.alias) == (adapter, revision, alias)
+    assert str(ref) == spelled
+
+
+@pytest.mark.parametrize("text", ["", "Support", "bot:3", "bot:r0", "bot@", "bot:r1@x", "a/b"])
+def test_bad_revision_refs_name_the_value(text: str) -> None:
+    with pytest.raises(ConfigurationError, match=r"not valid|r1 or later"):
+        RevisionRef.parse(text)
+
+
+def _policy(**changes: object) -> PolicyRecord:
+    values: dict[str, object] = {
+        "adapter": "support-bot",
+        "content_digest": "sha256:" + "a" * 64,
+        "base_model_id": "mint-tiny-llama-x",
+        "base_digest": "sha256:" + "b" * 64,
+        "task": "upper",
+        "training_steps": 200,
+        "dataset_digest": "sha256:" + "c" * 64,
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "target_modules": ("q_proj", "v_proj"),
+        "created_by": "alice",
+        "created_at": "2026-11-29T00:00:00+00:00",
+        "parent_revision": 2,
+        "principals": ("team-a", "team-b"),
+        "eval_metrics": {"held_out_accuracy": 0.97},
+    }
+    values.update(changes)
+    return PolicyRecord(**values)  # type: ignore[arg-type]
+
+
+def test_policy_record_round_trips_through_json_and_tags() -> None:
+    policy = _policy()
+    assert PolicyRecord.from_json(policy.to_json()) == policy
+    tags = policy.to_tags()
+    assert all(isinstance(v, str) for v in tags.values())
+    assert tags["mint.adapter"] == "support-bot"
+    assert PolicyRecord.from_tags(tags) == policy
+    assert PolicyRecord.from_tags(_policy(parent_revision=None).to_tags()).parent_revision is None
+
+
+def test_unknown_policy_schema_version_is_refused() -> None:
+    tags = _policy().to_tags()
+    tags["mint.schema_version"] = "7"
+    with pytest.raises(ConfigurationError, match="schema version 7"):
+        PolicyRecord.from_tags(tags)
+
+
+def test_policy_record_missing_fields_are_named() -> None:
+    tags = _policy().to_tags()
+    del tags["mint.base_digest"]
+    with pytest.raises(ConfigurationError, match="base_digest"):
+        PolicyRecord.from_tags(tags)
+
+
+def test_stage_table_allows_the_pipeline_and_refuses_skips() -> None:
+    stages = list(Stage)
+    pipeline = stages[: stages.index(Stage.ACTIVE) + 1]
+    for current, target in itertools.pairwise(pipeline):
+        assert transition(current, target) is target
+    with pytest.raises(TransitionError, match="from registered to active"):
+        transition(Stage.REGISTERED, Stage.ACTIVE)
+    with pytest.raises(TransitionError, match="from active to failed"):
+        transition(Stage.ACTIVE, Stage.FAILED)
+
+
+def test_readiness_table() -> None:
+    assert transition(Readiness.NOT_ADMITTED, Readiness.QUEUED) is Readiness.QUEUED
+    assert transition(Readiness.FAILED, Readiness.QUEUED) is Readiness.QUEUED
+    with pytest.raises(TransitionError, match="from queued to ready"):
+        transition(Readiness.QUEUED, Readiness.READY)
