@@ -29,11 +29,13 @@ def _prepare_environment(config: MintConfig) -> None:
 
 def quiet_libraries() -> None:
     """Drop progress bars and deprecation chatter that the libraries print on every load."""
+    import logging
     import warnings
 
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 

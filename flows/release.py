@@ -4,6 +4,7 @@ Registering makes a revision addressable (`name:rN`) but no user reaches it thro
 `name@production` until every worker reports it ready and `activate` moves the alias.
 """
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from prefect import flow
 from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
+from mint_core.errors import MintError
 from mint_core.registry import Registry
 from mint_core.revisions import check_adapter_name
 from mint_core.training import TrainingConfig
@@ -77,6 +79,8 @@ def release(
         timed("prewarm", prewarm_revision, config, revision)
         timed("activate", activate_revision, config, revision)
     except Exception as e:
-        Registry(config.tracking_uri).mark_failed(revision, f"{type(e).__name__}: {e}")
+        # Record the failure on the revision, but never let recording it hide the cause.
+        with contextlib.suppress(MintError):
+            Registry(config.tracking_uri).mark_failed(revision, f"{type(e).__name__}: {e}")
         raise
     return ReleaseReport(str(revision), trained.eval_accuracy, seconds)

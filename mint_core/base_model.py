@@ -101,17 +101,26 @@ class BaseModel:
         return self.spec.model_id
 
 
-def load_base(spec: BaseModelSpec, home: Path) -> BaseModel:
-    """The base model for `spec`, from the cache under `home`, built and pretrained if missing."""
+def _cached(spec: BaseModelSpec, home: Path) -> Path:
+    """The cache folder of `spec` under `home`, built and pretrained first if missing."""
     folder = home / "base" / spec.key
     if not (folder / _WEIGHTS_FILE).exists():
         _build_into(spec, folder)
+    return folder
+
+
+def base_digest(spec: BaseModelSpec, home: Path) -> str:
+    """The digest adapters trained on `spec` must carry, without loading the model."""
+    return sha256_file(_cached(spec, home) / _WEIGHTS_FILE)
+
+
+def load_base(spec: BaseModelSpec, home: Path) -> BaseModel:
+    """The base model for `spec`, from the cache under `home`, built and pretrained if missing."""
+    folder = _cached(spec, home)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
     model.requires_grad_(False)
-    return BaseModel(
-        spec=spec, model=model, digest=sha256_file(folder / _WEIGHTS_FILE), path=folder
-    )
+    return BaseModel(spec=spec, model=model, digest=base_digest(spec, home), path=folder)
 
 
 def _build_into(spec: BaseModelSpec, folder: Path) -> None:

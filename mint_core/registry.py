@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from mlflow.entities.model_registry import ModelVersion
+from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -171,7 +171,7 @@ class Registry:
         ]
         return sorted(revisions, key=lambda r: r.id.number)
 
-    def _registered_model(self, adapter: str):
+    def _registered_model(self, adapter: str) -> RegisteredModel | None:
         try:
             return self._client.get_registered_model(adapter)
         except MlflowException as e:

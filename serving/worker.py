@@ -54,8 +54,6 @@ class Worker:
         self.engine = engine
         self.registry = registry
         self.store = store
-        self.events: list[ReadinessEntry] = []
-        """Every readiness change in order: the worker's event log."""
         self._table: dict[RevisionId, ReadinessEntry] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[RevisionId] = queue.Queue()
@@ -122,7 +120,6 @@ class Worker:
         transition(current.state if current else Readiness.NOT_ADMITTED, state)
         entry = ReadinessEntry(revision, state, since=time.time(), reason=reason)
         self._table[revision] = entry
-        self.events.append(entry)
         return entry
 
     def _prewarm_loop(self) -> None:

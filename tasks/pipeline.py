@@ -10,7 +10,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mint_core.artifact_store import open_store
-from mint_core.base_model import BaseModelSpec, load_base
+from mint_core.base_model import BaseModelSpec, base_digest, load_base
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
 from mint_core.errors import NotFoundError, NotReadyError
@@ -79,8 +79,7 @@ def register_revision(
         parent_revision=parent,
         eval_metrics={"held_out_accuracy": trained.eval_accuracy},
     )
-    serving_base = load_base(config.base, config.home)
-    return registry.register(policy, exported.uri, serving_base.digest).id
+    return registry.register(policy, exported.uri, base_digest(config.base, config.home)).id
 
 
 @task(name="admit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
