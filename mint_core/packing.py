@@ -1,26 +1,70 @@
-"""Pack: the adapter's tensors in safetensors shards plus an index, the layout workers load.
+"""Pack: an adapter's many small tensors, stacked and packed into a few large shards.
 
-Format `mint-packed` v1 (kept deliberately simple here): shards of bounded size holding the
-PEFT tensors under their PEFT keys, and `index.json` with the PEFT adapter config, which shard
-holds each tensor, each shard's sha256 and size, and the revision's content digest (sha256 over
-the canonical config and the shard digests). Loading verifies every shard before using it.
+A LoRA of a mixture-of-experts model has one A and one B tensor per layer x expert x
+projection: tens of thousands of small tensors that load slowly one file or one key at a time.
+Packing stacks each layer's per-expert tensors of one projection into a single `[experts, ...]`
+tensor, writes the stacks into safetensors shards of bounded size in the order the loader reads
+them, and records an index. Loading then reads a few large files sequentially, straight into
+one buffer per shard, and hands out the stacked tensors as views: no per-tensor file opens, no
+per-expert re-split. The format is specified in docs/packed-format.md.
 """
 
 import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from mint_core.digests import sha256_file, sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError
-from mint_core.freezing import PEFT_WEIGHTS, FrozenAdapter
+from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, FrozenAdapter
 
 FORMAT = "mint-packed"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 INDEX = "index.json"
-DEFAULT_SHARD_BYTES = 64 << 20
+DEFAULT_SHARD_BYTES = 32 << 20
+
+_LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
+_PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)$")
+_EXPERT_SLOT = "{expert}"
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as it lies in a shard: a PEFT tensor, or a stack of per-expert ones."""
+
+    shard: str
+    key: str
+    """The PEFT key; for a stack, a template with `{expert}` where the expert number goes."""
+    experts: tuple[int, ...] | None = None
+    """For a stack: the expert number at each position of dimension 0."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    name: str
+    bytes: int
+    sha256: str
+    """Identity of the bytes; checked by `verify` (on fetch, export, unpack)."""
+    xxh3: str
+    """A fast checksum (xxh3-128) checked on every `load`, at memory speed."""
 
 
 @dataclass(frozen=True)
@@ -28,89 +72,362 @@ class PackedIndex:
     """The parsed `index.json` of a packed adapter."""
 
     adapter_config: dict[str, object]
-    tensors: dict[str, str]
-    """PEFT key -> shard file name."""
-    shards: dict[str, str]
-    """Shard file name -> sha256 digest."""
+    tensors: dict[str, StoredTensor]
+    """Stored name -> where it lies and which PEFT keys it holds, in reading order."""
+    shards: tuple[Shard, ...]
     content_digest: str
+
+    def peft_keys(self) -> dict[str, tuple[str, int | None]]:
+        """Every original PEFT key -> (stored tensor name, expert position or None)."""
+        keys: dict[str, tuple[str, int | None]] = {}
+        for name, stored in self.tensors.items():
+            if stored.experts is None:
+                keys[stored.key] = (name, None)
+            else:
+                for position, expert in enumerate(stored.experts):
+                    keys[stored.key.replace(_EXPERT_SLOT, str(expert))] = (name, position)
+        return keys
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "adapter_config": self.adapter_config,
+                "tensors": {
+                    name: {"shard": t.shard, "key": t.key, "experts": _encode_experts(t.experts)}
+                    for name, t in self.tensors.items()
+                },
+                "shards": [vars(shard) for shard in self.shards],
+                "content_digest": self.content_digest,
+            },
+            indent=1,
+        )
 
     @classmethod
     def read(cls, folder: Path) -> "PackedIndex":
         path = folder / INDEX
         if not path.is_file():
-            raise IntegrityError(f"packed adapter {folder} has no {INDEX}; export it again")
-        raw = json.loads(path.read_text())
+            raise IntegrityError(f"packed adapter {folder} has no {INDEX}; pack or export it again")
+        raw = orjson.loads(path.read_bytes())
         if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
             raise ConfigurationError(
                 f"{path} is format {raw.get('format')!r} v{raw.get('format_version')!r}; this "
-                f"MinT reads {FORMAT!r} v{FORMAT_VERSION}"
+                f"MinT reads {FORMAT!r} v{FORMAT_VERSION}: pack the adapter again"
             )
-        return cls(raw["adapter_config"], raw["tensors"], raw["shards"], raw["content_digest"])
+        tensors = {
+            name: StoredTensor(t["shard"], t["key"], _decode_experts(t["experts"]))
+            for name, t in raw["tensors"].items()
+        }
+        shards = tuple(Shard(**shard) for shard in raw["shards"])
+        return cls(raw["adapter_config"], tensors, shards, raw["content_digest"])
 
 
-def content_digest(adapter_config: dict[str, object], shard_digests: dict[str, str]) -> str:
-    return sha256_json({"config": adapter_config, "shards": shard_digests})
+def _encode_experts(experts: tuple[int, ...] | None) -> object:
+    """A contiguous run of experts (the usual case) as {first, count}, keeping the index small."""
+    if experts and experts == tuple(range(experts[0], experts[0] + len(experts))):
+        return {"first": experts[0], "count": len(experts)}
+    return list(experts) if experts is not None else None
+
+
+def _decode_experts(raw: object) -> tuple[int, ...] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, dict):
+        return tuple(range(raw["first"], raw["first"] + raw["count"]))
+    return tuple(raw)  # type: ignore[arg-type]
+
+
+def content_digest(
+    adapter_config: Mapping[str, object],
+    tensors: Mapping[str, StoredTensor],
+    shards: Iterable[Shard],
+) -> str:
+    """sha256 over the canonical config, the key layout and every shard's sha256."""
+    layout = {name: [t.shard, t.key, t.experts] for name, t in tensors.items()}
+    return sha256_json(
+        {"config": adapter_config, "layout": layout, "shards": [s.sha256 for s in shards]}
+    )
+
+
+# ---------------------------------------------------------------------------- input layouts
+
+
+def read_adapter(folder: Path) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """An adapter's config and tensors from PEFT's layout (`adapter_model.safetensors`, per-expert
+    or fused experts) or from a directory of one safetensors file per tensor."""
+    config_path = folder / PEFT_CONFIG
+    if not config_path.is_file():
+        raise ConfigurationError(f"{folder} has no {PEFT_CONFIG}; pass a PEFT adapter folder")
+    config = json.loads(config_path.read_text())
+    if (folder / PEFT_WEIGHTS).is_file():
+        tensors = load_file(folder / PEFT_WEIGHTS)
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ConfigurationError(
+                f"{folder} has neither {PEFT_WEIGHTS} nor per-tensor .safetensors files"
+            )
+        tensors = {}
+        for path in files:
+            tensors.update(load_file(path))
+    check_keys(tensors)
+    return config, tensors
+
+
+def check_keys(keys: Iterable[str]) -> None:
+    """Refuse any key that is not a LoRA A or B weight, naming it."""
+    for key in keys:
+        if not _LORA_KEY.match(key):
+            raise ConfigurationError(
+                f"unexpected tensor {key!r}: a packable adapter holds only LoRA weights named "
+                "'<module>.lora_A.weight' or '<module>.lora_B.weight' (PEFT's layout)"
+            )
+
+
+# ---------------------------------------------------------------------------- packing
+
+
+def _natural(text: str) -> list[object]:
+    """Sort key that orders `layers.10` after `layers.9`: the order a loader walks the model."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+
+
+def _stack_plan(
+    tensors: Mapping[str, torch.Tensor],
+) -> dict[str, tuple[str, list[tuple[int, str]]]]:
+    """Stored name -> (key or key template, [(expert, PEFT key)]); experts stack only when all
+    members share shape and dtype."""
+    groups: dict[str, list[tuple[int, str]]] = {}
+    templates: dict[str, str] = {}
+    for key in tensors:
+        lora = _LORA_KEY.match(key)
+        expert = _PER_EXPERT.match(lora["module"]) if lora else None
+        if expert is None:
+            groups[key] = [(-1, key)]
+            templates[key] = key
+            continue
+        stored = f"{expert['experts']}.{expert['projection']}.lora_{lora['ab']}.stacked"  # type: ignore[index]
+        groups.setdefault(stored, []).append((int(expert["expert"]), key))
+        templates[stored] = key.replace(
+            f".experts.{expert['expert']}.", f".experts.{_EXPERT_SLOT}."
+        )
+    plan: dict[str, tuple[str, list[tuple[int, str]]]] = {}
+    for stored, members in groups.items():
+        members.sort()
+        first = tensors[members[0][1]]
+        uniform = all(
+            tensors[k].shape == first.shape and tensors[k].dtype == first.dtype for _, k in members
+        )
+        if members[0][0] >= 0 and uniform:
+            plan[stored] = (templates[stored], members)
+        else:
+            for _, key in members:
+                plan[key] = (key, [(-1, key)])
+    return plan
+
+
+def pack_tensors(
+    adapter_config: dict[str, object],
+    tensors: Mapping[str, torch.Tensor],
+    out_dir: Path,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> PackedIndex:
+    """Stack, shard and index `tensors` (PEFT keys) into `out_dir`."""
+    if shard_bytes <= 0:
+        raise ConfigurationError(f"shard_bytes={shard_bytes} must be > 0")
+    check_keys(tensors)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan = _stack_plan(tensors)
+    stored_tensors: dict[str, StoredTensor] = {}
+    shards: list[Shard] = []
+    group: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal group, size
+        name = f"shard-{len(shards):05d}.safetensors"
+        path = out_dir / name
+        save_file(group, path)
+        data = path.read_bytes()
+        shards.append(Shard(name, len(data), sha256_file(path), xxhash.xxh3_128_hexdigest(data)))
+        group, size = {}, 0
+
+    for stored in sorted(plan, key=_natural):
+        key, members = plan[stored]
+        if members[0][0] < 0:
+            tensor = tensors[key].contiguous()
+            experts = None
+        else:
+            tensor = torch.stack([tensors[k] for _, k in members])
+            experts = tuple(expert for expert, _ in members)
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and size + nbytes > shard_bytes:
+            flush()
+        group[stored] = tensor
+        size += nbytes
+        stored_tensors[stored] = StoredTensor(f"shard-{len(shards):05d}.safetensors", key, experts)
+    if group or not shards:
+        flush()
+    index = PackedIndex(
+        adapter_config,
+        stored_tensors,
+        tuple(shards),
+        content_digest(adapter_config, stored_tensors, shards),
+    )
+    (out_dir / INDEX).write_text(index.to_json())
+    return index
 
 
 def pack(
     frozen: FrozenAdapter, out_dir: Path, shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> PackedIndex:
-    """Write `frozen`'s tensors as shards of at most `shard_bytes` (one tensor may exceed it)."""
-    if shard_bytes <= 0:
-        raise ConfigurationError(f"shard_bytes={shard_bytes} must be > 0")
-    tensors = load_file(frozen.path / PEFT_WEIGHTS)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    groups: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append({})
-            size = 0
-        groups[-1][key] = tensors[key]
-        size += nbytes
-    placement: dict[str, str] = {}
-    shard_digests: dict[str, str] = {}
-    for number, group in enumerate(groups):
-        name = f"shard-{number:05d}.safetensors"
-        save_file(group, out_dir / name)
-        shard_digests[name] = sha256_file(out_dir / name)
-        placement.update(dict.fromkeys(group, name))
-    config = frozen.adapter_config
-    index = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "adapter_config": config,
-        "tensors": placement,
-        "shards": shard_digests,
-        "content_digest": content_digest(config, shard_digests),
-    }
-    (out_dir / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True))
-    return PackedIndex.read(out_dir)
+    """Pack a frozen PEFT adapter."""
+    config, tensors = read_adapter(frozen.path)
+    return pack_tensors(config, tensors, out_dir, shard_bytes)
+
+
+# ---------------------------------------------------------------------------- reading
 
 
 def verify(folder: Path) -> PackedIndex:
-    """The index, once every shard exists and matches its digest; IntegrityError otherwise."""
+    """The index, once every shard exists with its size and sha256; IntegrityError naming the
+    shard otherwise. Cryptographic: for the trust boundary (export, fetch), not every load."""
     index = PackedIndex.read(folder)
-    for name, expected in index.shards.items():
-        path = folder / name
-        if not path.is_file():
-            raise IntegrityError(f"shard {name} of {folder} is missing (expected {expected})")
+    for shard in index.shards:
+        path = _checked_path(folder, shard)
         actual = sha256_file(path)
-        if actual != expected:
+        if actual != shard.sha256:
             raise IntegrityError(
-                f"shard {name} of {folder} has digest {actual}, index says {expected}; the "
-                "artifact is corrupt: re-export the revision"
+                f"shard {shard.name} of {folder} has sha256 {actual}, the index says "
+                f"{shard.sha256}: the artifact is corrupt; export the revision again"
             )
-    if content_digest(index.adapter_config, index.shards) != index.content_digest:
+    if content_digest(index.adapter_config, index.tensors, index.shards) != index.content_digest:
         raise IntegrityError(f"index of {folder} does not match its content digest")
     return index
 
 
-def load(folder: Path) -> tuple[PackedIndex, dict[str, torch.Tensor]]:
-    """Verified index and every tensor under its PEFT key."""
-    index = verify(folder)
+def _checked_path(folder: Path, shard: Shard) -> Path:
+    path = folder / shard.name
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise IntegrityError(f"shard {shard.name} of {folder} is missing") from None
+    if size != shard.bytes:
+        raise IntegrityError(
+            f"shard {shard.name} of {folder} is {size} bytes, the index says {shard.bytes}: "
+            "it is truncated or overwritten; export the revision again"
+        )
+    return path
+
+
+@dataclass(frozen=True)
+class PackedAdapter:
+    """A loaded packed adapter: stored tensors (stacks included) as views into shard buffers."""
+
+    index: PackedIndex
+    tensors: dict[str, torch.Tensor]
+
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every PEFT key -> its tensor, as views of the stacks (no copies)."""
+        return {
+            key: self.tensors[stored] if position is None else self.tensors[stored][position]
+            for key, (stored, position) in self.index.peft_keys().items()
+        }
+
+
+_READ_CHUNK = 1 << 22
+
+
+def read_into(path: Path, buffer: torch.Tensor, hasher: "xxhash.xxh3_128 | None" = None) -> None:
+    """Fill `buffer` (uint8, sized to the file) with the file's bytes in one sequential pass,
+    feeding each chunk to `hasher` while it is still in the CPU cache."""
+    view = memoryview(buffer.numpy()).cast("B")
+    chunk = len(view) if hasher is None else _READ_CHUNK
+    with open(path, "rb", buffering=0) as stream:
+        filled = 0
+        while filled < len(view):
+            count = stream.readinto(view[filled : filled + chunk])
+            if not count:
+                raise IntegrityError(f"{path} ended after {filled} of {len(view)} bytes")
+            if hasher is not None:
+                hasher.update(view[filled : filled + count])
+            filled += count
+
+
+def _load_shard(folder: Path, shard: Shard, pin_memory: bool) -> dict[str, torch.Tensor]:
+    path = _checked_path(folder, shard)
+    # Pinned host memory (with CUDA) lets the copy into a device slot run asynchronously.
+    buffer = torch.empty(shard.bytes, dtype=torch.uint8, pin_memory=pin_memory)
+    hasher = xxhash.xxh3_128()
+    read_into(path, buffer, hasher)
+    if hasher.hexdigest() != shard.xxh3:
+        raise IntegrityError(
+            f"shard {shard.name} of {folder} does not match its checksum (xxh3 {shard.xxh3}): "
+            "the artifact is corrupt; export the revision again"
+        )
+    data = buffer.numpy()
+    header_len = int.from_bytes(data[:8].tobytes(), "little")
+    header = orjson.loads(data[8 : 8 + header_len].tobytes())
+    header.pop("__metadata__", None)
+    return _views(buffer, 8 + header_len, header)
+
+
+def _views(buffer: torch.Tensor, start: int, header: dict[str, dict]) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors header as a view into `buffer`, whose data area begins at
+    `start`: one typed view of the data area per dtype, then one strided window per tensor
+    (safetensors aligns every tensor to its dtype, so offsets divide evenly)."""
+    typed: dict[str, torch.Tensor] = {}
+    tensors = {}
+    for name, meta in header.items():
+        dtype = _DTYPES[meta["dtype"]]
+        if meta["dtype"] not in typed:
+            usable = (buffer.numel() - start) // dtype.itemsize * dtype.itemsize
+            typed[meta["dtype"]] = buffer[start : start + usable].view(dtype)
+        window = typed[meta["dtype"]]
+        shape = meta["shape"]
+        strides = [1] * len(shape)
+        for axis in range(len(shape) - 2, -1, -1):
+            strides[axis] = strides[axis + 1] * shape[axis + 1]
+        offset = window.storage_offset() + meta["data_offsets"][0] // dtype.itemsize
+        tensors[name] = window.as_strided(shape, strides, offset)
+    return tensors
+
+
+def load(
+    folder: Path, *, threads: int | None = None, pin_memory: bool | None = None
+) -> PackedAdapter:
+    """Read a packed adapter into memory, ready for the engine.
+
+    Each shard is read whole into one buffer (pinned when CUDA is present, so the copy to a
+    device slot is asynchronous), checked against its fast checksum, and cut into views; shards
+    are read in parallel. Any missing, truncated or altered shard raises IntegrityError naming
+    it, and nothing partial is returned."""
+    index = PackedIndex.read(folder)
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    workers = max(1, min(len(index.shards), threads or os.cpu_count() or 1))
+    if workers == 1:
+        parts = [_load_shard(folder, shard, pin) for shard in index.shards]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            parts = list(pool.map(lambda s: _load_shard(folder, s, pin), index.shards))
     tensors: dict[str, torch.Tensor] = {}
-    for name in index.shards:
-        tensors.update(load_file(folder / name))
-    return index, tensors
+    for part in parts:
+        tensors.update(part)
+    missing = sorted(set(index.tensors) - set(tensors))
+    if missing:
+        raise IntegrityError(f"packed adapter {folder} lacks stored tensors {missing[:3]}")
+    return PackedAdapter(index, tensors)
+
+
+def unpack(folder: Path, out_dir: Path) -> Path:
+    """Restore the exact PEFT layout: same keys, bit-identical tensors, same adapter config."""
+    verify(folder)
+    adapter = load(folder)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {key: tensor.contiguous() for key, tensor in adapter.peft_state_dict().items()}
+    save_file(tensors, out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
+    (out_dir / PEFT_CONFIG).write_text(
+        json.dumps(adapter.index.adapter_config, indent=2, sort_keys=True)
+    )
+    return out_dir

@@ -148,11 +148,12 @@ class Worker:
                 f"{revision} was trained on base {registered.policy.base_digest}; this worker "
                 f"serves {self.engine.base.digest}"
             )
-        index, tensors = load_packed(self.store.fetch(registered.artifact_uri))
+        adapter = load_packed(self.store.fetch(registered.artifact_uri))
+        index = adapter.index
         if index.content_digest != registered.policy.content_digest:
             raise IntegrityError(
                 f"artifact of {revision} has content digest {index.content_digest}, the policy "
                 f"record says {registered.policy.content_digest}"
             )
-        self.engine.load(str(revision), index.adapter_config, tensors)
+        self.engine.load(str(revision), index.adapter_config, adapter.peft_state_dict())
         self.engine.warm_up(str(revision))

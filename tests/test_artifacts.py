@@ -54,8 +54,9 @@ def test_pack_then_load_is_bit_identical(
     frozen = freeze(trained.path, tmp_path / "frozen")
     index = pack(frozen, tmp_path / "packed", shard_bytes=shard_bytes)
     original = load_file(trained.path / PEFT_WEIGHTS)
-    loaded_index, tensors = load(tmp_path / "packed")
-    assert loaded_index == index
+    loaded = load(tmp_path / "packed")
+    tensors = loaded.peft_state_dict()
+    assert loaded.index == index
     assert index.adapter_config == frozen.adapter_config
     assert tensors.keys() == original.keys()
     for key, tensor in original.items():
@@ -73,7 +74,7 @@ def test_damaged_shard_fails_verify_naming_it(
     trained: TrainedAdapter, tmp_path: Path, damage: str
 ) -> None:
     index = pack(freeze(trained.path, tmp_path / "frozen"), tmp_path / "packed", shard_bytes=4096)
-    shard = sorted(index.shards)[1]
+    shard = index.shards[1].name
     path = tmp_path / "packed" / shard
     if damage == "truncate":
         path.write_bytes(path.read_bytes()[:-10])
@@ -98,7 +99,7 @@ def test_store_is_content_addressed_and_keeps_good_copies(
     assert store.put(tmp_path / "packed", index.content_digest) == uri
 
     # A corrupt source never replaces the good copy, and never lands in an empty store.
-    shard = next(iter(index.shards))
+    shard = index.shards[0].name
     (tmp_path / "packed" / shard).write_bytes(b"garbage")
     assert store.put(tmp_path / "packed", index.content_digest) == uri
     assert verify(store.fetch(uri)) == index

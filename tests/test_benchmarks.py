@@ -1,0 +1,24 @@
+"""The benchmarks run and write their results (smoke runs at a small scale: no timing is
+asserted here; figures come from full runs, see bench/)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_packing_benchmark_writes_its_ratios(tmp_path: Path) -> None:
+    out = tmp_path / "packing.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "packing.py"), "--scale", "0.05", "--runs", "1",
+         "--out", str(out), "--workdir", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    for key in ("files_over_packed_warm", "files_over_packed_cold", "peft_over_packed_warm",
+                "packed_over_raw_warm"):  # fmt: skip
+        assert result[key] > 0
+    assert result["tensors"] == result["shape"]["layers"] * (result["shape"]["experts"] * 6 + 8)
