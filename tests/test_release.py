@@ -8,6 +8,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from flows.release import release
+from mint_cli import format_table, status_rows
 from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task, held_out_words, prompt_for
@@ -222,3 +223,14 @@ def test_openai_routes(worker: ManagedProcess, released: dict[str, str], base: o
     assert models["upper-bot:r1"]["parent"] == base.model_id  # type: ignore[attr-defined]
     health = httpx.get(url + "/health").json()
     assert health == {"status": "ok", "base_model": base.model_id, "base_digest": base.digest}  # type: ignore[attr-defined]
+
+
+def test_status_table_shows_aliases_stage_and_readiness(
+    released: dict[str, str], fleet_config: MintConfig
+) -> None:
+    rows = status_rows(fleet_config)
+    assert rows[0] == ["adapter", "revision", "aliases", "stage", "readiness"]
+    assert ["upper-bot", "r1", "production", "active", "ready"] in rows
+    assert ["reverse-bot", "r1", "production", "active", "ready"] in rows
+    table = format_table(rows)
+    assert table.splitlines()[0].split() == rows[0]
