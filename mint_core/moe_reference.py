@@ -2,6 +2,7 @@
 the packing benchmark. The reference shape is a Qwen3-30B-A3B-like model: a rank-1 bf16 LoRA on
 q/k/v/o and on every expert's gate/up/down projection is 37,248 tensors, about 110 MB."""
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -44,16 +45,10 @@ class MoeLoraShape:
 
     def scaled(self, factor: float) -> "MoeLoraShape":
         """A smaller case with the same structure (layers and experts scaled by `factor`)."""
-        return MoeLoraShape(
+        return dataclasses.replace(
+            self,
             layers=max(1, round(self.layers * factor)),
             experts=max(2, round(self.experts * factor)),
-            hidden=self.hidden,
-            expert_intermediate=self.expert_intermediate,
-            query_heads=self.query_heads,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            rank=self.rank,
-            dtype=self.dtype,
         )
 
 

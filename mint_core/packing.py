@@ -9,6 +9,7 @@ one buffer per shard, and hands out the stacked tensors as views: no per-tensor 
 per-expert re-split. The format is specified in docs/packed-format.md.
 """
 
+import hashlib
 import json
 import os
 import re
@@ -250,7 +251,8 @@ def pack_tensors(
         path = out_dir / name
         save_file(group, path)
         data = path.read_bytes()
-        shards.append(Shard(name, len(data), sha256_file(path), xxhash.xxh3_128_hexdigest(data)))
+        sha256 = "sha256:" + hashlib.sha256(data).hexdigest()
+        shards.append(Shard(name, len(data), sha256, xxhash.xxh3_128_hexdigest(data)))
         group, size = {}, 0
 
     for stored in sorted(plan, key=_natural):
