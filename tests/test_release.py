@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 
 from flows.release import release
 from mint_cli import format_table, status_rows
+from mint_core.artifact_store import LocalArtifactStore
 from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task, held_out_words, prompt_for
@@ -234,3 +235,31 @@ def test_status_table_shows_aliases_stage_and_readiness(
     assert ["reverse-bot", "r1", "production", "active", "ready"] in rows
     table = format_table(rows)
     assert table.splitlines()[0].split() == rows[0]
+
+
+def test_corrupt_artifact_fails_prewarm_and_the_worker_keeps_serving(
+    worker: ManagedProcess, fleet_config: MintConfig, released: dict[str, str], client: WorkerClient
+) -> None:
+    config = fleet_config
+    trained = train_adapter.fn(config, "broken-bot", "upper", TrainingConfig(steps=3), config.base)
+    packed_dir, index = pack_adapter.fn(config, freeze_adapter.fn(config, trained))
+    exported = export_adapter.fn(config, packed_dir, index)
+    revision = register_revision.fn(config, "broken-bot", trained, exported, "test")
+    shard = LocalArtifactStore(config.artifact_root).fetch(exported.uri) / index.shards[0].name
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+    admit_revision.fn(config, revision)
+    with pytest.raises(NotReadyError, match=index.shards[0].name):
+        prewarm_revision.fn(config, revision)
+    state, reason = client.readiness(revision)
+    assert state is Readiness.FAILED
+    assert index.shards[0].name in str(reason)
+    gated = httpx.post(
+        worker.url + "/generate",
+        json={"inputs": "abc=", "parameters": {"adapter_id": "broken-bot:r1"}},
+    )
+    assert (gated.status_code, gated.json()["state"]) == (503, "failed")
+    # What the worker had keeps serving.
+    assert client.generate("abc=", "upper-bot") == ("ABC", "upper-bot:r1")
