@@ -13,6 +13,7 @@ written to bench/results/packing.json.
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -153,8 +154,6 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
-    import shutil
-
     shutil.rmtree(workdir, ignore_errors=True)
 
 

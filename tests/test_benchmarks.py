@@ -22,3 +22,16 @@ def test_packing_benchmark_writes_its_ratios(tmp_path: Path) -> None:
                 "packed_over_raw_warm"):  # fmt: skip
         assert result[key] > 0
     assert result["tensors"] == result["shape"]["layers"] * (result["shape"]["experts"] * 6 + 8)
+
+
+def test_register_benchmark_writes_its_percentiles(tmp_path: Path) -> None:
+    out = tmp_path / "register.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "register.py"), "--revisions", "4", "--adapters",
+         "2", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["revisions"] == 4
+    assert 0 < result["register_p50_s"] <= result["register_p95_s"]
