@@ -2,6 +2,7 @@
 imports it). Environment variables are read here and at the other edges, never on import."""
 
 import argparse
+import getpass
 import os
 import sys
 from collections.abc import Sequence
@@ -45,6 +46,32 @@ def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     report = release(args.adapter, args.task, steps=args.steps, rank=args.rank, seed=args.seed)
     print(f"released {report.revision} (held-out accuracy {report.eval_accuracy:.0%})")
     print(format_stage_times(report.stage_seconds))
+
+
+def cmd_promote(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.promote import promote
+
+    served = promote(args.adapter, args.revision, actor=args.actor, reason=args.reason)
+    print(f"{args.adapter}@production is now {served}")
+
+
+def cmd_rollback(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.promote import rollback
+
+    served = rollback(args.adapter, args.to_revision, actor=args.actor, reason=args.reason)
+    print(f"{args.adapter}@production is now {served}")
+
+
+def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.registry import Registry
+
+    rows = [["time", "alias", "from", "to", "actor", "reason"]]
+    for move in Registry(config.tracking_uri).alias_history(args.adapter):
+        before = f"r{move.from_revision}" if move.from_revision is not None else "-"
+        rows.append(
+            [move.at, move.alias, before, f"r{move.to_revision}", move.actor, move.reason or "-"]
+        )
+    print(format_table(rows))
 
 
 def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
@@ -117,7 +144,10 @@ def cmd_demo(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mint", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="mint",
+        description="Release, serve and govern LoRA adapter revisions over one resident base.",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     release = commands.add_parser(
@@ -129,6 +159,26 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("--rank", type=int, default=8, help="LoRA rank")
     release.add_argument("--seed", type=int, default=0)
     release.set_defaults(run=cmd_release)
+
+    promote = commands.add_parser("promote", help="serve an existing revision as production")
+    promote.add_argument("--adapter", required=True)
+    promote.add_argument("--revision", type=int, required=True, help="N of rN")
+    promote.add_argument("--actor", default=getpass.getuser())
+    promote.add_argument("--reason", default="promote")
+    promote.set_defaults(run=cmd_promote)
+
+    rollback = commands.add_parser("rollback", help="return production to its previous revision")
+    rollback.add_argument("--adapter", required=True)
+    rollback.add_argument(
+        "--to-revision", type=int, default=None, help="N of rN (default: previous)"
+    )
+    rollback.add_argument("--actor", default=getpass.getuser())
+    rollback.add_argument("--reason", default="rollback")
+    rollback.set_defaults(run=cmd_rollback)
+
+    history = commands.add_parser("history", help="every alias move of an adapter")
+    history.add_argument("adapter")
+    history.set_defaults(run=cmd_history)
 
     serve = commands.add_parser("serve", help="run a serving worker in the foreground")
     serve.add_argument("--host", default="127.0.0.1")

@@ -73,11 +73,13 @@ def release(
     frozen = timed("freeze", freeze_adapter, config, trained)
     packed_dir, index = timed("pack", pack_adapter, config, frozen)
     exported = timed("export", export_adapter, config, packed_dir, index)
-    revision = timed("register", register_revision, config, adapter, trained, exported, actor)
+    revision = timed(
+        "register", register_revision, config, adapter, trained, frozen, exported, actor
+    )
     try:
         timed("admit", admit_revision, config, revision)
         timed("prewarm", prewarm_revision, config, revision)
-        timed("activate", activate_revision, config, revision)
+        timed("activate", activate_revision, config, revision, actor=actor, reason="release")
     except Exception as e:
         # Record the failure on the revision, but never let recording it hide the cause.
         with contextlib.suppress(MintError):

@@ -5,8 +5,9 @@ Registered model = adapter, model version = revision (`rN` is the version number
 weights stay in the artifact store and the version's `source` points at them.
 """
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 from mlflow.entities.model_registry import ModelVersion, RegisteredModel
@@ -14,16 +15,31 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from mint_core.errors import BaseMismatchError, NotFoundError, RegistryError
-from mint_core.revisions import TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
+from mint_core.revisions import PRODUCTION, TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage, transition
 
 STAGE_TAG = TAG_PREFIX + "stage"
 KIND_TAG = TAG_PREFIX + "kind"
 ACTIVATED_AT_TAG = TAG_PREFIX + "activated_at"
+STAGE_HISTORY_TAG = TAG_PREFIX + "stage_history"
+ALIAS_HISTORY_TAG = TAG_PREFIX + "alias_history"
 FAILURE_TAG = TAG_PREFIX + "failure_reason"
 _ADAPTER_KIND = "adapter"
 _EXPERIMENT = "mint-releases"
 _POLICY_ARTIFACT = "policy.json"
+
+
+@dataclass(frozen=True)
+class AliasMove:
+    """One move of an alias, as `mint history` lists it."""
+
+    at: str
+    """ISO-8601 UTC time of the move."""
+    alias: str
+    from_revision: int | None
+    to_revision: int
+    actor: str
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -120,36 +136,76 @@ class Registry:
     def get(self, revision: RevisionId) -> RegisteredRevision:
         return self.resolve(RevisionRef(revision.adapter, revision=revision.number))
 
-    def set_stage(self, revision: RevisionId, stage: Stage) -> None:
-        """Move a revision's recorded stage, refusing moves the stage table forbids."""
-        current = self.get(revision).stage
-        transition(current, stage)
+    def set_stage(
+        self, revision: RevisionId, stage: Stage, actor: str = "mint", reason: str = ""
+    ) -> None:
+        """Move a revision's recorded stage, refusing moves the stage table forbids, and append
+        the move to the revision's stage history (shown by the MLflow UI as a tag)."""
+        registered = self.get(revision)
+        transition(registered.stage, stage)
+        history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
+        history.append(
+            {"at": _now(), "from": registered.stage.value, "to": stage.value, "actor": actor,
+             "reason": reason}
+        )  # fmt: skip
+        version = str(revision.number)
+        self._client.set_model_version_tag(revision.adapter, version, STAGE_TAG, stage.value)
         self._client.set_model_version_tag(
-            revision.adapter, str(revision.number), STAGE_TAG, stage.value
+            revision.adapter, version, STAGE_HISTORY_TAG, json.dumps(history)
         )
 
-    def mark_failed(self, revision: RevisionId, reason: str) -> None:
+    def stage_history(self, revision: RevisionId) -> list[dict[str, str]]:
+        return json.loads(self.get(revision).tags.get(STAGE_HISTORY_TAG, "[]"))
+
+    def mark_failed(self, revision: RevisionId, reason: str, actor: str = "mint") -> None:
         """Record that a pipeline step failed for `revision`, and why."""
-        self.set_stage(revision, Stage.FAILED)
+        self.set_stage(revision, Stage.FAILED, actor, reason[:4000])
         self._client.set_model_version_tag(
             revision.adapter, str(revision.number), FAILURE_TAG, reason[:4000]
         )
 
-    def move_alias(self, revision: RevisionId, alias: str) -> int | None:
-        """Point `adapter@alias` at `revision`; return the revision it pointed at before."""
+    def move_alias(
+        self, revision: RevisionId, alias: str, actor: str = "mint", reason: str = ""
+    ) -> int | None:
+        """Point `adapter@alias` at `revision`, record the move in the adapter's alias history,
+        and return the revision the alias pointed at before."""
         try:
             previous = self._client.get_model_version_by_alias(revision.adapter, alias)
             previous_number: int | None = int(previous.version)
         except MlflowException:
             previous_number = None
         self._client.set_registered_model_alias(revision.adapter, alias, str(revision.number))
+        now = _now()
         self._client.set_model_version_tag(
-            revision.adapter,
-            str(revision.number),
-            ACTIVATED_AT_TAG,
-            datetime.now(UTC).isoformat(),
+            revision.adapter, str(revision.number), ACTIVATED_AT_TAG, now
+        )
+        moves = [asdict(move) for move in self.alias_history(revision.adapter)]
+        moves.append(asdict(AliasMove(now, alias, previous_number, revision.number, actor, reason)))
+        self._client.set_registered_model_tag(
+            revision.adapter, ALIAS_HISTORY_TAG, json.dumps(moves)
         )
         return previous_number
+
+    def alias_history(self, adapter: str) -> list[AliasMove]:
+        """Every alias move of `adapter`, oldest first."""
+        model = self._registered_model(adapter)
+        if model is None:
+            raise NotFoundError(f"adapter {adapter!r} is not registered")
+        return [AliasMove(**move) for move in json.loads(model.tags.get(ALIAS_HISTORY_TAG, "[]"))]
+
+    def previous(self, adapter: str, alias: str = PRODUCTION) -> RevisionId:
+        """The revision `alias` pointed at before its current one: what a rollback returns to."""
+        current = self.resolve(RevisionRef(adapter, alias=alias)).id.number
+        for move in reversed(self.alias_history(adapter)):
+            if move.alias != alias or move.to_revision != current:
+                continue
+            if move.from_revision is not None and move.from_revision != current:
+                return RevisionId(adapter, move.from_revision)
+            break
+        raise NotFoundError(
+            f"{adapter}@{alias} has no earlier revision to roll back to; name one with "
+            "--to-revision"
+        )
 
     def adapters(self) -> list[str]:
         models = self._client.search_registered_models(
@@ -189,3 +245,7 @@ class Registry:
             aliases=aliases,
             tags=tags,
         )
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()

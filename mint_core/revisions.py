@@ -104,6 +104,8 @@ class PolicyRecord:
     """ISO-8601 UTC time the revision was frozen."""
     parent_revision: int | None = None
     """The revision this one replaces in its adapter's line, if any."""
+    frozen_digest: str | None = None
+    """Digest of the frozen PEFT files: what the artifact is re-exported from if it is lost."""
     principals: tuple[str, ...] = ("*",)
     """Who may use it; `*` is everyone."""
     eval_metrics: Mapping[str, float] = field(default_factory=dict)
@@ -118,11 +120,14 @@ class PolicyRecord:
 
     def to_tags(self) -> dict[str, str]:
         """Flat `mint.*` string tags, as MLflow stores them and its UI shows them."""
-        tags = {}
-        for key, value in asdict(self).items():
-            encoded = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-            tags[TAG_PREFIX + key] = encoded
-        return tags
+        # Plain strings stay readable in the MLflow UI; everything else is JSON.
+        values = asdict(self)
+        return {
+            TAG_PREFIX + spec.name: values[spec.name]
+            if spec.type is str
+            else json.dumps(values[spec.name], sort_keys=True)
+            for spec in fields(self)
+        }
 
     @classmethod
     def from_tags(cls, tags: Mapping[str, str]) -> Self:

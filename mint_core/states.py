@@ -47,7 +47,8 @@ _STAGE_MOVES: Mapping[Stage, frozenset[Stage]] = {
     Stage.REGISTERED: frozenset({Stage.ADMITTED, Stage.FAILED}),
     Stage.ADMITTED: frozenset({Stage.PREWARMING, Stage.FAILED}),
     Stage.PREWARMING: frozenset({Stage.READY, Stage.FAILED}),
-    Stage.READY: frozenset({Stage.ACTIVE, Stage.FAILED}),
+    # A ready revision that was not activated can be promoted later.
+    Stage.READY: frozenset({Stage.ACTIVE, Stage.ADMITTED, Stage.FAILED}),
     Stage.ACTIVE: frozenset({Stage.RETIRED}),
     # A retired or failed revision can be promoted again (rollback, retry).
     Stage.RETIRED: frozenset({Stage.ADMITTED}),

@@ -13,9 +13,9 @@ from mint_core.artifact_store import open_store
 from mint_core.base_model import BaseModelSpec, base_digest, load_base
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
-from mint_core.errors import NotFoundError, NotReadyError
-from mint_core.freezing import FrozenAdapter, freeze
-from mint_core.packing import PackedIndex, pack
+from mint_core.errors import IntegrityError, NotFoundError, NotReadyError
+from mint_core.freezing import FrozenAdapter, freeze, open_frozen
+from mint_core.packing import PackedIndex, pack, verify
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
@@ -56,7 +56,12 @@ def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> 
 
 @task(name="register", cache_policy=NO_CACHE)
 def register_revision(
-    config: MintConfig, adapter: str, trained: TrainedAdapter, exported: Exported, actor: str
+    config: MintConfig,
+    adapter: str,
+    trained: TrainedAdapter,
+    frozen: FrozenAdapter,
+    exported: Exported,
+    actor: str,
 ) -> RevisionId:
     registry = Registry(config.tracking_uri)
     try:
@@ -77,6 +82,7 @@ def register_revision(
         created_by=actor,
         created_at=datetime.now(UTC).isoformat(),
         parent_revision=parent,
+        frozen_digest=frozen.digest,
         eval_metrics={"held_out_accuracy": trained.eval_accuracy},
     )
     return registry.register(policy, exported.uri, base_digest(config.base, config.home)).id
@@ -99,19 +105,54 @@ def prewarm_revision(config: MintConfig, revision: RevisionId, timeout_s: float 
 
 
 @task(name="activate", cache_policy=NO_CACHE)
-def activate_revision(config: MintConfig, revision: RevisionId, alias: str = PRODUCTION) -> None:
+def activate_revision(
+    config: MintConfig,
+    revision: RevisionId,
+    alias: str = PRODUCTION,
+    actor: str = "mint",
+    reason: str = "release",
+) -> None:
     """Move `alias` to `revision`, but only if every worker reports it ready right now."""
     not_ready = []
     for url in config.worker_urls:
-        state, reason = WorkerClient(url).readiness(revision)
+        state, why = WorkerClient(url).readiness(revision)
         if state is not Readiness.READY:
-            not_ready.append(f"{url}: {state}" + (f" ({reason})" if reason else ""))
+            not_ready.append(f"{url}: {state}" + (f" ({why})" if why else ""))
     if not_ready:
         raise NotReadyError(
             f"not moving {revision.adapter}@{alias} to {revision}: not ready on {not_ready}"
         )
     registry = Registry(config.tracking_uri)
-    previous = registry.move_alias(revision, alias)
-    registry.set_stage(revision, Stage.ACTIVE)
+    previous = registry.move_alias(revision, alias, actor, reason)
+    registry.set_stage(revision, Stage.ACTIVE, actor, reason)
     if alias == PRODUCTION and previous is not None and previous != revision.number:
-        registry.set_stage(RevisionId(revision.adapter, previous), Stage.RETIRED)
+        registry.set_stage(RevisionId(revision.adapter, previous), Stage.RETIRED, actor, reason)
+
+
+@task(name="ensure-exported", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def ensure_exported(config: MintConfig, revision: RevisionId) -> str:
+    """The revision's artifact, verified in the store; re-exported from its frozen files if it
+    is missing or damaged there. Never retrains: with the frozen files gone it fails clearly."""
+    registered = Registry(config.tracking_uri).get(revision)
+    store = open_store(config.artifact_store, config.artifact_root)
+    try:
+        verify(store.fetch(registered.artifact_uri))
+        return registered.artifact_uri
+    except (NotFoundError, IntegrityError) as e:
+        lost = e
+    frozen_digest = registered.policy.frozen_digest
+    frozen_path = config.frozen_root / (frozen_digest or "").removeprefix("sha256:")
+    if not frozen_digest or not frozen_path.is_dir():
+        raise NotFoundError(
+            f"{revision} cannot be served again: its artifact is unusable ({lost}) and its "
+            f"frozen files ({frozen_digest}) are gone from {config.frozen_root}; release a new "
+            "revision instead"
+        ) from lost
+    frozen = open_frozen(frozen_path)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    if index.content_digest != registered.policy.content_digest:
+        raise IntegrityError(
+            f"re-packing {revision} from {frozen_path} gave content {index.content_digest}, "
+            f"the policy record says {registered.policy.content_digest}"
+        )
+    return store.put(packed_dir, index.content_digest)

@@ -125,7 +125,7 @@ def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
     frozen = freeze_adapter.fn(config, trained)
     packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)
-    revision = register_revision.fn(config, "gate-bot", trained, exported, "test")
+    revision = register_revision.fn(config, "gate-bot", trained, frozen, exported, "test")
     assert revision == RevisionId("gate-bot", 1)
 
     # Registered is addressable but not served: the gate answers at once, naming the state.
@@ -242,9 +242,10 @@ def test_corrupt_artifact_fails_prewarm_and_the_worker_keeps_serving(
 ) -> None:
     config = fleet_config
     trained = train_adapter.fn(config, "broken-bot", "upper", TrainingConfig(steps=3), config.base)
-    packed_dir, index = pack_adapter.fn(config, freeze_adapter.fn(config, trained))
+    frozen = freeze_adapter.fn(config, trained)
+    packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)
-    revision = register_revision.fn(config, "broken-bot", trained, exported, "test")
+    revision = register_revision.fn(config, "broken-bot", trained, frozen, exported, "test")
     shard = LocalArtifactStore(config.artifact_root).fetch(exported.uri) / index.shards[0].name
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF

@@ -45,6 +45,7 @@ def _policy(**changes: object) -> PolicyRecord:
         "created_by": "alice",
         "created_at": "2026-11-29T00:00:00+00:00",
         "parent_revision": 2,
+        "frozen_digest": "sha256:" + "d" * 64,
         "principals": ("team-a", "team-b"),
         "eval_metrics": {"held_out_accuracy": 0.97},
     }
@@ -60,6 +61,7 @@ def test_policy_record_round_trips_through_json_and_tags() -> None:
     assert tags["mint.adapter"] == "support-bot"
     assert PolicyRecord.from_tags(tags) == policy
     assert PolicyRecord.from_tags(_policy(parent_revision=None).to_tags()).parent_revision is None
+    assert PolicyRecord.from_tags(_policy(frozen_digest=None).to_tags()).frozen_digest is None
 
 
 def test_unknown_policy_schema_version_is_refused() -> None:
