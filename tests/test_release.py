@@ -14,6 +14,7 @@ from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task, held_out_words, prompt_for
 from mint_core.errors import BaseMismatchError, NotFoundError, NotReadyError
+from mint_core.packing import PackedIndex
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
@@ -21,6 +22,7 @@ from mint_core.states import Readiness, Stage
 from mint_core.training import TrainingConfig
 from serving.client import WorkerClient
 from tasks.pipeline import (
+    Exported,
     activate_revision,
     admit_revision,
     export_adapter,
@@ -48,6 +50,17 @@ def details(worker: ManagedProcess, adapter_id: str, prompt: str) -> tuple[str, 
     response.raise_for_status()
     tokens = response.json()["details"]["tokens"]
     return response.headers["X-Mint-Revision"], [t["logprob"] for t in tokens]
+
+
+def register_step_by_step(
+    config: MintConfig, adapter: str, task: str
+) -> tuple[RevisionId, Exported, PackedIndex]:
+    """Train (briefly) through register by calling the pipeline's tasks one at a time."""
+    trained = train_adapter.fn(config, adapter, task, TrainingConfig(steps=5), config.base)
+    frozen = freeze_adapter.fn(config, trained)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    exported = export_adapter.fn(config, packed_dir, index)
+    return register_revision.fn(config, adapter, trained, frozen, exported, "test"), exported, index
 
 
 @pytest.fixture(scope="module")
@@ -121,11 +134,7 @@ def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
 ) -> None:
     """Register a revision by running the steps one by one, then try to activate it early."""
     config = fleet_config
-    trained = train_adapter.fn(config, "gate-bot", "reverse", TrainingConfig(steps=5), config.base)
-    frozen = freeze_adapter.fn(config, trained)
-    packed_dir, index = pack_adapter.fn(config, frozen)
-    exported = export_adapter.fn(config, packed_dir, index)
-    revision = register_revision.fn(config, "gate-bot", trained, frozen, exported, "test")
+    revision, _, _ = register_step_by_step(config, "gate-bot", "reverse")
     assert revision == RevisionId("gate-bot", 1)
 
     # Registered is addressable but not served: the gate answers at once, naming the state.
@@ -241,11 +250,7 @@ def test_corrupt_artifact_fails_prewarm_and_the_worker_keeps_serving(
     worker: ManagedProcess, fleet_config: MintConfig, released: dict[str, str], client: WorkerClient
 ) -> None:
     config = fleet_config
-    trained = train_adapter.fn(config, "broken-bot", "upper", TrainingConfig(steps=3), config.base)
-    frozen = freeze_adapter.fn(config, trained)
-    packed_dir, index = pack_adapter.fn(config, frozen)
-    exported = export_adapter.fn(config, packed_dir, index)
-    revision = register_revision.fn(config, "broken-bot", trained, frozen, exported, "test")
+    revision, exported, index = register_step_by_step(config, "broken-bot", "upper")
     shard = LocalArtifactStore(config.artifact_root).fetch(exported.uri) / index.shards[0].name
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
