@@ -43,7 +43,15 @@ def quiet_libraries() -> None:
 def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import release
 
-    report = release(args.adapter, args.task, steps=args.steps, rank=args.rank, seed=args.seed)
+    report = release(
+        args.adapter,
+        args.task,
+        steps=args.steps,
+        rank=args.rank,
+        seed=args.seed,
+        actor=args.actor,
+        principals=args.principal or None,
+    )
     print(f"released {report.revision} (held-out accuracy {report.eval_accuracy:.0%})")
     print(format_stage_times(report.stage_seconds))
 
@@ -158,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument("--steps", type=int, default=200, help="training steps")
     release.add_argument("--rank", type=int, default=8, help="LoRA rank")
     release.add_argument("--seed", type=int, default=0)
+    release.add_argument("--actor", default=getpass.getuser(), help="who releases (recorded)")
+    release.add_argument(
+        "--principal", action="append", help="who may use it (repeat; default everyone)"
+    )
     release.set_defaults(run=cmd_release)
 
     promote = commands.add_parser("promote", help="serve an existing revision as production")

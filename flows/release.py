@@ -12,6 +12,7 @@ from typing import ParamSpec, TypeVar
 
 from prefect import flow
 
+from mint_core.access import EVERYONE
 from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
@@ -52,11 +53,12 @@ def release(
     seed: int = 0,
     base: BaseModelSpec | None = None,
     actor: str = "mint",
+    principals: list[str] | None = None,
 ) -> ReleaseReport:
     """Train a LoRA for `task` and release it as the next revision of `adapter`.
 
     `base` is the base model to train on; it defaults to the serving base (the register step
-    refuses anything else)."""
+    refuses anything else). `principals` may use the revision; default everyone."""
     config = MintConfig.from_env()
     check_adapter_name(adapter)
     Task.parse(task)
@@ -74,7 +76,15 @@ def release(
     packed_dir, index = timed("pack", pack_adapter, config, frozen)
     exported = timed("export", export_adapter, config, packed_dir, index)
     revision = timed(
-        "register", register_revision, config, adapter, trained, frozen, exported, actor
+        "register",
+        register_revision,
+        config,
+        adapter,
+        trained,
+        frozen,
+        exported,
+        actor,
+        tuple(principals) if principals else (EVERYONE,),
     )
     try:
         timed("admit", admit_revision, config, revision)

@@ -1,11 +1,13 @@
 """MinT's typed configuration, read from the environment only at the edges (CLI, flow entry
 points, server start) through `MintConfig.from_env`."""
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mint_core.access import parse_api_keys
 from mint_core.base_model import BaseModelSpec
 from mint_core.errors import ConfigurationError
 
@@ -28,6 +30,9 @@ class MintConfig:
     """Name of the artifact store (`MINT_ARTIFACT_STORE`)."""
     base: BaseModelSpec = field(default_factory=BaseModelSpec)
     """The resident base model every adapter is trained on and served over."""
+    api_keys: Mapping[str, str] = field(default_factory=dict)
+    """Worker API keys -> principals (`MINT_API_KEYS` as `key=principal,...`, or
+    `MINT_API_KEYS_FILE`, a JSON object). Never hard-coded."""
 
     def __post_init__(self) -> None:
         if not self.worker_urls:
@@ -58,4 +63,17 @@ class MintConfig:
             tracking_uri=env.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI),
             worker_urls=tuple(url.strip().rstrip("/") for url in workers.split(",") if url.strip()),
             artifact_store=env.get("MINT_ARTIFACT_STORE", "local"),
+            api_keys=_api_keys(env),
         )
+
+
+def _api_keys(env: Mapping[str, str]) -> dict[str, str]:
+    keys = parse_api_keys(env.get("MINT_API_KEYS", ""))
+    if path := env.get("MINT_API_KEYS_FILE"):
+        try:
+            keys.update(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigurationError(
+                f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
+            ) from e
+    return keys

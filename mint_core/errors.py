@@ -40,3 +40,11 @@ class NotReadyError(MintError):
 
 class ServiceError(MintError):
     """A process MinT starts (MLflow server, worker) failed to start or answer."""
+
+
+class AuthenticationError(MintError, PermissionError):
+    """A request carried an API key that names no principal."""
+
+
+class AccessDeniedError(MintError, PermissionError):
+    """A principal asked for a revision its policy record does not allow it to use."""

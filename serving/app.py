@@ -7,13 +7,21 @@ unknown adapter -> 404, not ready -> 503 with Retry-After, bad request -> 422.
 
 import time
 import uuid
-from typing import Literal
+from collections.abc import Mapping
+from typing import Annotated, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from mint_core.errors import ConfigurationError, NotFoundError, RegistryError
+from mint_core.access import ANONYMOUS, principal_for
+from mint_core.errors import (
+    AccessDeniedError,
+    AuthenticationError,
+    ConfigurationError,
+    NotFoundError,
+    RegistryError,
+)
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from mint_core.textgen import Generation
 from serving.worker import ReadinessEntry, RevisionNotReady, Worker
@@ -77,10 +85,33 @@ def _refuse_sampling(do_sample: bool, temperature: float | None) -> None:
         )
 
 
-def create_app(worker: Worker) -> FastAPI:
+def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> FastAPI:
+    """The worker's API. With `api_keys`, `Authorization: Bearer <key>` names the principal
+    (no header: anonymous); without, every request is anonymous and the header is ignored."""
     app = FastAPI(title="MinT serving worker")
     engine = worker.engine
     base_id = engine.base.model_id
+    keys = dict(api_keys or {})
+
+    def principal(authorization: Annotated[str | None, Header()] = None) -> str:
+        if not keys or authorization is None:
+            return ANONYMOUS
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthenticationError("send the API key as 'Authorization: Bearer <key>'")
+        return principal_for(keys, key.strip())
+
+    Principal = Annotated[str, Depends(principal)]
+
+    @app.exception_handler(AuthenticationError)
+    def unauthenticated(_: Request, e: AuthenticationError) -> JSONResponse:
+        response = _error(401, "unauthenticated", str(e))
+        response.headers["WWW-Authenticate"] = "Bearer"
+        return response
+
+    @app.exception_handler(AccessDeniedError)
+    def forbidden(_: Request, e: AccessDeniedError) -> JSONResponse:
+        return _error(403, "forbidden", str(e))
 
     @app.exception_handler(NotFoundError)
     def not_found(_: Request, e: NotFoundError) -> JSONResponse:
@@ -102,8 +133,10 @@ def create_app(worker: Worker) -> FastAPI:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
 
-    def run(prompt: str, ref: RevisionRef | None, max_new_tokens: int) -> tuple[str, Generation]:
-        revision, key = worker.route(ref)
+    def run(
+        prompt: str, ref: RevisionRef | None, max_new_tokens: int, who: str
+    ) -> tuple[str, Generation]:
+        revision, key = worker.route(ref, who)
         prompt_tokens = len(engine.tokenizer.encode(prompt))
         limit = engine.base.spec.max_positions
         if prompt_tokens + max_new_tokens > limit:
@@ -119,11 +152,11 @@ def create_app(worker: Worker) -> FastAPI:
         return {"status": "ok", "base_model": base_id, "base_digest": engine.base.digest}
 
     @app.post("/generate")
-    def generate(body: GenerateRequest) -> JSONResponse:
+    def generate(body: GenerateRequest, who: Principal) -> JSONResponse:
         params = body.parameters
         _refuse_sampling(params.do_sample, params.temperature)
         ref = RevisionRef.parse(params.adapter_id) if params.adapter_id else None
-        served, generation = run(body.inputs, ref, params.max_new_tokens)
+        served, generation = run(body.inputs, ref, params.max_new_tokens, who)
         payload: dict[str, object] = {"generated_text": generation.text}
         if params.details:
             payload["details"] = {
@@ -146,7 +179,7 @@ def create_app(worker: Worker) -> FastAPI:
         return JSONResponse(payload, headers={REVISION_HEADER: served})
 
     @app.post("/v1/completions")
-    def completions(body: CompletionRequest) -> JSONResponse:
+    def completions(body: CompletionRequest, who: Principal) -> JSONResponse:
         _refuse_sampling(False, body.temperature)
         ref = None if body.model in (base_id, "base") else RevisionRef.parse(body.model)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -154,7 +187,7 @@ def create_app(worker: Worker) -> FastAPI:
         served = base_id
         usage = {"prompt_tokens": 0, "completion_tokens": 0}
         for index, prompt in enumerate(prompts):
-            served, generation = run(prompt, ref, body.max_tokens)
+            served, generation = run(prompt, ref, body.max_tokens, who)
             finish: Literal["stop", "length"] = "stop" if generation.finished else "length"
             choices.append(
                 {"index": index, "text": generation.text, "logprobs": None, "finish_reason": finish}
@@ -173,12 +206,12 @@ def create_app(worker: Worker) -> FastAPI:
         return JSONResponse(payload, headers={REVISION_HEADER: served})
 
     @app.get("/v1/models")
-    def models() -> dict[str, object]:
+    def models(who: Principal) -> dict[str, object]:
         now = int(time.time())
         data = [{"id": base_id, "object": "model", "created": now, "owned_by": "mint"}]
         data += [
             {"id": str(r), "object": "model", "created": now, "owned_by": "mint", "parent": base_id}
-            for r in worker.ready_revisions()
+            for r in worker.ready_revisions(who)
         ]
         return {"object": "list", "data": data}
 

@@ -33,7 +33,7 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:
         worker.reconcile()
     except MintError as e:
         log.warning("could not read the registry at start-up, serving nothing yet: %s", e)
-    uvicorn.run(create_app(worker), host=host, port=port, log_level="warning")
+    uvicorn.run(create_app(worker, config.api_keys), host=host, port=port, log_level="warning")
 
 
 def start_worker(
@@ -45,6 +45,7 @@ def start_worker(
         "MINT_HOME": str(config.home),
         "MLFLOW_TRACKING_URI": config.tracking_uri,
         "MINT_ARTIFACT_STORE": config.artifact_store,
+        "MINT_API_KEYS": ",".join(f"{key}={who}" for key, who in config.api_keys.items()),
     }
     argv = [sys.executable, "-m", "serving", "--host", LOOPBACK, "--port", str(port)]
     return start_process(

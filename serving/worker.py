@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from mint_core.access import ANONYMOUS, allows, check_access
 from mint_core.artifact_store import ArtifactStore
 from mint_core.errors import (
     BaseMismatchError,
@@ -22,7 +23,7 @@ from mint_core.errors import (
 )
 from mint_core.packing import load as load_packed
 from mint_core.registry import Registry
-from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, transition
 from serving.engine import BASE, TorchEngine
 
@@ -55,6 +56,7 @@ class Worker:
         self.registry = registry
         self.store = store
         self._table: dict[RevisionId, ReadinessEntry] = {}
+        self._policies: dict[RevisionId, PolicyRecord] = {}
         self._lock = threading.Lock()
         self._queue: queue.Queue[RevisionId] = queue.Queue()
         self._prewarmer = threading.Thread(target=self._prewarm_loop, name="prewarm", daemon=True)
@@ -70,10 +72,15 @@ class Worker:
             found = [e for r, e in self._table.items() if r.adapter == adapter]
         return sorted(found, key=lambda e: e.revision.number)
 
-    def ready_revisions(self) -> list[RevisionId]:
+    def ready_revisions(self, principal: str = ANONYMOUS) -> list[RevisionId]:
+        """Ready revisions `principal` may use."""
         with self._lock:
             return sorted(
-                (r for r, e in self._table.items() if e.state is Readiness.READY),
+                (
+                    r
+                    for r, e in self._table.items()
+                    if e.state is Readiness.READY and allows(self._policies[r], principal)
+                ),
                 key=lambda r: (r.adapter, r.number),
             )
 
@@ -101,13 +108,17 @@ class Worker:
             admitted.append(revision)
         return admitted
 
-    def route(self, ref: RevisionRef | None) -> tuple[RevisionId | None, str]:
-        """The revision `ref` names and its engine key, if ready here; never loads.
-
-        NotFoundError for an unknown adapter or revision, RevisionNotReady otherwise."""
+    def route(
+        self, ref: RevisionRef | None, principal: str = ANONYMOUS
+    ) -> tuple[RevisionId | None, str]:
+        """The revision `ref` names and its engine key, if `principal` may use it and it is
+        ready here; never loads. NotFoundError for an unknown adapter or revision,
+        AccessDeniedError, or RevisionNotReady."""
         if ref is None:
             return None, BASE
-        revision = self.registry.resolve(ref).id
+        registered = self.registry.resolve(ref)
+        revision = registered.id
+        check_access(registered.policy, principal, revision)
         entry = self.readiness(revision)
         if entry.state is not Readiness.READY:
             raise RevisionNotReady(entry)
@@ -157,3 +168,5 @@ class Worker:
             )
         self.engine.load(str(revision), index.adapter_config, adapter.peft_state_dict())
         self.engine.warm_up(str(revision))
+        with self._lock:
+            self._policies[revision] = registered.policy

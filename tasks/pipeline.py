@@ -9,6 +9,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from mint_core.access import EVERYONE
 from mint_core.artifact_store import open_store
 from mint_core.base_model import BaseModelSpec, base_digest, load_base
 from mint_core.config import MintConfig
@@ -62,6 +63,7 @@ def register_revision(
     frozen: FrozenAdapter,
     exported: Exported,
     actor: str,
+    principals: tuple[str, ...] = (EVERYONE,),
 ) -> RevisionId:
     registry = Registry(config.tracking_uri)
     try:
@@ -83,6 +85,7 @@ def register_revision(
         created_at=datetime.now(UTC).isoformat(),
         parent_revision=parent,
         frozen_digest=frozen.digest,
+        principals=principals,
         eval_metrics={"held_out_accuracy": trained.eval_accuracy},
     )
     return registry.register(policy, exported.uri, base_digest(config.base, config.home)).id

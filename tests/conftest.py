@@ -28,6 +28,9 @@ from serving.server import start_worker  # noqa: E402
 
 quiet_libraries()
 
+API_KEYS = {"key-team-a": "team-a", "key-team-b": "team-b"}
+"""The session worker's API keys (tests only; a deployment reads them from its environment)."""
+
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
@@ -55,7 +58,7 @@ def mlflow_server(mint_home: Path) -> Iterator[ManagedProcess]:
 
 @pytest.fixture(scope="session")
 def config(mint_home: Path, mlflow_server: ManagedProcess, base: BaseModel) -> MintConfig:
-    return MintConfig(home=mint_home, tracking_uri=mlflow_server.url)
+    return MintConfig(home=mint_home, tracking_uri=mlflow_server.url, api_keys=API_KEYS)
 
 
 @pytest.fixture(scope="session")

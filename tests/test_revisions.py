@@ -30,7 +30,7 @@ def test_bad_revision_refs_name_the_value(text: str) -> None:
         RevisionRef.parse(text)
 
 
-def _policy(**changes: object) -> PolicyRecord:
+def make_policy(**changes: object) -> PolicyRecord:
     values: dict[str, object] = {
         "adapter": "support-bot",
         "content_digest": "sha256:" + "a" * 64,
@@ -54,25 +54,27 @@ def _policy(**changes: object) -> PolicyRecord:
 
 
 def test_policy_record_round_trips_through_json_and_tags() -> None:
-    policy = _policy()
+    policy = make_policy()
     assert PolicyRecord.from_json(policy.to_json()) == policy
     tags = policy.to_tags()
     assert all(isinstance(v, str) for v in tags.values())
     assert tags["mint.adapter"] == "support-bot"
     assert PolicyRecord.from_tags(tags) == policy
-    assert PolicyRecord.from_tags(_policy(parent_revision=None).to_tags()).parent_revision is None
-    assert PolicyRecord.from_tags(_policy(frozen_digest=None).to_tags()).frozen_digest is None
+    assert (
+        PolicyRecord.from_tags(make_policy(parent_revision=None).to_tags()).parent_revision is None
+    )
+    assert PolicyRecord.from_tags(make_policy(frozen_digest=None).to_tags()).frozen_digest is None
 
 
 def test_unknown_policy_schema_version_is_refused() -> None:
-    tags = _policy().to_tags()
+    tags = make_policy().to_tags()
     tags["mint.schema_version"] = "7"
     with pytest.raises(ConfigurationError, match="schema version 7"):
         PolicyRecord.from_tags(tags)
 
 
 def test_policy_record_missing_fields_are_named() -> None:
-    tags = _policy().to_tags()
+    tags = make_policy().to_tags()
     del tags["mint.base_digest"]
     with pytest.raises(ConfigurationError, match="base_digest"):
         PolicyRecord.from_tags(tags)

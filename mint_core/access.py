@@ -1,0 +1,46 @@
+"""Who may use a revision: API keys name principals, policy records list allowed principals.
+
+A request without a key is the `anonymous` principal; a policy record that lists `*` allows
+everyone, anonymous included. Refusals name only the adapter asked for, never others.
+"""
+
+from collections.abc import Mapping
+
+from mint_core.errors import AccessDeniedError, AuthenticationError, ConfigurationError
+from mint_core.revisions import PolicyRecord, RevisionId
+
+ANONYMOUS = "anonymous"
+EVERYONE = "*"
+
+
+def parse_api_keys(text: str) -> dict[str, str]:
+    """`key=principal,key=principal` -> {key: principal}."""
+    keys: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, _, principal = item.partition("=")
+        if not key.strip() or not principal.strip():
+            raise ConfigurationError(
+                f"API key entry {item.split('=')[0][:4]}... is not 'key=principal'; write "
+                "MINT_API_KEYS as 'key1=alice,key2=bob'"
+            )
+        keys[key.strip()] = principal.strip()
+    return keys
+
+
+def principal_for(api_keys: Mapping[str, str], key: str | None) -> str:
+    """The principal an API key names; `anonymous` without one."""
+    if key is None:
+        return ANONYMOUS
+    try:
+        return api_keys[key]
+    except KeyError:
+        raise AuthenticationError("the API key is not known to this worker") from None
+
+
+def allows(policy: PolicyRecord, principal: str) -> bool:
+    return EVERYONE in policy.principals or principal in policy.principals
+
+
+def check_access(policy: PolicyRecord, principal: str, revision: RevisionId) -> None:
+    if not allows(policy, principal):
+        raise AccessDeniedError(f"principal {principal!r} may not use adapter {revision.adapter!r}")
