@@ -16,13 +16,19 @@ class MoeLoraShape:
     """The dimensions that determine a MoE LoRA's tensors."""
 
     layers: int = 48
+    """Decoder layers, each with its own attention and experts."""
     experts: int = 128
+    """Experts per layer; each has gate, up and down projections."""
     hidden: int = 2048
+    """Width of the residual stream."""
     expert_intermediate: int = 768
+    """Width of each expert's hidden layer."""
     query_heads: int = 32
     kv_heads: int = 4
+    """Key/value heads (grouped-query attention)."""
     head_dim: int = 128
     rank: int = 1
+    """LoRA rank r of every pair."""
     dtype: torch.dtype = torch.bfloat16
 
     @property
