@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -14,7 +15,16 @@ from mint_core.datasets import Task, held_out_words, prompt_for
 from mint_core.errors import ConfigurationError, IntegrityError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, freeze
 from mint_core.moe_reference import MoeLoraShape, moe_adapter_config, moe_lora_tensors
-from mint_core.packing import load, pack, pack_tensors, read_adapter, unpack, verify
+from mint_core.packing import (
+    load,
+    map_file,
+    pack,
+    pack_tensors,
+    read_adapter,
+    read_into,
+    unpack,
+    verify,
+)
 from mint_core.training import TrainingConfig, train_lora
 from serving.engine import TorchEngine
 
@@ -150,3 +160,18 @@ def test_packed_adapter_serves_exactly_like_its_peft_form(tmp_path: Path) -> Non
     assert from_packed == from_peft
     # And the adapter does change the answers: the comparison is not of two base runs.
     assert engine.generate(prompts, ["__base__"] * len(prompts), 12) != from_packed
+
+
+def test_chunked_read_checks_the_same_bytes_as_the_memory_map(tmp_path: Path) -> None:
+    # The pinned-memory path (taken when CUDA is present) reads in chunks instead of mapping.
+    index = pack_tensors(moe_adapter_config(SMALL_MOE), moe_lora_tensors(SMALL_MOE),
+                         tmp_path / "packed", shard_bytes=8 << 10)  # fmt: skip
+    for shard in index.shards:
+        path = tmp_path / "packed" / shard.name
+        buffer, hasher = torch.empty(shard.bytes, dtype=torch.uint8), xxhash.xxh3_128()
+        read_into(path, buffer, hasher)
+        assert hasher.hexdigest() == shard.xxh3
+        mapped = map_file(path, xxhash.xxh3_128())
+        assert torch.equal(buffer, mapped)
+        mapped.zero_()  # copy-on-write: the file keeps its bytes
+        assert path.read_bytes() == buffer.numpy().tobytes()
