@@ -1,9 +1,11 @@
 """Export target: where servable artifacts live, content-addressed by revision digest.
 
-MLflow points at artifacts here; it does not hold them. A store is a Protocol so that an S3
-store can stand beside the local folder; stores are chosen by name from `STORES`.
+MLflow points at artifacts here; it does not hold them. Two stores implement the Protocol: a
+local folder (the default) and S3 (any S3 API: AWS, MinIO, moto). `open_store` picks the one
+the configuration names.
 """
 
+import base64
 import os
 import shutil
 import tempfile
@@ -11,8 +13,12 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
-from mint_core.packing import verify
+import boto3
+from botocore.exceptions import BotoCoreError, ClientError
+
+from mint_core.config import MintConfig
+from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError, ServiceError
+from mint_core.packing import INDEX, PackedIndex, verify
 
 
 class ArtifactStore(Protocol):
@@ -23,7 +29,11 @@ class ArtifactStore(Protocol):
         ...
 
     def fetch(self, uri: str) -> Path:
-        """A local folder holding the artifact at `uri` (not yet verified)."""
+        """A local folder holding the artifact at `uri`."""
+        ...
+
+    def holds(self, uri: str) -> bool:
+        """Whether the store itself (not a local cache of it) has an intact, complete copy."""
         ...
 
 
@@ -41,10 +51,7 @@ class LocalArtifactStore:
         self.root = root
 
     def location(self, digest: str) -> Path:
-        algorithm, _, hexdigest = digest.partition(":")
-        if algorithm != "sha256" or len(hexdigest) != 64:
-            raise ConfigurationError(f"content digest {digest!r} is not 'sha256:<64 hex>'")
-        return self.root / algorithm / hexdigest
+        return self.root / "sha256" / _hex(digest)
 
     def put(self, folder: Path, digest: str) -> str:
         target = self.location(digest)
@@ -73,8 +80,14 @@ class LocalArtifactStore:
         return self._uri(digest)
 
     def _uri(self, digest: str) -> str:
-        algorithm, _, hexdigest = digest.partition(":")
-        return f"{self.scheme}://{algorithm}/{hexdigest}"
+        return f"{self.scheme}://sha256/{_hex(digest)}"
+
+    def holds(self, uri: str) -> bool:
+        try:
+            verify(self.fetch(uri))
+        except (NotFoundError, IntegrityError):
+            return False
+        return True
 
     def fetch(self, uri: str) -> Path:
         parsed = urlparse(uri)
@@ -88,14 +101,168 @@ class LocalArtifactStore:
         return path
 
 
-STORES = {"local": LocalArtifactStore}
+def _hex(digest: str) -> str:
+    algorithm, _, hexdigest = digest.partition(":")
+    if algorithm != "sha256" or len(hexdigest) != 64:
+        raise ConfigurationError(f"content digest {digest!r} is not 'sha256:<64 hex>'")
+    return hexdigest
 
 
-def open_store(name: str, root: Path) -> ArtifactStore:
-    try:
-        factory = STORES[name]
-    except KeyError:
-        raise ConfigurationError(
-            f"unknown artifact store {name!r}; known stores: {', '.join(sorted(STORES))}"
-        ) from None
-    return factory(root)
+class S3ArtifactStore:
+    """An S3 bucket, content-addressed at two levels:
+
+        <prefix>/shards/sha256/<hex>                 one object per shard, named by its bytes
+        <prefix>/revisions/sha256/<hex>/index.json   one per revision, written last
+
+    A revision exists once its index does, so an export killed half-way leaves nothing that
+    looks complete. A shard already in the bucket (same sha256, recorded as object metadata at
+    upload) is not uploaded again, so revisions that share shards share storage. `fetch`
+    downloads into a local cache and verifies every shard against its sha256 before handing the
+    folder out; a damaged shard is named, with its digest, and never cached."""
+
+    scheme = "s3"
+
+    def __init__(self, bucket: str, prefix: str, endpoint_url: str | None, cache: Path) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.cache = cache
+        self.s3 = boto3.client("s3", endpoint_url=endpoint_url)
+
+    def _key(self, *parts: str) -> str:
+        return "/".join((self.prefix, *parts)) if self.prefix else "/".join(parts)
+
+    def index_key(self, digest: str) -> str:
+        return self._key("revisions", "sha256", _hex(digest), INDEX)
+
+    def shard_key(self, sha256: str) -> str:
+        return self._key("shards", "sha256", _hex(sha256))
+
+    def put(self, folder: Path, digest: str) -> str:
+        if self._complete(digest):
+            return self._uri(digest)
+        index = verify(folder)
+        if index.content_digest != digest:
+            raise IntegrityError(
+                f"packed folder {folder} has content digest {index.content_digest}, export was "
+                f"asked for {digest}"
+            )
+        try:
+            for shard in index.shards:
+                if self._holds(shard.sha256, shard.bytes):
+                    continue
+                with open(folder / shard.name, "rb") as body:
+                    self.s3.put_object(
+                        Bucket=self.bucket,
+                        Key=self.shard_key(shard.sha256),
+                        Body=body,
+                        ChecksumSHA256=base64.b64encode(bytes.fromhex(_hex(shard.sha256))).decode(),
+                        Metadata={"sha256": shard.sha256},
+                    )
+            # The index goes last: its presence is what makes the revision exist.
+            self.s3.put_object(
+                Bucket=self.bucket,
+                Key=self.index_key(digest),
+                Body=(folder / INDEX).read_bytes(),
+                Metadata={"content-digest": digest},
+            )
+        except (BotoCoreError, ClientError) as e:
+            raise ServiceError(f"could not export {digest} to s3://{self.bucket}: {e}") from e
+        return self._uri(digest)
+
+    def stored_index(self, digest: str) -> PackedIndex | None:
+        """The revision's index as the bucket holds it; None if it is not there."""
+        try:
+            body = self.s3.get_object(Bucket=self.bucket, Key=self.index_key(digest))["Body"]
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                return None
+            raise ServiceError(f"could not read s3://{self.bucket}: {e}") from e
+        with tempfile.TemporaryDirectory() as scratch:
+            (Path(scratch) / INDEX).write_bytes(body.read())
+            return PackedIndex.read(Path(scratch))
+
+    def _complete(self, digest: str) -> bool:
+        """Whether the revision's index and every shard it names are in the bucket."""
+        index = self.stored_index(digest)
+        return index is not None and all(self._holds(s.sha256, s.bytes) for s in index.shards)
+
+    def _holds(self, sha256: str, size: int) -> bool:
+        """Whether the bucket has this shard, uploaded by MinT with these bytes."""
+        try:
+            head = self.s3.head_object(Bucket=self.bucket, Key=self.shard_key(sha256))
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                return False
+            raise
+        return head["ContentLength"] == size and head.get("Metadata", {}).get("sha256") == sha256
+
+    def _uri(self, digest: str) -> str:
+        return f"s3://{self.bucket}/{self._key('revisions', 'sha256', _hex(digest))}"
+
+    def fetch(self, uri: str) -> Path:
+        digest = self.digest_of(uri)
+        target = self.cache / "sha256" / _hex(digest)
+        if target.is_dir():
+            try:
+                verify(target)
+                return target
+            except IntegrityError:
+                shutil.rmtree(target)  # a damaged cache entry: fetch the artifact again
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=target.parent))
+        try:
+            self._download(self.index_key(digest), staging / INDEX, uri)
+            index = PackedIndex.read(staging)
+            for shard in index.shards:
+                self._download(self.shard_key(shard.sha256), staging / shard.name, uri)
+            try:
+                verify(staging)
+            except IntegrityError as e:
+                raise IntegrityError(f"artifact {uri} in the store is damaged: {e}") from None
+            try:
+                os.rename(staging, target)
+            except OSError:
+                if not target.is_dir():
+                    raise
+                # Another process sharing this cache fetched the same artifact first.
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return target
+
+    def holds(self, uri: str) -> bool:
+        return self._complete(self.digest_of(uri))
+
+    def digest_of(self, uri: str) -> str:
+        parsed = urlparse(uri)
+        expected = f"s3://{self.bucket}/{self._key('revisions', 'sha256')}/"
+        if parsed.scheme != self.scheme or not uri.startswith(expected):
+            raise ConfigurationError(
+                f"S3 artifact store cannot read {uri!r}; expected {expected}<hex>"
+            )
+        return "sha256:" + uri.removeprefix(expected).strip("/")
+
+    def _download(self, key: str, path: Path, uri: str) -> None:
+        try:
+            self.s3.download_file(self.bucket, key, str(path))
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                raise NotFoundError(
+                    f"artifact {uri} is not complete in the store (s3://{self.bucket}/{key} is "
+                    "missing); export the revision again"
+                ) from None
+            raise ServiceError(f"could not read s3://{self.bucket}/{key}: {e}") from e
+        except BotoCoreError as e:
+            raise ServiceError(f"could not read s3://{self.bucket}/{key}: {e}") from e
+
+
+def open_store(config: MintConfig) -> ArtifactStore:
+    """The artifact store `config` names."""
+    if config.artifact_store == "local":
+        return LocalArtifactStore(config.artifact_root)
+    if config.artifact_store == "s3":
+        return S3ArtifactStore(
+            config.s3_bucket, config.s3_prefix, config.s3_endpoint_url, config.home / "s3-cache"
+        )
+    raise ConfigurationError(
+        f"unknown artifact store {config.artifact_store!r}; known stores: local, s3"
+    )

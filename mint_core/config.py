@@ -27,7 +27,14 @@ class MintConfig:
     """Serving workers that must report a revision ready before it is activated
     (`MINT_WORKER_URLS`, comma-separated)."""
     artifact_store: str = "local"
-    """Name of the artifact store (`MINT_ARTIFACT_STORE`)."""
+    """Which artifact store exports go to: `local` (a folder under `home`) or `s3`
+    (`MINT_ARTIFACT_STORE`)."""
+    s3_bucket: str = ""
+    """Bucket of the S3 store (`MINT_S3_BUCKET`); credentials come from boto3's usual chain."""
+    s3_prefix: str = "mint"
+    """Key prefix in the bucket (`MINT_S3_PREFIX`)."""
+    s3_endpoint_url: str | None = None
+    """S3 API endpoint for non-AWS stores such as MinIO (`MINT_S3_ENDPOINT_URL`)."""
     base: BaseModelSpec = field(default_factory=BaseModelSpec)
     """The resident base model every adapter is trained on and served over."""
     api_keys: Mapping[str, str] = field(default_factory=dict)
@@ -40,6 +47,11 @@ class MintConfig:
         for url in (self.tracking_uri, *self.worker_urls):
             if not url.startswith(("http://", "https://")):
                 raise ConfigurationError(f"service URL {url!r} must start with http:// or https://")
+        if self.artifact_store == "s3" and not self.s3_bucket:
+            raise ConfigurationError(
+                "MINT_ARTIFACT_STORE=s3 needs a bucket: set MINT_S3_BUCKET (and "
+                "MINT_S3_ENDPOINT_URL for a store other than AWS)"
+            )
 
     @property
     def artifact_root(self) -> Path:
@@ -63,8 +75,25 @@ class MintConfig:
             tracking_uri=env.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI),
             worker_urls=tuple(url.strip().rstrip("/") for url in workers.split(",") if url.strip()),
             artifact_store=env.get("MINT_ARTIFACT_STORE", "local"),
+            s3_bucket=env.get("MINT_S3_BUCKET", ""),
+            s3_prefix=env.get("MINT_S3_PREFIX", "mint"),
+            s3_endpoint_url=env.get("MINT_S3_ENDPOINT_URL") or None,
             api_keys=_api_keys(env),
         )
+
+    def to_env(self) -> dict[str, str]:
+        """The environment that makes `from_env` give this configuration back (for child
+        processes: workers, flow runs)."""
+        return {
+            "MINT_HOME": str(self.home),
+            "MLFLOW_TRACKING_URI": self.tracking_uri,
+            "MINT_WORKER_URLS": ",".join(self.worker_urls),
+            "MINT_ARTIFACT_STORE": self.artifact_store,
+            "MINT_S3_BUCKET": self.s3_bucket,
+            "MINT_S3_PREFIX": self.s3_prefix,
+            "MINT_S3_ENDPOINT_URL": self.s3_endpoint_url or "",
+            "MINT_API_KEYS": ",".join(f"{key}={who}" for key, who in self.api_keys.items()),
+        }
 
 
 def _api_keys(env: Mapping[str, str]) -> dict[str, str]:

@@ -121,3 +121,17 @@ def start_mlflow(home: Path, port: int | None = None) -> ManagedProcess:
         home / "logs" / "mlflow.log",
         env,
     )
+
+
+def start_s3(home: Path, port: int | None = None) -> ManagedProcess:
+    """An S3 API (moto's server) on loopback, for tests and local runs of the S3 store. It keeps
+    objects in memory: what it holds is gone when it stops."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)]
+    return start_process(
+        "moto S3 server",
+        argv,
+        f"http://{LOOPBACK}:{port}",
+        "/moto-api/",
+        home / "logs" / f"s3-{port}.log",
+    )

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 def build_worker(config: MintConfig) -> Worker:
     engine = TorchEngine(load_base(config.base, config.home))
-    store = open_store(config.artifact_store, config.artifact_root)
+    store = open_store(config)
     return Worker(engine, Registry(config.tracking_uri), store)
 
 
@@ -41,12 +41,8 @@ def start_worker(
 ) -> ManagedProcess:
     """A worker in a child process on loopback; returns once `/health` answers (base loaded)."""
     port = port or free_port()
-    env = {
-        "MINT_HOME": str(config.home),
-        "MLFLOW_TRACKING_URI": config.tracking_uri,
-        "MINT_ARTIFACT_STORE": config.artifact_store,
-        "MINT_API_KEYS": ",".join(f"{key}={who}" for key, who in config.api_keys.items()),
-    }
+    # MINT_API_KEYS_FILE would add keys to the ones `config` already holds.
+    env = config.to_env() | {"MINT_API_KEYS_FILE": ""}
     argv = [sys.executable, "-m", "serving", "--host", LOOPBACK, "--port", str(port)]
     return start_process(
         "serving worker",

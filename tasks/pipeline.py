@@ -16,7 +16,7 @@ from mint_core.config import MintConfig
 from mint_core.datasets import Task
 from mint_core.errors import IntegrityError, NotFoundError, NotReadyError
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
-from mint_core.packing import PackedIndex, pack, verify
+from mint_core.packing import PackedIndex, pack
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
@@ -51,7 +51,7 @@ def pack_adapter(config: MintConfig, frozen: FrozenAdapter) -> tuple[Path, Packe
 
 @task(name="export", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> Exported:
-    store = open_store(config.artifact_store, config.artifact_root)
+    store = open_store(config)
     return Exported(store.put(packed_dir, index.content_digest), index.content_digest)
 
 
@@ -134,23 +134,21 @@ def activate_revision(
 
 @task(name="ensure-exported", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def ensure_exported(config: MintConfig, revision: RevisionId) -> str:
-    """The revision's artifact, verified in the store; re-exported from its frozen files if it
+    """The revision's artifact, intact in the store; re-exported from its frozen files if it
     is missing or damaged there. Never retrains: with the frozen files gone it fails clearly."""
     registered = Registry(config.tracking_uri).get(revision)
-    store = open_store(config.artifact_store, config.artifact_root)
-    try:
-        verify(store.fetch(registered.artifact_uri))
+    store = open_store(config)
+    if store.holds(registered.artifact_uri):
         return registered.artifact_uri
-    except (NotFoundError, IntegrityError) as e:
-        lost = e
     frozen_digest = registered.policy.frozen_digest
     frozen_path = config.frozen_root / (frozen_digest or "").removeprefix("sha256:")
     if not frozen_digest or not frozen_path.is_dir():
         raise NotFoundError(
-            f"{revision} cannot be served again: its artifact is unusable ({lost}) and its "
+            f"{revision} cannot be served again: its artifact is missing or damaged in the "
+            f"store ({registered.artifact_uri}) and its "
             f"frozen files ({frozen_digest}) are gone from {config.frozen_root}; release a new "
             "revision instead"
-        ) from lost
+        )
     frozen = open_frozen(frozen_path)
     packed_dir, index = pack_adapter.fn(config, frozen)
     if index.content_digest != registered.policy.content_digest:

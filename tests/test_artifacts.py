@@ -1,19 +1,28 @@
 """Freeze, pack, verify and export on a real (tiny, briefly trained) PEFT adapter."""
 
 import stat
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from mint_core.artifact_store import LocalArtifactStore, open_store
+from mint_core.artifact_store import (
+    ArtifactStore,
+    LocalArtifactStore,
+    S3ArtifactStore,
+    open_store,
+)
 from mint_core.base_model import BaseModelSpec, load_base
+from mint_core.config import MintConfig
 from mint_core.datasets import Task
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.freezing import PEFT_WEIGHTS, freeze
 from mint_core.packing import load, pack, verify
+from mint_core.services import ManagedProcess
 from mint_core.training import TrainedAdapter, TrainingConfig, train_lora
+from tests.conftest import create_bucket
 
 TINY = BaseModelSpec(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0
@@ -88,32 +97,94 @@ def test_damaged_shard_fails_verify_naming_it(
         load(tmp_path / "packed")
 
 
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> ArtifactStore:
+    if request.param == "local":
+        return LocalArtifactStore(tmp_path / "store")
+    s3_server: ManagedProcess = request.getfixturevalue("s3_server")
+    bucket = f"store-{uuid.uuid4().hex[:12]}"
+    create_bucket(s3_server.url, bucket)
+    return S3ArtifactStore(bucket, "mint", s3_server.url, tmp_path / "cache")
+
+
 def test_store_is_content_addressed_and_keeps_good_copies(
-    trained: TrainedAdapter, tmp_path: Path
+    trained: TrainedAdapter, tmp_path: Path, store: ArtifactStore
 ) -> None:
     index = pack(freeze(trained.path, tmp_path / "frozen"), tmp_path / "packed")
-    store = open_store("local", tmp_path / "store")
     uri = store.put(tmp_path / "packed", index.content_digest)
-    assert uri == f"mint-local://sha256/{index.content_digest.removeprefix('sha256:')}"
+    assert uri.endswith(f"sha256/{index.content_digest.removeprefix('sha256:')}")
+    assert store.holds(uri)
     assert verify(store.fetch(uri)) == index
     assert store.put(tmp_path / "packed", index.content_digest) == uri
 
-    # A corrupt source never replaces the good copy, and never lands in an empty store.
+    # A corrupt source never replaces the good copy.
     shard = index.shards[0].name
     (tmp_path / "packed" / shard).write_bytes(b"garbage")
     assert store.put(tmp_path / "packed", index.content_digest) == uri
     assert verify(store.fetch(uri)) == index
-    empty = LocalArtifactStore(tmp_path / "store2")
-    with pytest.raises(IntegrityError, match=shard):
-        empty.put(tmp_path / "packed", index.content_digest)
-    assert list((tmp_path / "store2" / "sha256").iterdir()) == []
 
 
-def test_store_errors_name_the_problem(tmp_path: Path) -> None:
-    store = open_store("local", tmp_path)
+def test_corrupt_source_never_lands_in_an_empty_store(
+    trained: TrainedAdapter, tmp_path: Path, store: ArtifactStore
+) -> None:
+    index = pack(freeze(trained.path, tmp_path / "frozen"), tmp_path / "packed")
+    (tmp_path / "packed" / index.shards[0].name).write_bytes(b"garbage")
+    with pytest.raises(IntegrityError, match=index.shards[0].name):
+        store.put(tmp_path / "packed", index.content_digest)
+    with pytest.raises(NotFoundError, match="export the revision again"):
+        store.fetch(uri_of(store, index.content_digest))
+
+
+def uri_of(store: ArtifactStore, digest: str) -> str:
+    hexdigest = digest.removeprefix("sha256:")
+    if isinstance(store, S3ArtifactStore):
+        return f"s3://{store.bucket}/{store.prefix}/revisions/sha256/{hexdigest}"
+    return f"mint-local://sha256/{hexdigest}"
+
+
+def test_s3_store_uploads_a_shard_once_and_verifies_every_read(
+    trained: TrainedAdapter, tmp_path: Path, s3_server: ManagedProcess
+) -> None:
+    create_bucket(s3_server.url, "dedup")
+    store = S3ArtifactStore("dedup", "team/mint", s3_server.url, tmp_path / "cache")
+    uploads: list[str] = []
+    store.s3.meta.events.register(
+        "before-call.s3.PutObject", lambda params, **_: uploads.append(params["url_path"])
+    )
+    index = pack(freeze(trained.path, tmp_path / "frozen"), tmp_path / "packed", shard_bytes=4096)
+    assert len(index.shards) > 1
+    uri = store.put(tmp_path / "packed", index.content_digest)
+    assert len(uploads) == len(index.shards) + 1  # every shard, then the index
+
+    # With the index lost, exporting again writes only the index: the shards are there.
+    store.s3.delete_object(Bucket="dedup", Key=store.index_key(index.content_digest))
+    assert not store.holds(uri)
+    uploads.clear()
+    assert store.put(tmp_path / "packed", index.content_digest) == uri
+    assert [path.rsplit("/", 1)[-1] for path in uploads] == ["index.json"]
+
+    # A shard overwritten in the bucket is caught on download, named with its digest.
+    shard = index.shards[1]
+    store.s3.put_object(Bucket="dedup", Key=store.shard_key(shard.sha256), Body=b"x" * shard.bytes)
+    assert not store.holds(uri)
+    with pytest.raises(IntegrityError, match=f"{shard.name}.*{shard.sha256}"):
+        store.fetch(uri)
+    assert not (tmp_path / "cache" / "sha256" / index.content_digest[7:]).exists()
+    # Exporting again repairs it (the damaged shard is uploaded again); reads succeed.
+    store.put(tmp_path / "packed", index.content_digest)
+    assert verify(store.fetch(uri)) == index
+
+
+def test_store_errors_name_the_problem(tmp_path: Path, s3_server: ManagedProcess) -> None:
+    store = LocalArtifactStore(tmp_path)
     with pytest.raises(NotFoundError, match="not in the store"):
         store.fetch("mint-local://sha256/" + "0" * 64)
     with pytest.raises(ConfigurationError, match="expected mint-local"):
         store.fetch("s3://bucket/x")
-    with pytest.raises(ConfigurationError, match="known stores: local"):
-        open_store("ftp", tmp_path)
+    with pytest.raises(ConfigurationError, match="known stores: local, s3"):
+        open_store(MintConfig(artifact_store="ftp"))
+    with pytest.raises(ConfigurationError, match="MINT_S3_BUCKET"):
+        MintConfig(artifact_store="s3")
+    s3 = S3ArtifactStore("nobucket", "mint", s3_server.url, tmp_path / "cache")
+    with pytest.raises(ConfigurationError, match="expected s3://nobucket/mint/revisions/sha256/"):
+        s3.fetch("mint-local://sha256/" + "0" * 64)

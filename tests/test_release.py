@@ -9,29 +9,21 @@ from mlflow.tracking import MlflowClient
 
 from flows.release import release
 from mint_cli import format_table, status_rows
-from mint_core.artifact_store import LocalArtifactStore
 from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task, held_out_words, prompt_for
 from mint_core.errors import BaseMismatchError, NotFoundError, NotReadyError
-from mint_core.packing import PackedIndex
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
 from mint_core.states import Readiness, Stage
-from mint_core.training import TrainingConfig
 from serving.client import WorkerClient
 from tasks.pipeline import (
-    Exported,
     activate_revision,
     admit_revision,
-    export_adapter,
-    freeze_adapter,
-    pack_adapter,
     prewarm_revision,
-    register_revision,
-    train_adapter,
 )
+from tests.conftest import register_step_by_step
 
 pytestmark = pytest.mark.slow
 
@@ -50,17 +42,6 @@ def details(worker: ManagedProcess, adapter_id: str, prompt: str) -> tuple[str, 
     response.raise_for_status()
     tokens = response.json()["details"]["tokens"]
     return response.headers["X-Mint-Revision"], [t["logprob"] for t in tokens]
-
-
-def register_step_by_step(
-    config: MintConfig, adapter: str, task: str
-) -> tuple[RevisionId, Exported, PackedIndex]:
-    """Train (briefly) through register by calling the pipeline's tasks one at a time."""
-    trained = train_adapter.fn(config, adapter, task, TrainingConfig(steps=5), config.base)
-    frozen = freeze_adapter.fn(config, trained)
-    packed_dir, index = pack_adapter.fn(config, frozen)
-    exported = export_adapter.fn(config, packed_dir, index)
-    return register_revision.fn(config, adapter, trained, frozen, exported, "test"), exported, index
 
 
 @pytest.fixture(scope="module")
@@ -244,28 +225,3 @@ def test_status_table_shows_aliases_stage_and_readiness(
     assert ["reverse-bot", "r1", "production", "active", "ready"] in rows
     table = format_table(rows)
     assert table.splitlines()[0].split() == rows[0]
-
-
-def test_corrupt_artifact_fails_prewarm_and_the_worker_keeps_serving(
-    worker: ManagedProcess, fleet_config: MintConfig, released: dict[str, str], client: WorkerClient
-) -> None:
-    config = fleet_config
-    revision, exported, index = register_step_by_step(config, "broken-bot", "upper")
-    shard = LocalArtifactStore(config.artifact_root).fetch(exported.uri) / index.shards[0].name
-    data = bytearray(shard.read_bytes())
-    data[-1] ^= 0xFF
-    shard.write_bytes(bytes(data))
-
-    admit_revision.fn(config, revision)
-    with pytest.raises(NotReadyError, match=index.shards[0].name):
-        prewarm_revision.fn(config, revision)
-    state, reason = client.readiness(revision)
-    assert state is Readiness.FAILED
-    assert index.shards[0].name in str(reason)
-    gated = httpx.post(
-        worker.url + "/generate",
-        json={"inputs": "abc=", "parameters": {"adapter_id": "broken-bot:r1"}},
-    )
-    assert (gated.status_code, gated.json()["state"]) == (503, "failed")
-    # What the worker had keeps serving.
-    assert client.generate("abc=", "upper-bot") == ("ABC", "upper-bot:r1")
