@@ -101,17 +101,19 @@ def config(mint_home: Path, mlflow_server: ManagedProcess, base: BaseModel) -> M
 
 
 @pytest.fixture(scope="session")
-def prefect_api() -> Iterator[None]:
-    """Prefect's local API for the session's flows, stopped at session end (Prefect's own
-    exit hook would log to pytest's already-closed output)."""
+def prefect_api() -> Iterator[str]:
+    """A Prefect server (a subprocess) for the session's flows; yields its API URL for child
+    processes. Stopped at session end (Prefect's own exit hook would log to pytest's
+    already-closed output)."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
-        yield
+        yield str(PREFECT_API_URL.value())
 
 
 @pytest.fixture(scope="session")
-def worker(config: MintConfig, prefect_api: None) -> Iterator[ManagedProcess]:
+def worker(config: MintConfig, prefect_api: str) -> Iterator[ManagedProcess]:
     """A serving worker process; the flows in this session activate against it."""
     process = start_worker(config)
     # Flows read their configuration from the environment, as at any entry point.

@@ -2,7 +2,14 @@
 both artifact stores (a local folder, and S3 on a moto server): never retraining, recorded in
 alias and stage history, and safe against damaged or lost artifacts."""
 
+import contextlib
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -11,7 +18,7 @@ from flows.promote import promote, rollback
 from flows.release import release
 from mint_core.errors import ConfigurationError, NotFoundError, NotReadyError
 from mint_core.registry import Registry
-from mint_core.revisions import RevisionId
+from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
 from mint_core.states import Readiness, Stage
 from serving.client import WorkerClient
@@ -121,3 +128,41 @@ def test_corrupt_shard_in_the_store_is_caught_and_the_worker_keeps_serving(fleet
     assert (gated.status_code, gated.json()["state"]) == (503, "failed")
     # What the worker had keeps serving, unchanged.
     assert answer(fleet.worker, steady) == before
+
+
+@pytest.mark.parametrize("point", ["export", "register"])
+def test_release_killed_mid_step_leaves_nothing_that_looks_complete(
+    fleet: Fleet, point: str, prefect_api: str, tmp_path: Path
+) -> None:
+    name = fleet.adapter(f"killed-in-{point}-bot")
+    marker, log = tmp_path / "paused", tmp_path / "release.log"
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.release_until", point, str(marker), name],
+            env={**os.environ, "PREFECT_API_URL": prefect_api},
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, "the release never reached the point to kill it at"
+        time.sleep(0.2)
+    os.killpg(process.pid, signal.SIGKILL)
+    assert process.wait() == -signal.SIGKILL
+
+    registry = Registry(fleet.config.tracking_uri)
+    # Killed in export, the adapter is not registered; in register, it may be, with no revision.
+    with contextlib.suppress(NotFoundError):
+        assert registry.revisions(name) == []
+    with pytest.raises(NotFoundError):
+        registry.resolve(RevisionRef(name, alias="production"))
+
+    release(name, "upper", steps=10)  # the rerun
+
+    (revision,) = registry.revisions(name)
+    assert (revision.id.number, revision.stage) == (1, Stage.ACTIVE)
+    assert revision.aliases == ("production",)
+    assert fleet.store.holds(revision.artifact_uri)
+    assert answer(fleet.worker, name)[0] == f"{name}:r1"
