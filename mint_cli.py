@@ -5,10 +5,11 @@ import argparse
 import getpass
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from mint_core.config import MintConfig
-from mint_core.errors import MintError
+from mint_core.errors import ConfigurationError, MintError, ServiceError
 
 
 def _prepare_environment(config: MintConfig) -> None:
@@ -99,6 +100,54 @@ def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
         pass
     finally:
         server.stop()
+
+
+def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.deployments import serve_deployments
+
+    if not os.environ.get("PREFECT_API_URL"):
+        raise ConfigurationError(
+            "PREFECT_API_URL is not set: point it at the Prefect server the deployments belong "
+            "to (e.g. http://127.0.0.1:4200/api), or run `mint up`, which starts one"
+        )
+    serve_deployments(config)
+
+
+def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
+    import dataclasses
+
+    from flows.deployments import start_flow_server
+    from mint_core.services import ManagedProcess, start_mlflow, start_prefect
+    from serving.server import start_worker
+
+    started: list[ManagedProcess] = []
+    try:
+        mlflow = start_mlflow(config.home, args.mlflow_port)
+        started.append(mlflow)
+        prefect_server = start_prefect(config.home, args.prefect_port)
+        started.append(prefect_server)
+        config = dataclasses.replace(config, tracking_uri=mlflow.url)
+        worker = start_worker(config, args.worker_port)
+        started.append(worker)
+        config = dataclasses.replace(config, worker_urls=(worker.url,))
+        started.append(start_flow_server(config, prefect_server.url + "/api"))
+        print(f"MLflow UI (registry):    {mlflow.url}")
+        print(f"Prefect UI (flows):      {prefect_server.url}")
+        print(f"serving API (worker):    {worker.url}")
+        print(f"state and logs in {config.home}; Ctrl-C stops everything", flush=True)
+        while all(service.process.poll() is None for service in started):
+            time.sleep(0.5)
+        stopped = [s for s in started if s.process.poll() is not None]
+        raise ServiceError(
+            f"{stopped[0].name} stopped (exit {stopped[0].process.returncode}); its log "
+            f"({stopped[0].log_path}) ends with:\n{stopped[0].log_tail()}"
+        )
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for service in reversed(started):
+            service.stop()
+        print("stopped: " + ", ".join(service.name for service in reversed(started)), flush=True)
 
 
 def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
@@ -200,6 +249,23 @@ def build_parser() -> argparse.ArgumentParser:
     registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
     registry.add_argument("--port", type=int, default=5000)
     registry.set_defaults(run=cmd_registry)
+
+    flows = commands.add_parser("flows", help="Prefect deployments of MinT's flows")
+    flow_commands = flows.add_subparsers(dest="flows_command", required=True)
+    flows_serve = flow_commands.add_parser(
+        "serve",
+        help="serve release, promote, rollback and retrain (+ MINT_RETRAIN schedules) to the "
+        "Prefect server at PREFECT_API_URL, running their flow runs until stopped",
+    )
+    flows_serve.set_defaults(run=cmd_flows_serve)
+
+    up = commands.add_parser(
+        "up", help="start MLflow, Prefect, the deployments and a worker; Ctrl-C stops them"
+    )
+    up.add_argument("--mlflow-port", type=int, default=5000)
+    up.add_argument("--prefect-port", type=int, default=4200)
+    up.add_argument("--worker-port", type=int, default=8000)
+    up.set_defaults(run=cmd_up)
 
     status = commands.add_parser("status", help="every revision with aliases, stage, readiness")
     status.set_defaults(run=cmd_status)

@@ -13,7 +13,13 @@ from mint_core.errors import ConfigurationError, MintError
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId, check_adapter_name
 from mint_core.states import Stage
-from tasks.pipeline import activate_revision, admit_revision, ensure_exported, prewarm_revision
+from tasks.pipeline import (
+    activate_revision,
+    admit_revision,
+    ensure_exported,
+    prewarm_revision,
+    rollout_lock,
+)
 
 
 def roll_out(config: MintConfig, revision: RevisionId, actor: str, reason: str) -> str:
@@ -24,9 +30,10 @@ def roll_out(config: MintConfig, revision: RevisionId, actor: str, reason: str) 
         raise ConfigurationError(f"{revision} is already {revision.adapter}@{PRODUCTION}")
     ensure_exported(config, revision)
     try:
-        admit_revision(config, revision)
-        prewarm_revision(config, revision)
-        activate_revision(config, revision, actor=actor, reason=reason)
+        with rollout_lock(revision.adapter):
+            admit_revision(config, revision)
+            prewarm_revision(config, revision)
+            activate_revision(config, revision, actor=actor, reason=reason)
     except Exception as e:
         # The alias has not moved; record why the revision could not be rolled out.
         with contextlib.suppress(MintError):

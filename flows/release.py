@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import ParamSpec, TypeVar
 
+import prefect.runtime
 from prefect import flow
 
 from mint_core.access import EVERYONE
@@ -28,6 +29,7 @@ from tasks.pipeline import (
     pack_adapter,
     prewarm_revision,
     register_revision,
+    rollout_lock,
     train_adapter,
 )
 
@@ -87,12 +89,28 @@ def release(
         tuple(principals) if principals else (EVERYONE,),
     )
     try:
-        timed("admit", admit_revision, config, revision)
-        timed("prewarm", prewarm_revision, config, revision)
-        timed("activate", activate_revision, config, revision, actor=actor, reason="release")
+        with rollout_lock(adapter):
+            timed("admit", admit_revision, config, revision)
+            timed("prewarm", prewarm_revision, config, revision)
+            timed("activate", activate_revision, config, revision, actor=actor, reason="release")
     except Exception as e:
         # Record the failure on the revision, but never let recording it hide the cause.
         with contextlib.suppress(MintError):
             Registry(config.tracking_uri).mark_failed(revision, f"{type(e).__name__}: {e}")
         raise
     return ReleaseReport(str(revision), trained.eval_accuracy, seconds)
+
+
+@flow(name="retrain")
+def retrain(
+    adapter: str,
+    task: str,
+    steps: int = TrainingConfig.steps,
+    rank: int = TrainingConfig.rank,
+) -> ReleaseReport:
+    """Train `adapter` again on freshly generated `task` examples and release the result as its
+    next revision. The data seed is the run's scheduled time: each scheduled run sees new
+    examples, and a rerun of one run sees the same ones."""
+    scheduled = prefect.runtime.flow_run.scheduled_start_time
+    seed = int(scheduled.timestamp()) if scheduled else int(time.time())
+    return release(adapter, task, steps=steps, rank=rank, seed=seed, actor="retrain")

@@ -16,6 +16,31 @@ DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
 
 
 @dataclass(frozen=True)
+class RetrainSchedule:
+    """Retrain `adapter` on `task` on a cron schedule (a Prefect deployment serves it)."""
+
+    adapter: str
+    task: str
+    cron: str
+
+    @classmethod
+    def parse_all(cls, text: str) -> tuple["RetrainSchedule", ...]:
+        """`adapter:task:cron` entries separated by `;`, e.g.
+        `upper-bot:upper:0 3 * * *;reverse-bot:reverse:30 3 * * 1`."""
+        schedules = []
+        for entry in filter(None, (part.strip() for part in text.split(";"))):
+            adapter, _, rest = entry.partition(":")
+            task, _, cron = rest.partition(":")
+            if not adapter or not task or len(cron.split()) != 5:
+                raise ConfigurationError(
+                    f"retrain schedule {entry!r} is not 'adapter:task:<cron with 5 fields>', "
+                    "e.g. 'upper-bot:upper:0 3 * * *'"
+                )
+            schedules.append(cls(adapter.strip(), task.strip(), cron.strip()))
+        return tuple(schedules)
+
+
+@dataclass(frozen=True)
 class MintConfig:
     """Where MinT keeps state and which services it talks to."""
 
@@ -37,6 +62,9 @@ class MintConfig:
     """S3 API endpoint for non-AWS stores such as MinIO (`MINT_S3_ENDPOINT_URL`)."""
     base: BaseModelSpec = field(default_factory=BaseModelSpec)
     """The resident base model every adapter is trained on and served over."""
+    retrain: tuple[RetrainSchedule, ...] = ()
+    """Scheduled retraining, served as Prefect deployments (`MINT_RETRAIN`, see
+    `RetrainSchedule.parse_all`)."""
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """Worker API keys -> principals (`MINT_API_KEYS` as `key=principal,...`, or
     `MINT_API_KEYS_FILE`, a JSON object). Never hard-coded."""
@@ -78,6 +106,7 @@ class MintConfig:
             s3_bucket=env.get("MINT_S3_BUCKET", ""),
             s3_prefix=env.get("MINT_S3_PREFIX", "mint"),
             s3_endpoint_url=env.get("MINT_S3_ENDPOINT_URL") or None,
+            retrain=RetrainSchedule.parse_all(env.get("MINT_RETRAIN", "")),
             api_keys=_api_keys(env),
         )
 
@@ -92,6 +121,7 @@ class MintConfig:
             "MINT_S3_BUCKET": self.s3_bucket,
             "MINT_S3_PREFIX": self.s3_prefix,
             "MINT_S3_ENDPOINT_URL": self.s3_endpoint_url or "",
+            "MINT_RETRAIN": ";".join(f"{r.adapter}:{r.task}:{r.cron}" for r in self.retrain),
             "MINT_API_KEYS": ",".join(f"{key}={who}" for key, who in self.api_keys.items()),
         }
 

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,16 +58,27 @@ class ManagedProcess:
             return ""
 
 
+def answers(url: str) -> bool:
+    """Whether `url` answers 200 right now."""
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
 def start_process(
     name: str,
     argv: Sequence[str],
     url: str,
-    health_path: str,
+    health: str | Callable[[], bool],
     log_path: Path,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120.0,
 ) -> ManagedProcess:
-    """Start `argv` and return once `url + health_path` answers 200; ServiceError otherwise."""
+    """Start `argv` and return once it is healthy: `url + health` answers 200 (a path), or
+    `health()` is true (a check); ServiceError if it exits or times out first."""
+    healthy = health if callable(health) else lambda: answers(url + health)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(
@@ -86,16 +97,12 @@ def start_process(
                 f"{name} exited with code {process.returncode} while starting; its log "
                 f"({log_path}) ends with:\n{service.log_tail()}"
             )
-        try:
-            with urllib.request.urlopen(url + health_path, timeout=2) as response:
-                if response.status == 200:
-                    return service
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
+        if healthy():
+            return service
         time.sleep(0.2)
     service.stop()
     raise ServiceError(
-        f"{name} did not answer {url + health_path} within {timeout_s:.0f} s; its log "
+        f"{name} was not healthy at {url} within {timeout_s:.0f} s; its log "
         f"({log_path}) ends with:\n{service.log_tail()}"
     )
 
@@ -134,4 +141,27 @@ def start_s3(home: Path, port: int | None = None) -> ManagedProcess:
         f"http://{LOOPBACK}:{port}",
         "/moto-api/",
         home / "logs" / f"s3-{port}.log",
+    )
+
+
+def start_prefect(home: Path, port: int | None = None) -> ManagedProcess:
+    """A Prefect server (API and UI) on loopback, its database under `home`. Its API is at
+    `url + "/api"`."""
+    port = port or free_port()
+    argv = [
+        sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)
+    ]  # fmt: skip
+    env = {
+        "PREFECT_HOME": str(home.absolute() / "prefect"),
+        "PREFECT_API_URL": "",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+    }
+    return start_process(
+        "prefect server",
+        argv,
+        f"http://{LOOPBACK}:{port}",
+        "/api/health",
+        home / "logs" / "prefect.log",
+        env,
     )

@@ -1,20 +1,31 @@
 """The release pipeline's steps as Prefect tasks: each a thin call into mint_core (or, for
-the fleet steps, into the workers' HTTP API)."""
+the fleet steps, into the workers' HTTP API).
+
+Prefect's own mechanisms do the operational work: retries on the steps that cross the network,
+persisted results keyed by flow run for the expensive steps (a rerun of a failed run, such as
+"Retry" in the Prefect UI, skips training and reuses the revision it already registered), and
+a strict global concurrency limit per adapter around rolling a revision out.
+"""
 
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
+from prefect import get_client, task
+from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists
 
 from mint_core.access import EVERYONE
 from mint_core.artifact_store import open_store
 from mint_core.base_model import BaseModelSpec, base_digest, load_base
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
-from mint_core.errors import IntegrityError, NotFoundError, NotReadyError
+from mint_core.errors import IntegrityError, NotFoundError, NotReadyError, ServiceError
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
 from mint_core.packing import PackedIndex, pack
 from mint_core.registry import Registry
@@ -30,7 +41,11 @@ class Exported:
     content_digest: str
 
 
-@task(name="train", cache_policy=NO_CACHE)
+# Within one flow run (first attempt or a rerun of it), same step + same inputs = same result.
+_ONCE_PER_RUN = TASK_SOURCE + INPUTS + RUN_ID
+
+
+@task(name="train", cache_policy=_ONCE_PER_RUN, persist_result=True)
 def train_adapter(
     config: MintConfig, adapter: str, task_name: str, training: TrainingConfig, base: BaseModelSpec
 ) -> TrainedAdapter:
@@ -55,7 +70,9 @@ def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> 
     return Exported(store.put(packed_dir, index.content_digest), index.content_digest)
 
 
-@task(name="register", cache_policy=NO_CACHE)
+# No task retries: MLflow's client already retries its requests, and a retry after a lost reply
+# to create_model_version would register a second revision.
+@task(name="register", cache_policy=_ONCE_PER_RUN, persist_result=True)
 def register_revision(
     config: MintConfig,
     adapter: str,
@@ -89,6 +106,32 @@ def register_revision(
         eval_metrics={"held_out_accuracy": trained.eval_accuracy},
     )
     return registry.register(policy, exported.uri, base_digest(config.base, config.home)).id
+
+
+ROLLOUT_TIMEOUT_S = 900.0
+"""How long a roll-out waits for another roll-out of the same adapter to finish."""
+
+
+@contextmanager
+def rollout_lock(adapter: str, timeout_s: float = ROLLOUT_TIMEOUT_S) -> Iterator[None]:
+    """Hold `adapter`'s roll-out slot: a strict Prefect global concurrency limit of 1, so no
+    two releases, promotions or rollbacks of one adapter admit and move its alias at once, in
+    any process. The limit is created on first use. A holder that dies frees the slot when its
+    lease (60 s, renewed while it lives) runs out."""
+    name = f"mint-rollout-{adapter}"
+    with get_client(sync_client=True) as client, suppress(ObjectAlreadyExists):
+        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    with ExitStack() as held:
+        try:
+            held.enter_context(
+                concurrency(name, strict=True, timeout_seconds=timeout_s, lease_duration=60)
+            )
+        except TimeoutError as e:
+            raise ServiceError(
+                f"another release, promote or rollback of {adapter!r} held its roll-out slot "
+                f"({name}) for {timeout_s:.0f} s; try again once it has finished"
+            ) from e
+        yield
 
 
 @task(name="admit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)

@@ -1,0 +1,75 @@
+"""MinT's flows as Prefect deployments: what `mint flows serve` (and `mint up`) serves.
+
+`release`, `promote`, `rollback` and `retrain` run from the Prefect UI with a parameter form;
+each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>` deployment on its
+cron. Serving needs no work pool, but the serving process must keep running: flow runs start
+as its subprocesses, with its environment (MinT's configuration included).
+"""
+
+import sys
+
+import prefect
+from prefect.deployments.runner import RunnerDeployment
+from prefect.types.entrypoint import EntrypointType
+
+from flows.promote import promote, rollback
+from flows.release import release, retrain
+from mint_core.config import MintConfig
+from mint_core.datasets import Task
+from mint_core.revisions import check_adapter_name
+from mint_core.services import ManagedProcess, answers, start_process
+
+# Flows are found by module path, so runs start from any working directory.
+_BY_MODULE = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["mint"]}
+
+
+def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
+    deployments = [
+        release.to_deployment(
+            name="release", description="Train and release a new revision.", **_BY_MODULE
+        ),
+        promote.to_deployment(
+            name="promote", description="Serve an existing revision as production.", **_BY_MODULE
+        ),
+        rollback.to_deployment(
+            name="rollback",
+            description="Return production to its previous revision (or the one named).",
+            **_BY_MODULE,
+        ),
+        retrain.to_deployment(
+            name="retrain", description="Retrain an adapter on fresh data, now.", **_BY_MODULE
+        ),
+    ]
+    for schedule in config.retrain:
+        check_adapter_name(schedule.adapter)
+        Task.parse(schedule.task)
+        deployments.append(
+            retrain.to_deployment(
+                name=f"retrain-{schedule.adapter}",
+                description=f"Retrain {schedule.adapter} on {schedule.task}, on schedule.",
+                cron=schedule.cron,
+                parameters={"adapter": schedule.adapter, "task": schedule.task},
+                **_BY_MODULE,
+            )
+        )
+    return deployments
+
+
+def serve_deployments(config: MintConfig) -> None:
+    """Register the deployments with the Prefect server and run their flow runs until stopped."""
+    prefect.serve(*build_deployments(config))
+
+
+def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProcess:
+    """`mint flows serve` in a child process; returns once its deployments are registered."""
+    env = config.to_env() | {"PREFECT_API_URL": prefect_api_url}
+    names = ["release/release", "promote/promote", "rollback/rollback", "retrain/retrain"]
+    names += [f"retrain/retrain-{schedule.adapter}" for schedule in config.retrain]
+    return start_process(
+        "flow server",
+        [sys.executable, "-m", "mint_cli", "flows", "serve"],
+        prefect_api_url,
+        lambda: all(answers(f"{prefect_api_url}/deployments/name/{name}") for name in names),
+        config.home / "logs" / "flows.log",
+        env,
+    )

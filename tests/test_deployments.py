@@ -1,0 +1,162 @@
+"""The flows as Prefect deployments: `mint flows serve` registers them with a running Prefect
+server (parameters, cron schedule), a rollback run through the Prefect API changes what the
+worker serves, a strict concurrency limit guards each adapter's roll-out, and persisted results
+let a rerun of a flow run skip finished work. Also `mint up`, started and stopped whole."""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prefect import flow, get_client
+from prefect.deployments import run_deployment
+
+from flows.deployments import start_flow_server
+from flows.release import release
+from mint_core.config import MintConfig, RetrainSchedule
+from mint_core.errors import ConfigurationError, ServiceError
+from mint_core.services import ManagedProcess, free_port
+from mint_core.training import TrainingConfig
+from tasks.pipeline import rollout_lock, train_adapter
+from tests.test_lifecycle import answer
+
+pytestmark = pytest.mark.slow
+
+SCHEDULE = RetrainSchedule("nightly-bot", "upper", "0 3 * * *")
+
+
+@pytest.fixture(scope="module")
+def flow_server(fleet_config: MintConfig, prefect_api: str) -> Iterator[ManagedProcess]:
+    config = MintConfig(**{**vars(fleet_config), "retrain": (SCHEDULE,)})
+    server = start_flow_server(config, prefect_api)
+    yield server
+    server.stop()
+
+
+def test_deployments_are_served_with_parameters_and_schedule(flow_server: ManagedProcess) -> None:
+    with get_client(sync_client=True) as client:
+        deployments = {
+            f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()
+        }
+    assert {"release/release", "promote/promote", "rollback/rollback", "retrain/retrain",
+            "retrain/retrain-nightly-bot"} <= deployments.keys()  # fmt: skip
+    rollback_form = deployments["rollback/rollback"].parameter_openapi_schema
+    assert rollback_form["required"] == ["adapter"]
+    assert {"adapter", "to_revision", "actor", "reason"} <= rollback_form["properties"].keys()
+    release_form = deployments["release/release"].parameter_openapi_schema
+    assert {"adapter", "task", "steps", "rank", "principals"} <= release_form["properties"].keys()
+    nightly = deployments["retrain/retrain-nightly-bot"]
+    assert nightly.parameters == {"adapter": "nightly-bot", "task": "upper"}
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
+    assert deployments["retrain/retrain"].schedules == []
+
+
+def test_rollback_through_the_prefect_api_changes_what_the_worker_serves(
+    flow_server: ManagedProcess, worker: ManagedProcess
+) -> None:
+    release("ui-bot", "reverse", steps=20, seed=1)
+    r1 = answer(worker, "ui-bot")
+    release("ui-bot", "reverse", steps=20, seed=2)
+    assert answer(worker, "ui-bot")[0] == "ui-bot:r2"
+
+    run = run_deployment(
+        "rollback/rollback", parameters={"adapter": "ui-bot", "reason": "from the UI"}, timeout=300
+    )
+
+    assert run.state is not None and run.state.is_completed(), run.state
+    assert answer(worker, "ui-bot") == r1
+
+
+def test_an_adapter_rolls_out_one_release_at_a_time(prefect_api: str) -> None:
+    entered = threading.Event()
+    waited: list[float] = []
+
+    def second() -> None:
+        entered.wait()
+        start = time.monotonic()
+        with rollout_lock("lock-bot"):
+            waited.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with rollout_lock("lock-bot"):
+        entered.set()
+        time.sleep(3)
+    thread.join(60)
+    assert waited and waited[0] >= 2.0
+    with (
+        rollout_lock("lock-bot"),
+        pytest.raises(ServiceError, match="held its roll-out slot"),
+        rollout_lock("lock-bot", timeout_s=1),
+    ):
+        pass
+
+
+def test_a_rerun_of_a_flow_run_skips_finished_training(
+    fleet_config: MintConfig, prefect_api: str
+) -> None:
+    @flow
+    def train_twice() -> tuple[Path, Path]:
+        training = TrainingConfig(steps=2, batch_size=4)
+        first = train_adapter(fleet_config, "cache-bot", "upper", training, fleet_config.base)
+        again = train_adapter(fleet_config, "cache-bot", "upper", training, fleet_config.base)
+        return first.path, again.path
+
+    first, again = train_twice()
+    assert first == again  # the second call, same run and inputs, reused the persisted result
+    assert train_twice()[0] != first  # another run trains afresh
+
+
+def test_flows_serve_needs_a_prefect_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mint_cli import cmd_flows_serve
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with pytest.raises(ConfigurationError, match="PREFECT_API_URL"):
+        cmd_flows_serve(None, MintConfig())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match="adapter:task"):
+        RetrainSchedule.parse_all("nightly-bot:upper:every night")
+
+
+def test_mint_up_starts_everything_and_ctrl_c_stops_it(mint_home: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    shutil.copytree(mint_home / "base", home / "base")  # the pretrained base, not pretrained again
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("MINT_", "ML"))}
+    ports = [str(port) for port in (free_port(), free_port(), free_port())]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mint_cli", "up", "--mlflow-port", ports[0], "--prefect-port",
+         ports[1], "--worker-port", ports[2]],
+        env=env | {"MINT_HOME": str(home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    lines: list[str] = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        lines.append(line)
+        if "Ctrl-C stops everything" in line:
+            break
+    output = "".join(lines)
+    assert process.poll() is None, output
+    urls = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+            for line in lines if "://" in line}  # fmt: skip
+    assert urls["MLflow UI (registry)"] == f"http://127.0.0.1:{ports[0]}"
+    assert httpx.get(urls["MLflow UI (registry)"] + "/health").status_code == 200
+    assert httpx.get(urls["Prefect UI (flows)"] + "/api/health").status_code == 200
+    assert httpx.get(urls["serving API (worker)"] + "/health").status_code == 200
+    deployment = httpx.get(urls["Prefect UI (flows)"] + "/api/deployments/name/release/release")
+    assert deployment.status_code == 200
+
+    process.send_signal(signal.SIGINT)
+    rest, _ = process.communicate(timeout=60)
+    assert "stopped: flow server, serving worker, prefect server, mlflow server" in rest
+    for url in urls.values():
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url, timeout=2)
