@@ -7,6 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, MintError, ServiceError
@@ -54,6 +55,16 @@ def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
         principals=args.principal or None,
     )
     print(f"released {report.revision} (held-out accuracy {report.eval_accuracy:.0%})")
+    print(format_stage_times(report.stage_seconds))
+
+
+def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.release import import_adapter
+
+    report = import_adapter(
+        args.adapter, str(args.path), actor=args.actor, principals=args.principal or None
+    )
+    print(f"imported {args.path} as {report.revision}")
     print(format_stage_times(report.stage_seconds))
 
 
@@ -220,6 +231,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--principal", action="append", help="who may use it (repeat; default everyone)"
     )
     release.set_defaults(run=cmd_release)
+
+    imports = commands.add_parser(
+        "import", help="release a PEFT LoRA adapter trained elsewhere, after checking it fits"
+    )
+    imports.add_argument("path", type=Path, help="PEFT adapter folder (adapter_config.json, ...)")
+    imports.add_argument("--adapter", required=True, help="adapter name to release it under")
+    imports.add_argument("--actor", default=getpass.getuser(), help="who imports (recorded)")
+    imports.add_argument(
+        "--principal", action="append", help="who may use it (repeat; default everyone)"
+    )
+    imports.set_defaults(run=cmd_import)
 
     promote = commands.add_parser("promote", help="serve an existing revision as production")
     promote.add_argument("--adapter", required=True)

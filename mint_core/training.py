@@ -63,6 +63,20 @@ class TrainedAdapter:
     eval_accuracy: float
     """Exact-match greedy accuracy on the held-out words."""
 
+    def policy_fields(self) -> dict[str, object]:
+        """What the policy record says about where this revision came from."""
+        return {
+            "base_model_id": self.base_model_id,
+            "base_digest": self.base_digest,
+            "task": self.task.value,
+            "training_steps": self.config.steps,
+            "dataset_digest": self.dataset_digest,
+            "lora_rank": self.config.rank,
+            "lora_alpha": self.config.alpha,
+            "target_modules": self.config.target_modules,
+            "eval_metrics": {"held_out_accuracy": self.eval_accuracy},
+        }
+
 
 def evaluate(model: torch.nn.Module, task: Task, words: list[str] | None = None) -> float:
     """Share of held-out words whose greedy answer is exactly the task's answer."""

@@ -27,6 +27,7 @@ from mint_core.config import MintConfig
 from mint_core.datasets import Task
 from mint_core.errors import IntegrityError, NotFoundError, NotReadyError, ServiceError
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
+from mint_core.imports import ImportedAdapter, inspect_import
 from mint_core.packing import PackedIndex, pack
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
@@ -53,9 +54,14 @@ def train_adapter(
     return train_lora(load_base(base, config.home), Task.parse(task_name), out_dir, training)
 
 
+@task(name="check-import", cache_policy=NO_CACHE)
+def check_import(config: MintConfig, adapter_dir: Path) -> ImportedAdapter:
+    return inspect_import(adapter_dir, load_base(config.base, config.home))
+
+
 @task(name="freeze", cache_policy=NO_CACHE)
-def freeze_adapter(config: MintConfig, trained: TrainedAdapter) -> FrozenAdapter:
-    return freeze(trained.path, config.frozen_root)
+def freeze_adapter(config: MintConfig, adapter_dir: Path) -> FrozenAdapter:
+    return freeze(adapter_dir, config.frozen_root)
 
 
 @task(name="pack", cache_policy=NO_CACHE)
@@ -76,7 +82,7 @@ def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> 
 def register_revision(
     config: MintConfig,
     adapter: str,
-    trained: TrainedAdapter,
+    source: TrainedAdapter | ImportedAdapter,
     frozen: FrozenAdapter,
     exported: Exported,
     actor: str,
@@ -90,20 +96,12 @@ def register_revision(
     policy = PolicyRecord(
         adapter=adapter,
         content_digest=exported.content_digest,
-        base_model_id=trained.base_model_id,
-        base_digest=trained.base_digest,
-        task=trained.task.value,
-        training_steps=trained.config.steps,
-        dataset_digest=trained.dataset_digest,
-        lora_rank=trained.config.rank,
-        lora_alpha=trained.config.alpha,
-        target_modules=trained.config.target_modules,
         created_by=actor,
         created_at=datetime.now(UTC).isoformat(),
         parent_revision=parent,
         frozen_digest=frozen.digest,
         principals=principals,
-        eval_metrics={"held_out_accuracy": trained.eval_accuracy},
+        **source.policy_fields(),  # type: ignore[arg-type]
     )
     return registry.register(policy, exported.uri, base_digest(config.base, config.home)).id
 

@@ -65,7 +65,7 @@ def register_step_by_step(
 ) -> tuple[RevisionId, Exported, PackedIndex]:
     """Train (briefly) through register by calling the pipeline's tasks one at a time."""
     trained = train_adapter.fn(config, adapter, task, TrainingConfig(steps=5), config.base)
-    frozen = freeze_adapter.fn(config, trained)
+    frozen = freeze_adapter.fn(config, trained.path)
     packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)
     return register_revision.fn(config, adapter, trained, frozen, exported, "test"), exported, index

@@ -1,0 +1,130 @@
+"""Import: a PEFT LoRA adapter trained elsewhere, checked against the resident base before it
+enters the release pipeline at `freeze`.
+
+Any rank and alpha, rsLoRA or not, per-module rank and alpha patterns, any subset of the base's
+linear projections. Refused, naming what is wrong: non-LoRA adapters, DoRA, extra trained
+modules (`modules_to_save`, biases, embeddings), and any LoRA pair whose module is not in the
+base or whose shapes do not fit it.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mint_core.base_model import BaseModel
+from mint_core.errors import BaseMismatchError, ConfigurationError
+from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS
+from mint_core.packing import check_keys
+
+_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class ImportedAdapter:
+    """A PEFT adapter directory from outside that fits the resident base."""
+
+    path: Path
+    base_model_id: str
+    """The serving base it was checked against."""
+    base_digest: str
+    source_base: str
+    """`base_model_name_or_path` as the adapter's config records it."""
+    rank: int
+    alpha: int
+    use_rslora: bool
+    target_modules: tuple[str, ...]
+    """The base's module names that carry a LoRA pair (e.g. `q_proj`), sorted."""
+
+    def policy_fields(self) -> dict[str, object]:
+        """What the policy record says about where this revision came from."""
+        return {
+            "base_model_id": self.base_model_id,
+            "base_digest": self.base_digest,
+            "task": "imported",
+            "training_steps": 0,
+            "dataset_digest": "",
+            "lora_rank": self.rank,
+            "lora_alpha": self.alpha,
+            "target_modules": self.target_modules,
+            "eval_metrics": {},
+        }
+
+
+def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
+    """Check that `adapter_dir` is a PEFT LoRA adapter that fits `base`, tensor by tensor."""
+    config_path, weights_path = adapter_dir / PEFT_CONFIG, adapter_dir / PEFT_WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise ConfigurationError(
+            f"{adapter_dir} is not a PEFT adapter directory: it needs {PEFT_CONFIG} and "
+            f"{PEFT_WEIGHTS} (save it with PeftModel.save_pretrained, safetensors on)"
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except ValueError as e:
+        raise ConfigurationError(f"{config_path} is not JSON: {e}") from e
+    _check_config(config, config_path)
+
+    modules = dict(base.model.named_modules())
+    ranks: dict[str, dict[str, int]] = {}
+    with safe_open(weights_path, framework="pt") as weights:
+        keys = list(weights.keys())
+        check_keys(keys)
+        for key in keys:
+            module_name, _, side = key.removeprefix(_PREFIX).rpartition(".lora_")
+            module = modules.get(module_name)
+            if not key.startswith(_PREFIX) or not isinstance(module, torch.nn.Linear):
+                raise BaseMismatchError(
+                    f"{key!r} adapts {module_name!r}, which is not a linear layer of the base "
+                    f"{base.model_id}; this adapter was made for another model"
+                )
+            # lora_A is [rank, in_features] and lora_B is [out_features, rank].
+            shape = tuple(weights.get_slice(key).get_shape())
+            is_a = side == "A.weight"
+            fixed_axis, size = (1, module.in_features) if is_a else (0, module.out_features)
+            if len(shape) != 2 or shape[fixed_axis] != size:
+                raise BaseMismatchError(
+                    f"{key!r} has shape {list(shape)}, but {module_name} of the base "
+                    f"{base.model_id} is {module.out_features}x{module.in_features} (out x in); "
+                    "this adapter was made for another model"
+                )
+            ranks.setdefault(module_name, {})[side[0]] = shape[1 - fixed_axis]
+    for module_name, sides in ranks.items():
+        if sides.keys() != {"A", "B"} or sides["A"] != sides["B"]:
+            raise ConfigurationError(
+                f"{weights_path}: {module_name} needs a lora_A and a lora_B of one rank; found "
+                f"ranks {sides}"
+            )
+    lora_modules = set(ranks)
+    if not lora_modules:
+        raise ConfigurationError(f"{weights_path} holds no LoRA weights")
+    return ImportedAdapter(
+        path=adapter_dir,
+        base_model_id=base.model_id,
+        base_digest=base.digest,
+        source_base=str(config.get("base_model_name_or_path") or ""),
+        rank=int(config["r"]),
+        alpha=int(config["lora_alpha"]),
+        use_rslora=bool(config.get("use_rslora")),
+        target_modules=tuple(sorted({name.rsplit(".", 1)[-1] for name in lora_modules})),
+    )
+
+
+def _check_config(config: dict[str, object], path: Path) -> None:
+    if config.get("peft_type") != "LORA":
+        raise ConfigurationError(
+            f"{path}: peft_type is {config.get('peft_type')!r}; MinT imports LoRA adapters only"
+        )
+    for name, allowed in (("use_dora", (False, None)), ("modules_to_save", (None, [])),
+                          ("bias", ("none", None))):  # fmt: skip
+        if config.get(name) not in allowed:
+            raise ConfigurationError(
+                f"{path}: {name}={config.get(name)!r} is not supported: MinT serves plain LoRA "
+                "pairs over a shared base; retrain without it"
+            )
+    for name in ("r", "lora_alpha"):
+        value = config.get(name)
+        if not isinstance(value, int | float) or value <= 0:
+            raise ConfigurationError(f"{path}: {name}={value!r} must be a positive number")
