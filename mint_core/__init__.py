@@ -2,10 +2,11 @@
 
 A revision's life, one module per step:
 
-1. `training`: a PEFT LoRA is trained on a private copy of the resident base (`base_model`).
+1. `training`: a PEFT LoRA is trained on a private copy of the resident base (`base_model`),
+   or `imports` checks one trained elsewhere against that base, tensor by tensor.
 2. `freezing`: its files are copied read-only under their digest; the bytes never change again.
 3. `packing`: its tensors go into safetensors shards plus an index with per-shard digests.
-4. `artifact_store`: the packed artifact is exported, content-addressed.
+4. `artifact_store`: the packed artifact is exported, content-addressed (a local folder or S3).
 5. `registry`: an MLflow model version (= revision `rN`) records the policy record
    (`revisions.PolicyRecord`) as tags and as a JSON artifact; no user can reach it yet.
 6. Workers admit and prewarm it (readiness in `states.Readiness`); once all report ready, the
