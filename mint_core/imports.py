@@ -18,6 +18,7 @@ from mint_core.base_model import BaseModel
 from mint_core.errors import BaseMismatchError, ConfigurationError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS
 from mint_core.packing import check_keys
+from mint_core.training import ALL_PROJECTIONS
 
 _PREFIX = "base_model.model."
 
@@ -75,10 +76,14 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
         for key in keys:
             module_name, _, side = key.removeprefix(_PREFIX).rpartition(".lora_")
             module = modules.get(module_name)
-            if not key.startswith(_PREFIX) or not isinstance(module, torch.nn.Linear):
+            if (
+                not key.startswith(_PREFIX)
+                or not isinstance(module, torch.nn.Linear)
+                or module_name.rsplit(".", 1)[-1] not in ALL_PROJECTIONS
+            ):
                 raise BaseMismatchError(
-                    f"{key!r} adapts {module_name!r}, which is not a linear layer of the base "
-                    f"{base.model_id}; this adapter was made for another model"
+                    f"{key!r} adapts {module_name!r}, which is not an attention or MLP "
+                    f"projection ({', '.join(ALL_PROJECTIONS)}) of the base {base.model_id}"
                 )
             # lora_A is [rank, in_features] and lora_B is [out_features, rank].
             shape = tuple(weights.get_slice(key).get_shape())

@@ -58,6 +58,20 @@ class Generation:
     """True when the model emitted end-of-sequence (rather than hitting the length limit)."""
 
 
+def left_padded(
+    tokenizer: CharTokenizer, prompts: Sequence[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids of a batch of prompts, padded on the left, and their attention mask."""
+    encoded = [tokenizer.encode(prompt) for prompt in prompts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.full((len(encoded), width), tokenizer.pad_id)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, ids in enumerate(encoded):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    return input_ids, attention_mask
+
+
 @torch.inference_mode()
 def greedy_generate(
     model: nn.Module,
@@ -68,13 +82,8 @@ def greedy_generate(
 ) -> list[Generation]:
     """Greedy-decode a batch of prompts (left-padded). Extra kwargs reach `generate`, e.g.
     PEFT's `adapter_names` for a batch that mixes adapters row by row."""
-    encoded = [tokenizer.encode(prompt) for prompt in prompts]
-    width = max(len(ids) for ids in encoded)
-    input_ids = torch.full((len(encoded), width), tokenizer.pad_id)
-    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
+    input_ids, attention_mask = left_padded(tokenizer, prompts)
+    width = input_ids.shape[1]
     output = model.generate(
         input_ids=input_ids,
         attention_mask=attention_mask,

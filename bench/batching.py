@@ -1,0 +1,166 @@
+"""Batching benchmark: one request set, 64 distinct adapters, served four ways in one run.
+
+(a) base only (the same batch, no adapters): the ceiling; (b) MinT's mixed batch (gathered
+per-row LoRA deltas over device slots); (c) PEFT's per-request `set_adapter` switching, one
+request at a time (the naive server); (d) PEFT's own mixed batch (`adapter_names=`). Every
+request has the same prompt length and generates the same number of tokens (EOS is masked), on
+a model large enough that matmuls dominate. Prints tokens/s and ratios (medians of several
+runs), checks (b), (c) and (d) give the same tokens, and writes bench/results/batching.json.
+
+    .venv/bin/python bench/batching.py               # hidden 1024, 4 layers, 64 adapters
+    .venv/bin/python bench/batching.py --scale 0.25  # a smoke run
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mint_core.base_model import BaseModel, BaseModelSpec
+from mint_core.datasets import held_out_words
+from mint_core.textgen import greedy_generate, seeded
+from mint_core.training import ALL_PROJECTIONS
+from serving.engine import BASE, TorchEngine
+
+RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
+PROMPT_CHARS = 15  # + "=": every prompt is 16 tokens
+NEW_TOKENS = 16
+
+
+def build_base(scale: float) -> BaseModel:
+    hidden = max(64, int(1024 * scale) // 16 * 16)
+    spec = BaseModelSpec(
+        hidden_size=hidden,
+        num_layers=4,
+        num_heads=16,
+        intermediate_size=hidden * 11 // 4,
+        pretrain_steps=0,
+    )
+    with seeded(0):
+        model = LlamaForCausalLM(spec.llama_config()).eval().requires_grad_(False)
+    # Never end early: every request generates exactly NEW_TOKENS tokens in every mode.
+    eos = torch.tensor([model.config.eos_token_id])
+    model.lm_head.register_forward_hook(lambda _m, _i, logits: logits.index_fill(-1, eos, -1e9))
+    return BaseModel(spec=spec, model=model, digest="sha256:bench", path=Path("."))
+
+
+def adapter_states(base: BaseModel, lora: LoraConfig, count: int) -> list[dict[str, torch.Tensor]]:
+    """`count` random LoRAs of shape `lora`, as PEFT state dicts."""
+    template = get_peft_model_state_dict(PeftModel(copy.deepcopy(base.model), lora))
+    states = []
+    for number in range(count):
+        with seeded(number + 1):
+            states.append({key: torch.randn_like(value) * 0.05 for key, value in template.items()})
+    return states
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--scale", type=float, default=1.0, help="scale the model width")
+    parser.add_argument("--adapters", type=int, default=64)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+
+    base = build_base(args.scale)
+    params = sum(p.numel() for p in base.model.parameters())
+    print(
+        f"base: hidden {base.spec.hidden_size}, {base.spec.num_layers} layers, "
+        f"{params / 1e6:.1f} M parameters; {args.adapters} adapters of rank {args.rank}"
+    )
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(ALL_PROJECTIONS))
+    states = adapter_states(base, lora, args.adapters)
+    names = [f"adapter-{n:02d}" for n in range(args.adapters)]
+    prompts = [(w * 4)[:PROMPT_CHARS] + "=" for w in held_out_words(args.adapters)]
+
+    peft = PeftModel(copy.deepcopy(base.model), lora, adapter_name=names[0])
+    for name, state in zip(names, states, strict=True):
+        if name != names[0]:
+            peft.add_adapter(name, lora)
+        set_peft_model_state_dict(peft, state, adapter_name=name)
+    peft.eval()
+    engine = TorchEngine(base, slots=args.adapters)
+    config = lora.to_dict() | {"target_modules": sorted(ALL_PROJECTIONS)}
+    for name, state in zip(names, states, strict=True):
+        engine.load(name, config, state)
+
+    def mint(keys: list[str]) -> list[tuple[int, ...]]:
+        return [g.token_ids for g in engine.generate(prompts, keys, NEW_TOKENS)]
+
+    def peft_switching() -> list[tuple[int, ...]]:
+        tokens = []
+        for name, prompt in zip(names, prompts, strict=True):
+            peft.set_adapter(name)
+            generation = greedy_generate(peft, engine.tokenizer, [prompt], NEW_TOKENS)[0]
+            tokens.append(generation.token_ids)
+        return tokens
+
+    def peft_mixed() -> list[tuple[int, ...]]:
+        generations = greedy_generate(
+            peft, engine.tokenizer, prompts, NEW_TOKENS, adapter_names=names
+        )
+        return [g.token_ids for g in generations]
+
+    modes: dict[str, Callable[[], list[tuple[int, ...]]]] = {
+        "base": lambda: mint([BASE] * len(prompts)),
+        "mixed": lambda: mint(names),
+        "peft_switching": peft_switching,
+        "peft_mixed": peft_mixed,
+    }
+    outputs = {name: run() for name, run in modes.items()}  # warm-up, and answers to compare
+    samples: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(args.runs):
+        for name, run in modes.items():  # interleaved, so drift hits every mode alike
+            start = time.perf_counter()
+            run()
+            samples[name].append(time.perf_counter() - start)
+    tokens = len(prompts) * NEW_TOKENS
+    assert all(len(t) == NEW_TOKENS for t in outputs["mixed"])
+    same = {name: outputs[name] == outputs["mixed"] for name in ("peft_switching", "peft_mixed")}
+    per_s = {name: tokens / statistics.median(times) for name, times in samples.items()}
+    for name, rate in per_s.items():
+        median = statistics.median(samples[name])
+        print(f"  {name:<15} {rate:9.1f} tokens/s  ({median:.2f} s for {tokens} tokens)")
+    ratios = {
+        "mixed_over_base": per_s["mixed"] / per_s["base"],
+        "mixed_over_peft_switching": per_s["mixed"] / per_s["peft_switching"],
+        "mixed_over_peft_mixed": per_s["mixed"] / per_s["peft_mixed"],
+    }
+    for name, value in ratios.items():
+        print(f"  {name:<26} {value:6.2f}x")
+    print(f"  same tokens as MinT mixed: {same}")
+    result = {
+        "model": {"hidden": base.spec.hidden_size, "layers": base.spec.num_layers},
+        "parameters": params,
+        "adapters": args.adapters,
+        "rank": args.rank,
+        "prompt_tokens": PROMPT_CHARS + 1,
+        "new_tokens": NEW_TOKENS,
+        "runs": args.runs,
+        "threads": torch.get_num_threads(),
+        "tokens_per_s": per_s,
+        "samples_s": samples,
+        "same_tokens": same,
+        **ratios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

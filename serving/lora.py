@@ -1,0 +1,108 @@
+"""Many LoRA adapters in one batch, by gathered batched matmuls (Punica's and S-LoRA's idea).
+
+Every adapted projection of the resident base is wrapped once. The wrapper keeps the adapters'
+weights stacked in device slots, `A: [slots, rank_max, in]` and `B: [slots, out, rank_max]`, and
+each batch row names its slot. A forward pass computes the base projection for the whole batch
+and adds, per row, `scaling[slot] * (x @ A[slot].T) @ B[slot].T` with two batched matmuls over
+the gathered slots. Slot 0 is all zeros: the base alone. Adapters of lower rank are zero-padded
+to `rank_max`, which adds exact zeros and so changes nothing.
+"""
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+BASE_SLOT = 0
+
+
+class SlotBatch:
+    """The slot of each row in the batch being run; shared by every wrapper of one model."""
+
+    def __init__(self) -> None:
+        self.slot_ids: torch.Tensor | None = None
+        """[batch] slot indices, or None when every row is served by the base alone."""
+
+    @contextmanager
+    def rows(self, slot_ids: list[int], device: torch.device) -> Iterator[None]:
+        # A batch of base rows skips the adapter path entirely (and its gathers).
+        self.slot_ids = (
+            torch.tensor(slot_ids, device=device) if any(s != BASE_SLOT for s in slot_ids) else None
+        )
+        try:
+            yield
+        finally:
+            self.slot_ids = None
+
+
+class SlotLoraLinear(nn.Module):
+    """A frozen base projection plus the per-row LoRA delta of each row's slot."""
+
+    def __init__(self, base: nn.Linear, slots: int, batch: SlotBatch) -> None:
+        super().__init__()
+        self.base = base
+        self.batch = batch
+        like = {"dtype": base.weight.dtype, "device": base.weight.device}
+        self.register_buffer("lora_A", torch.zeros(slots, 0, base.in_features, **like), False)
+        self.register_buffer("lora_B", torch.zeros(slots, base.out_features, 0, **like), False)
+        self.register_buffer("scaling", torch.zeros(slots, **like), False)
+
+    @property
+    def rank_max(self) -> int:
+        return self.lora_A.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        slot_ids = self.batch.slot_ids
+        if slot_ids is None or self.rank_max == 0:
+            return out
+        rows = x.reshape(slot_ids.shape[0], -1, x.shape[-1])  # [batch, tokens, in]
+        down = torch.bmm(rows, self.lora_A[slot_ids].transpose(1, 2))  # [batch, tokens, rank]
+        delta = torch.bmm(down, self.lora_B[slot_ids].transpose(1, 2))  # [batch, tokens, out]
+        return out + (delta * self.scaling[slot_ids][:, None, None]).reshape(out.shape)
+
+    def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Put one adapter's pair (`a`: [rank, in], `b`: [out, rank]) into `slot`."""
+        rank = a.shape[0]
+        if rank > self.rank_max:
+            self._grow(rank)
+        self.clear(slot)
+        self.lora_A[slot, :rank].copy_(a)
+        self.lora_B[slot, :, :rank].copy_(b)
+        self.scaling[slot] = scaling
+
+    def clear(self, slot: int) -> None:
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
+        self.scaling[slot] = 0.0
+
+    def _grow(self, rank: int) -> None:
+        """Widen every slot to `rank` (at load time, never during a batch)."""
+        slots, old, features = self.lora_A.shape
+        wider_a = self.lora_A.new_zeros(slots, rank, features)
+        wider_a[:, :old] = self.lora_A
+        wider_b = self.lora_B.new_zeros(slots, self.lora_B.shape[1], rank)
+        wider_b[:, :, :old] = self.lora_B
+        self.lora_A, self.lora_B = wider_a, wider_b
+
+
+def wrap_projections(
+    model: nn.Module, names: tuple[str, ...], slots: int, batch: SlotBatch
+) -> dict[str, SlotLoraLinear]:
+    """Replace every linear layer whose last name is in `names` with a slot wrapper, in place;
+    returns the wrappers by module name (as `named_modules` gives it)."""
+    wrappers: dict[str, SlotLoraLinear] = {}
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if child_name in names and isinstance(child, nn.Linear):
+                wrapper = SlotLoraLinear(child, slots, batch)
+                setattr(parent, child_name, wrapper)
+                wrappers[f"{parent_name}.{child_name}" if parent_name else child_name] = wrapper
+    return wrappers
+
+
+def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's scaling of a LoRA pair: alpha / rank, or alpha / sqrt(rank) for rsLoRA."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
