@@ -35,3 +35,18 @@ def test_register_benchmark_writes_its_percentiles(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["revisions"] == 4
     assert 0 < result["register_p50_s"] <= result["register_p95_s"]
+
+
+def test_batching_benchmark_writes_its_ratios_and_modes_agree(tmp_path: Path) -> None:
+    out = tmp_path / "batching.json"
+    subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "batching.py"), "--scale", "0.0625", "--adapters",
+         "4", "--runs", "1", "--out", str(out)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    result = json.loads(out.read_text())
+    for key in ("mixed_over_base", "mixed_over_peft_switching", "mixed_over_peft_mixed"):
+        assert result[key] > 0
+    # MinT's mixed batch and both PEFT ways give the same tokens for the same requests.
+    assert result["same_tokens"] == {"peft_switching": True, "peft_mixed": True}
