@@ -128,7 +128,7 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     import dataclasses
 
     from flows.deployments import start_flow_server
-    from mint_core.services import ManagedProcess, start_mlflow, start_prefect
+    from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from serving.server import start_worker
 
     started: list[ManagedProcess] = []
@@ -156,8 +156,7 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        for service in reversed(started):
-            service.stop()
+        stop_all(started)
         print("stopped: " + ", ".join(service.name for service in reversed(started)), flush=True)
 
 

@@ -13,7 +13,7 @@ from mint_cli import format_stage_times, format_table, status_rows
 from mint_core.base_model import load_base
 from mint_core.config import MintConfig
 from mint_core.datasets import Task, held_out_words, prompt_for
-from mint_core.services import ManagedProcess, start_mlflow
+from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.client import WorkerClient
 from serving.server import start_worker
 
@@ -44,8 +44,7 @@ def run_demo(config: MintConfig, steps: int) -> None:
         os.environ["MINT_WORKER_URLS"] = worker.url
         _release_and_compare(config, steps)
     finally:
-        for service in reversed(started):
-            service.stop()
+        stop_all(started)
         print("stopped the worker and the MLflow server")
 
 

@@ -13,6 +13,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,6 +57,12 @@ class ManagedProcess:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+def stop_all(services: Sequence[ManagedProcess]) -> None:
+    """Stop several services at once: each gets its grace period, in parallel, not in turn."""
+    with ThreadPoolExecutor(max(1, len(services))) as pool:
+        list(pool.map(ManagedProcess.stop, services))
 
 
 def answers(url: str) -> bool:
