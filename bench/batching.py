@@ -33,8 +33,6 @@ from mint_core.training import ALL_PROJECTIONS
 from serving.engine import BASE, TorchEngine
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
-PROMPT_CHARS = 15  # + "=": every prompt is 16 tokens
-NEW_TOKENS = 16
 
 
 def build_base(scale: float) -> BaseModel:
@@ -48,7 +46,7 @@ def build_base(scale: float) -> BaseModel:
     )
     with seeded(0):
         model = LlamaForCausalLM(spec.llama_config()).eval().requires_grad_(False)
-    # Never end early: every request generates exactly NEW_TOKENS tokens in every mode.
+    # Never end early: every request generates exactly its --new-tokens in every mode.
     eos = torch.tensor([model.config.eos_token_id])
     model.lm_head.register_forward_hook(lambda _m, _i, logits: logits.index_fill(-1, eos, -1e9))
     return BaseModel(spec=spec, model=model, digest="sha256:bench", path=Path("."))
@@ -72,6 +70,8 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=8, help="per request")
+    parser.add_argument("--new-tokens", type=int, default=48, help="per request (EOS masked)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -85,7 +85,8 @@ def main() -> None:
     lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(ALL_PROJECTIONS))
     states = adapter_states(base, lora, args.adapters)
     names = [f"adapter-{n:02d}" for n in range(args.adapters)]
-    prompts = [(w * 4)[:PROMPT_CHARS] + "=" for w in held_out_words(args.adapters)]
+    # Every prompt is `--prompt-tokens` long: a word repeated, cut, then "=".
+    prompts = [(w * 8)[: args.prompt_tokens - 1] + "=" for w in held_out_words(args.adapters)]
 
     peft = PeftModel(copy.deepcopy(base.model), lora, adapter_name=names[0])
     for name, state in zip(names, states, strict=True):
@@ -99,19 +100,19 @@ def main() -> None:
         engine.load(name, config, state)
 
     def mint(keys: list[str]) -> list[tuple[int, ...]]:
-        return [g.token_ids for g in engine.generate(prompts, keys, NEW_TOKENS)]
+        return [g.token_ids for g in engine.generate(prompts, keys, args.new_tokens)]
 
     def peft_switching() -> list[tuple[int, ...]]:
         tokens = []
         for name, prompt in zip(names, prompts, strict=True):
             peft.set_adapter(name)
-            generation = greedy_generate(peft, engine.tokenizer, [prompt], NEW_TOKENS)[0]
+            generation = greedy_generate(peft, engine.tokenizer, [prompt], args.new_tokens)[0]
             tokens.append(generation.token_ids)
         return tokens
 
     def peft_mixed() -> list[tuple[int, ...]]:
         generations = greedy_generate(
-            peft, engine.tokenizer, prompts, NEW_TOKENS, adapter_names=names
+            peft, engine.tokenizer, prompts, args.new_tokens, adapter_names=names
         )
         return [g.token_ids for g in generations]
 
@@ -128,8 +129,8 @@ def main() -> None:
             start = time.perf_counter()
             run()
             samples[name].append(time.perf_counter() - start)
-    tokens = len(prompts) * NEW_TOKENS
-    assert all(len(t) == NEW_TOKENS for t in outputs["mixed"])
+    tokens = len(prompts) * args.new_tokens
+    assert all(len(t) == args.new_tokens for t in outputs["mixed"])
     same = {name: outputs[name] == outputs["mixed"] for name in ("peft_switching", "peft_mixed")}
     per_s = {name: tokens / statistics.median(times) for name, times in samples.items()}
     for name, rate in per_s.items():
@@ -148,8 +149,8 @@ def main() -> None:
         "parameters": params,
         "adapters": args.adapters,
         "rank": args.rank,
-        "prompt_tokens": PROMPT_CHARS + 1,
-        "new_tokens": NEW_TOKENS,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
         "runs": args.runs,
         "threads": torch.get_num_threads(),
         "tokens_per_s": per_s,

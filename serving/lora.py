@@ -1,11 +1,15 @@
 """Many LoRA adapters in one batch, by gathered batched matmuls (Punica's and S-LoRA's idea).
 
 Every adapted projection of the resident base is wrapped once. The wrapper keeps the adapters'
-weights stacked in device slots, `A: [slots, rank_max, in]` and `B: [slots, out, rank_max]`, and
-each batch row names its slot. A forward pass computes the base projection for the whole batch
-and adds, per row, `scaling[slot] * (x @ A[slot].T) @ B[slot].T` with two batched matmuls over
-the gathered slots. Slot 0 is all zeros: the base alone. Adapters of lower rank are zero-padded
-to `rank_max`, which adds exact zeros and so changes nothing.
+weights stacked in device slots, `A: [slots, rank_max, in]` and `B` transposed,
+`Bt: [slots, rank_max, out]`, and each batch row names its slot. A forward pass computes the base
+projection for the whole batch and adds, per row, `scaling[slot] * (x @ A[slot].T) @ Bt[slot]`
+with two batched matmuls over the rows' slots. Slot 0 is all zeros: the base alone. Adapters of
+lower rank are zero-padded to `rank_max`, which adds exact zeros and so changes nothing.
+
+The rows' slots are gathered into contiguous per-row stacks once per batch, at its first forward
+(the prefill), and reused at every decode step: a step then reads each row's adapter once, as
+the base reads its weights, instead of copying them again.
 """
 
 import math
@@ -24,6 +28,8 @@ class SlotBatch:
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
         """[batch] slot indices, or None when every row is served by the base alone."""
+        self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        """Per wrapper: its slots gathered for this batch's rows (A.T, Bt, scaling)."""
 
     @contextmanager
     def rows(self, slot_ids: list[int], device: torch.device) -> Iterator[None]:
@@ -35,6 +41,7 @@ class SlotBatch:
             yield
         finally:
             self.slot_ids = None
+            self.gathered = {}
 
 
 class SlotLoraLinear(nn.Module):
@@ -46,7 +53,7 @@ class SlotLoraLinear(nn.Module):
         self.batch = batch
         like = {"dtype": base.weight.dtype, "device": base.weight.device}
         self.register_buffer("lora_A", torch.zeros(slots, 0, base.in_features, **like), False)
-        self.register_buffer("lora_B", torch.zeros(slots, base.out_features, 0, **like), False)
+        self.register_buffer("lora_Bt", torch.zeros(slots, 0, base.out_features, **like), False)
         self.register_buffer("scaling", torch.zeros(slots, **like), False)
 
     @property
@@ -58,10 +65,17 @@ class SlotLoraLinear(nn.Module):
         slot_ids = self.batch.slot_ids
         if slot_ids is None or self.rank_max == 0:
             return out
+        gathered = self.batch.gathered.get(id(self))
+        if gathered is None:
+            gathered = self.batch.gathered[id(self)] = (
+                self.lora_A.index_select(0, slot_ids).transpose(1, 2),  # [batch, in, rank]
+                self.lora_Bt.index_select(0, slot_ids),  # [batch, rank, out]
+                self.scaling.index_select(0, slot_ids)[:, None, None],
+            )
+        a_t, b_t, scaling = gathered
         rows = x.reshape(slot_ids.shape[0], -1, x.shape[-1])  # [batch, tokens, in]
-        down = torch.bmm(rows, self.lora_A[slot_ids].transpose(1, 2))  # [batch, tokens, rank]
-        delta = torch.bmm(down, self.lora_B[slot_ids].transpose(1, 2))  # [batch, tokens, out]
-        return out + (delta * self.scaling[slot_ids][:, None, None]).reshape(out.shape)
+        delta = torch.bmm(torch.bmm(rows, a_t), b_t)  # [batch, tokens, out]
+        return out + (delta * scaling).reshape(out.shape)
 
     def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
         """Put one adapter's pair (`a`: [rank, in], `b`: [out, rank]) into `slot`."""
@@ -70,22 +84,22 @@ class SlotLoraLinear(nn.Module):
             self._grow(rank)
         self.clear(slot)
         self.lora_A[slot, :rank].copy_(a)
-        self.lora_B[slot, :, :rank].copy_(b)
+        self.lora_Bt[slot, :rank].copy_(b.T)
         self.scaling[slot] = scaling
 
     def clear(self, slot: int) -> None:
         self.lora_A[slot].zero_()
-        self.lora_B[slot].zero_()
+        self.lora_Bt[slot].zero_()
         self.scaling[slot] = 0.0
 
     def _grow(self, rank: int) -> None:
         """Widen every slot to `rank` (at load time, never during a batch)."""
-        slots, old, features = self.lora_A.shape
-        wider_a = self.lora_A.new_zeros(slots, rank, features)
+        slots, old, _ = self.lora_A.shape
+        wider_a = self.lora_A.new_zeros(slots, rank, self.lora_A.shape[2])
         wider_a[:, :old] = self.lora_A
-        wider_b = self.lora_B.new_zeros(slots, self.lora_B.shape[1], rank)
-        wider_b[:, :, :old] = self.lora_B
-        self.lora_A, self.lora_B = wider_a, wider_b
+        wider_b = self.lora_Bt.new_zeros(slots, rank, self.lora_Bt.shape[2])
+        wider_b[:, :old] = self.lora_Bt
+        self.lora_A, self.lora_Bt = wider_a, wider_b
 
 
 def wrap_projections(
