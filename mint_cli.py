@@ -4,6 +4,7 @@ imports it). Environment variables are read here and at the other edges, never o
 import argparse
 import getpass
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -131,6 +132,10 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from serving.server import start_worker
 
+    # Ctrl-C and SIGTERM stop everything, even where a parent started us with SIGINT ignored
+    # (as shells do for background jobs).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     started: list[ManagedProcess] = []
     try:
         mlflow = start_mlflow(config.home, args.mlflow_port)
