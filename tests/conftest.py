@@ -1,6 +1,7 @@
 """Session fixtures: a tiny base, a real `mlflow server`, a real worker process and Prefect's
 local API, all on loopback, started once per session and always stopped."""
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import boto3
 import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
 
 # Prefect reads its settings when first imported, and a bare import writes to PREFECT_HOME:
 # point it at a temporary folder before any test module imports it.
@@ -42,6 +45,7 @@ from mint_core.config import MintConfig  # noqa: E402
 from mint_core.packing import PackedIndex  # noqa: E402
 from mint_core.revisions import RevisionId  # noqa: E402
 from mint_core.services import ManagedProcess, start_mlflow, start_s3  # noqa: E402
+from mint_core.textgen import seeded  # noqa: E402
 from mint_core.training import TrainingConfig  # noqa: E402
 from serving.client import WorkerClient  # noqa: E402
 from serving.server import start_worker  # noqa: E402
@@ -69,6 +73,18 @@ def register_step_by_step(
     packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)
     return register_revision.fn(config, adapter, trained, frozen, exported, "test"), exported, index
+
+
+def random_lora(model: torch.nn.Module, lora: LoraConfig, seed: int, std: float) -> PeftModel:
+    """A PEFT LoRA over a copy of `model` with random non-zero weights: a stand-in for one that
+    learned something (PEFT initialises B to zero, which would change nothing)."""
+    with seeded(seed):
+        peft = get_peft_model(copy.deepcopy(model), lora)
+        with torch.no_grad():
+            for name, parameter in peft.named_parameters():
+                if "lora_" in name:
+                    parameter.normal_(0.0, std)
+    return peft.eval()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

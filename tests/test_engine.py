@@ -2,19 +2,19 @@
 adapter gives alone, what PEFT's own PeftModel gives, and the base bit for bit where the
 adapter is zero."""
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model_state_dict
 
 from mint_core.base_model import BaseModel, BaseModelSpec, load_base
 from mint_core.datasets import held_out_words, prompt_for
 from mint_core.errors import IntegrityError, ServiceError
-from mint_core.textgen import greedy_generate, left_padded, seeded
+from mint_core.textgen import greedy_generate, left_padded
 from mint_core.tokenizer import CharTokenizer
 from serving.engine import BASE, TorchEngine
+from tests.conftest import random_lora
 
 SPEC = BaseModelSpec(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                      pretrain_steps=0)  # fmt: skip
@@ -39,13 +39,7 @@ def random_adapter(
     """A LoRA with random (non-zero) weights; odd seeds use rsLoRA scaling."""
     lora = LoraConfig(r=rank, lora_alpha=2 * rank + seed, use_rslora=seed % 2 == 1,
                       target_modules=targets or PROJECTIONS)  # fmt: skip
-    with seeded(seed):
-        model = get_peft_model(copy.deepcopy(base.model), lora)
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_" in name:
-                    parameter.normal_(0.0, 0.2)
-    return lora, model.eval()
+    return lora, random_lora(base.model, lora, seed, std=0.2)
 
 
 def config_of(lora: LoraConfig) -> dict[str, object]:

@@ -6,8 +6,7 @@ import copy
 from pathlib import Path
 
 import pytest
-import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 
 from mint_cli import main as mint
 from mint_core.base_model import BaseModel, BaseModelSpec, load_base
@@ -17,9 +16,10 @@ from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundErro
 from mint_core.imports import inspect_import
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
-from mint_core.textgen import greedy_generate, seeded
+from mint_core.textgen import greedy_generate
 from mint_core.tokenizer import CharTokenizer
 from serving.client import WorkerClient
+from tests.conftest import random_lora
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,9 @@ PROMPTS = [prompt_for(word) for word in held_out_words()[:16]]
 def made_elsewhere(base: BaseModel, folder: Path, lora: LoraConfig, seed: int) -> Path:
     """A PEFT adapter as another team's training would save it: random (non-zero) LoRA weights
     standing in for whatever they learned, saved with PeftModel.save_pretrained."""
-    with seeded(seed):
-        model = get_peft_model(copy.deepcopy(base.model), lora)
-        with torch.no_grad():
-            for name, parameter in model.named_parameters():
-                if "lora_" in name:
-                    parameter.normal_(0.0, 0.3)
-    model.save_pretrained(folder, save_embedding_layers=False)
+    random_lora(base.model, lora, seed, std=0.3).save_pretrained(
+        folder, save_embedding_layers=False
+    )
     return folder
 
 
