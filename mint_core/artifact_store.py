@@ -18,6 +18,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError, ServiceError
+from mint_core.folders import publish_folder
 from mint_core.packing import INDEX, PackedIndex, verify
 
 
@@ -208,9 +209,7 @@ class S3ArtifactStore:
                 return target
             except IntegrityError:
                 shutil.rmtree(target)  # a damaged cache entry: fetch the artifact again
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".fetch-", dir=target.parent))
-        try:
+        with publish_folder(target, prefix=".fetch-") as staging:
             self._download(self.index_key(digest), staging / INDEX, uri)
             index = PackedIndex.read(staging)
             for shard in index.shards:
@@ -219,14 +218,6 @@ class S3ArtifactStore:
                 verify(staging)
             except IntegrityError as e:
                 raise IntegrityError(f"artifact {uri} in the store is damaged: {e}") from None
-            try:
-                os.rename(staging, target)
-            except OSError:
-                if not target.is_dir():
-                    raise
-                # Another process sharing this cache fetched the same artifact first.
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
         return target
 
     def holds(self, uri: str) -> bool:

@@ -8,9 +8,6 @@ digest, the sha256 of its weights file, is what every adapter's policy record is
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from mint_core.datasets import Task, training_stream
 from mint_core.digests import sha256_file
 from mint_core.errors import ConfigurationError
+from mint_core.folders import publish_folder
 from mint_core.textgen import batch_examples, seeded
 from mint_core.tokenizer import CharTokenizer
 
@@ -125,20 +123,10 @@ def load_base(spec: BaseModelSpec, home: Path) -> BaseModel:
 
 def _build_into(spec: BaseModelSpec, folder: Path) -> None:
     """Pretrain and save atomically, so a crash or a concurrent builder never leaves half a base."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
     model = _pretrain(spec)
-    staging = Path(tempfile.mkdtemp(prefix=f".{spec.key}-", dir=folder.parent))
-    try:
+    with publish_folder(folder, prefix=f".{spec.key}-") as staging:
         model.save_pretrained(staging)
         (staging / "mint-spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True))
-        try:
-            os.rename(staging, folder)
-        except OSError:
-            if not (folder / _WEIGHTS_FILE).exists():
-                raise
-            # Another process finished the same spec first; its bytes are identical.
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _pretrain(spec: BaseModelSpec) -> LlamaForCausalLM:

@@ -6,15 +6,14 @@ bytes twice yields the same folder and a crash never leaves half of one.
 """
 
 import json
-import os
 import shutil
 import stat
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from mint_core.digests import sha256_file, sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError
+from mint_core.folders import publish_folder
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -47,21 +46,12 @@ def freeze(adapter_dir: Path, frozen_root: Path) -> FrozenAdapter:
     digest = sha256_json(files)
     target = frozen_root / digest.removeprefix("sha256:")
     if not target.exists():
-        frozen_root.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".freeze-", dir=frozen_root))
-        try:
+        with publish_folder(target, prefix=".freeze-") as staging:
             for source in sources:
                 shutil.copyfile(source, staging / source.name)
             (staging / MANIFEST).write_text(json.dumps(files, indent=2, sort_keys=True))
             for item in staging.iterdir():
                 item.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH)
-            try:
-                os.rename(staging, target)
-            except OSError:
-                if not target.exists():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
     return open_frozen(target)
 
 
