@@ -97,7 +97,7 @@ def main() -> None:
     engine = TorchEngine(base, slots=args.adapters)
     config = lora.to_dict() | {"target_modules": sorted(ALL_PROJECTIONS)}
     for name, state in zip(names, states, strict=True):
-        engine.load(name, config, state)
+        engine.load(engine.prepare(name, config, state))
 
     def mint(keys: list[str]) -> list[tuple[int, ...]]:
         return [g.token_ids for g in engine.generate(prompts, keys, args.new_tokens)]

@@ -68,8 +68,18 @@ class MintConfig:
     api_keys: Mapping[str, str] = field(default_factory=dict)
     """Worker API keys -> principals (`MINT_API_KEYS` as `key=principal,...`, or
     `MINT_API_KEYS_FILE`, a JSON object). Never hard-coded."""
+    device_slots: int = 64
+    """Adapters a worker holds beside the base at once (`MINT_DEVICE_SLOTS`)."""
+    host_cache_mb: int = 1024
+    """Host memory for verified adapter weights, in MiB (`MINT_HOST_CACHE_MB`); a revision is
+    ready on a worker only while it is in this cache."""
+    max_batch: int = 64
+    """Most sequences a worker decodes in one step (`MINT_MAX_BATCH`)."""
 
     def __post_init__(self) -> None:
+        for name in ("device_slots", "host_cache_mb", "max_batch"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
         if not self.worker_urls:
             raise ConfigurationError("worker_urls is empty; name at least one serving worker")
         for url in (self.tracking_uri, *self.worker_urls):
@@ -108,6 +118,9 @@ class MintConfig:
             s3_endpoint_url=env.get("MINT_S3_ENDPOINT_URL") or None,
             retrain=RetrainSchedule.parse_all(env.get("MINT_RETRAIN", "")),
             api_keys=_api_keys(env),
+            device_slots=_integer(env, "MINT_DEVICE_SLOTS", 64),
+            host_cache_mb=_integer(env, "MINT_HOST_CACHE_MB", 1024),
+            max_batch=_integer(env, "MINT_MAX_BATCH", 64),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -123,6 +136,9 @@ class MintConfig:
             "MINT_S3_ENDPOINT_URL": self.s3_endpoint_url or "",
             "MINT_RETRAIN": ";".join(f"{r.adapter}:{r.task}:{r.cron}" for r in self.retrain),
             "MINT_API_KEYS": ",".join(f"{key}={who}" for key, who in self.api_keys.items()),
+            "MINT_DEVICE_SLOTS": str(self.device_slots),
+            "MINT_HOST_CACHE_MB": str(self.host_cache_mb),
+            "MINT_MAX_BATCH": str(self.max_batch),
         }
 
 
@@ -136,3 +152,13 @@ def _api_keys(env: Mapping[str, str]) -> dict[str, str]:
                 f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
             ) from e
     return keys
+
+
+def _integer(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name, "")
+    if not text.strip():
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigurationError(f"{name}={text!r} is not a whole number") from None

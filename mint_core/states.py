@@ -63,18 +63,22 @@ class Readiness(StrEnum):
     """The worker has not been asked to hold it."""
     QUEUED = "queued"
     """Admitted, waiting for a prewarm slot."""
-    PREWARMING = "prewarming"
-    """Fetching, verifying and loading, then a warm-up forward."""
+    FETCHING = "fetching"
+    """Prewarm phase 1: fetching and verifying its artifact into the host cache."""
+    WARMING = "warming"
+    """Prewarm phase 2: loading it into a device slot and running a warm-up forward."""
     READY = "ready"
-    """Loaded and warmed: requests for it are served."""
+    """In the host cache and warmed: requests for it are served."""
     FAILED = "failed"
     """Prewarm failed; the reason is kept. It can be admitted again."""
 
 
 _READINESS_MOVES: Mapping[Readiness, frozenset[Readiness]] = {
     Readiness.NOT_ADMITTED: frozenset({Readiness.QUEUED}),
-    Readiness.QUEUED: frozenset({Readiness.PREWARMING, Readiness.FAILED}),
-    Readiness.PREWARMING: frozenset({Readiness.READY, Readiness.FAILED}),
+    Readiness.QUEUED: frozenset({Readiness.FETCHING, Readiness.FAILED}),
+    Readiness.FETCHING: frozenset({Readiness.WARMING, Readiness.FAILED}),
+    Readiness.WARMING: frozenset({Readiness.READY, Readiness.FAILED}),
+    # Evicted from the host cache: it must be admitted again before it serves.
     Readiness.READY: frozenset({Readiness.NOT_ADMITTED}),
     Readiness.FAILED: frozenset({Readiness.QUEUED}),
 }

@@ -4,6 +4,7 @@ import contextlib
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import torch
 from torch import nn
@@ -46,30 +47,51 @@ def batch_examples(
     return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
 
 
+class FinishReason(StrEnum):
+    """Why a generation ended (TGI's names)."""
+
+    LENGTH = "length"
+    """It reached max_new_tokens."""
+    EOS_TOKEN = "eos_token"
+    """The model emitted end-of-sequence."""
+    STOP_SEQUENCE = "stop_sequence"
+    """Its text ended with one of the request's stop sequences."""
+
+
 @dataclass(frozen=True)
 class Generation:
-    """One row's greedy continuation."""
+    """One row's continuation."""
 
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     """Log-probability of each generated token under the model that produced it."""
-    finished: bool
-    """True when the model emitted end-of-sequence (rather than hitting the length limit)."""
+    finish_reason: FinishReason
+    seed: int | None = None
+    """The sampling seed, when the tokens were sampled."""
+
+    @property
+    def finished(self) -> bool:
+        """True when the generation ended by itself, not at the length limit."""
+        return self.finish_reason is not FinishReason.LENGTH
+
+
+def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows padded on the left to one width, and their attention mask."""
+    width = max(len(ids) for ids in rows)
+    input_ids = torch.full((len(rows), width), pad_id)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for row, ids in enumerate(rows):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, width - len(ids) :] = 1
+    return input_ids, attention_mask
 
 
 def left_padded(
     tokenizer: CharTokenizer, prompts: Sequence[str]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids of a batch of prompts, padded on the left, and their attention mask."""
-    encoded = [tokenizer.encode(prompt) for prompt in prompts]
-    width = max(len(ids) for ids in encoded)
-    input_ids = torch.full((len(encoded), width), tokenizer.pad_id)
-    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, ids in enumerate(encoded):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids)
-        attention_mask[row, width - len(ids) :] = 1
-    return input_ids, attention_mask
+    return pad_left([tokenizer.encode(prompt) for prompt in prompts], tokenizer.pad_id)
 
 
 @torch.inference_mode()
@@ -101,13 +123,13 @@ def greedy_generate(
     for row in range(len(prompts)):
         ids: list[int] = []
         logprobs: list[float] = []
-        finished = False
+        reason = FinishReason.LENGTH
         for step, token in enumerate(new_tokens[row].tolist()):
             ids.append(token)
             logprobs.append(step_logprobs[row, step, token].item())
             if token == tokenizer.eos_id:
-                finished = True
+                reason = FinishReason.EOS_TOKEN
                 break
         text = tokenizer.decode(ids)
-        results.append(Generation(text, tuple(ids), tuple(logprobs), finished))
+        results.append(Generation(text, tuple(ids), tuple(logprobs), reason))
     return results

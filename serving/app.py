@@ -1,17 +1,28 @@
-"""The worker's HTTP API: TGI's `/generate`, OpenAI's `/v1/completions` and `/v1/models`,
-adapter readiness, admission and health.
+"""The worker's HTTP API.
+
+- TGI: `POST /generate`, `POST /generate_stream` (server-sent events), and `POST /` (what
+  `huggingface_hub.InferenceClient.text_generation` sends, streaming or not);
+  `parameters.adapter_id` names the revision (`name@alias` or `name:rN`; none: the base).
+- OpenAI: `/v1/completions`, `/v1/chat/completions` (both streaming too), `/v1/models` (ready
+  revisions, `parent` = the base); `model` names the revision or the base.
+- MinT: `GET /v1/adapters/{name}` (readiness and residency per revision), `POST /admin/admit`,
+  `/health`, `/metrics` (Prometheus).
 
 Errors are JSON in TGI's shape (`error`, `error_type`) plus the names that explain them:
-unknown adapter -> 404, not ready -> 503 with Retry-After, bad request -> 422.
+unknown adapter -> 404, not ready -> 503 with Retry-After, bad request -> 422. Inside a stream,
+an error is one last event of that shape.
 """
 
+import json
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
+import anyio
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.access import ANONYMOUS, principal_for
@@ -19,42 +30,109 @@ from mint_core.errors import (
     AccessDeniedError,
     AuthenticationError,
     ConfigurationError,
+    MintError,
     NotFoundError,
     RegistryError,
 )
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
-from mint_core.textgen import Generation
+from mint_core.textgen import FinishReason, Generation
+from serving.sampling import SamplingParams
+from serving.scheduler import Request as Generating
+from serving.scheduler import TokenEvent
 from serving.worker import ReadinessEntry, RevisionNotReady, Worker
 
 RETRY_AFTER_S = 1
 REVISION_HEADER = "X-Mint-Revision"
+HANDLER_THREADS = 256
+"""Blocking handlers (each waits on its generation) run in threads: allow many at once."""
 
 
 class GenerateParameters(BaseModel):
-    """TGI's generation parameters; fields TGI clients send that greedy decoding ignores are
-    accepted and dropped."""
+    """TGI's generation parameters; the ones MinT does not implement (watermark, grammar,
+    repetition penalties...) are accepted and ignored, as TGI clients always send them."""
 
     model_config = ConfigDict(extra="ignore")
 
     adapter_id: str | None = None
-    max_new_tokens: int = Field(20, ge=1, le=60)
+    max_new_tokens: int | None = Field(20, ge=1)
     details: bool = False
     do_sample: bool = False
     temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    stop: list[str] | None = None
+    return_full_text: bool | None = False
+
+    def sampling(self) -> SamplingParams:
+        # TGI samples when asked to, or when any sampling knob moves off its neutral value.
+        sample = self.do_sample or any(
+            (self.temperature not in (None, 0, 1.0), self.top_k, (self.top_p or 1) < 1)
+        )
+        return SamplingParams(
+            max_new_tokens=self.max_new_tokens or 20,
+            temperature=(self.temperature or 1.0) if sample else 0.0,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(self.stop or ()),
+        )
 
 
 class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
     inputs: str
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
+    stream: bool = False
 
 
-class CompletionRequest(BaseModel):
+class OpenAIRequest(BaseModel):
+    """What `/v1/completions` and `/v1/chat/completions` share."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        if self.n != 1:
+            raise ConfigurationError(f"n={self.n}: this worker returns one choice; send n=1")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return SamplingParams(
+            max_new_tokens=max_tokens or self.max_tokens or 16,
+            # OpenAI's default temperature is 1: requests sample unless they say otherwise.
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=self.top_p,
+            seed=self.seed,
+            stop=tuple(stop),
+        )
+
+
+class CompletionRequest(OpenAIRequest):
     prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1, le=60)
-    temperature: float | None = Field(None, ge=0)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str
+
+
+class ChatRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    def prompt(self) -> str:
+        # The tiny base has no chat template: the prompt is the messages' text, in order.
+        return "\n".join(message.content for message in self.messages)
 
 
 class AdmitRequest(BaseModel):
@@ -77,19 +155,34 @@ def entry_json(entry: ReadinessEntry) -> dict[str, object]:
     }
 
 
-def _refuse_sampling(do_sample: bool, temperature: float | None) -> None:
-    if do_sample or (temperature or 0) > 0:
-        raise ConfigurationError(
-            f"sampling (do_sample={do_sample}, temperature={temperature}) is not available on "
-            "this worker; it decodes greedily: send do_sample=false and temperature 0 or none"
-        )
+def _sse(payload: object) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _openai_finish(generation: Generation) -> Literal["stop", "length"]:
+    return "length" if generation.finish_reason is FinishReason.LENGTH else "stop"
+
+
+def _openai_text(generation: Generation, stop: tuple[str, ...]) -> str:
+    """OpenAI leaves the stop sequence out of the text (TGI keeps it)."""
+    if generation.finish_reason is FinishReason.STOP_SEQUENCE:
+        hit = next(s for s in stop if generation.text.endswith(s))
+        return generation.text[: -len(hit)]
+    return generation.text
 
 
 def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> FastAPI:
     """The worker's API. With `api_keys`, `Authorization: Bearer <key>` names the principal
     (no header: anonymous); without, every request is anonymous and the header is ignored."""
-    app = FastAPI(title="MinT serving worker")
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> Iterator[None]:  # type: ignore[misc]
+        anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
+        yield
+
+    app = FastAPI(title="MinT serving worker", lifespan=lifespan)
     engine = worker.engine
+    tokenizer = engine.tokenizer
     base_id = engine.base.model_id
     keys = dict(api_keys or {})
 
@@ -133,75 +226,216 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
         return response
 
-    def run(
-        prompt: str, ref: RevisionRef | None, max_new_tokens: int, who: str
-    ) -> tuple[str, Generation]:
-        revision, key = worker.route(ref, who)
-        prompt_tokens = len(engine.tokenizer.encode(prompt))
-        limit = engine.base.spec.max_positions
-        if prompt_tokens + max_new_tokens > limit:
-            raise ConfigurationError(
-                f"prompt of {prompt_tokens} tokens plus max_new_tokens={max_new_tokens} exceeds "
-                f"the base model's {limit} positions; shorten the prompt or ask for fewer tokens"
-            )
-        generation = engine.generate([prompt], [key], max_new_tokens)[0]
-        return (str(revision) if revision else base_id), generation
+    @app.exception_handler(MintError)
+    def other_failure(_: Request, e: MintError) -> JSONResponse:
+        return _error(503, type(e).__name__, str(e))
 
-    @app.get("/health")
-    def health() -> dict[str, object]:
-        return {"status": "ok", "base_model": base_id, "base_digest": engine.base.digest}
+    def start(
+        prompt: str, model: str | None, params: SamplingParams, who: str
+    ) -> tuple[str, Generating]:
+        """Route `model` (a revision reference, or none/the base id for the base) through the
+        readiness gate and queue the generation; the name of what serves it, and the request."""
+        ref = None if model in (None, "", base_id, "base") else RevisionRef.parse(model)
+        revision, key = worker.route(ref, who)
+        return (str(revision) if revision else base_id), worker.generate(prompt, key, params)
+
+    def streamed(
+        generating: Generating, served: str, events: Callable[[TokenEvent | Generation], str]
+    ) -> StreamingResponse:
+        def body() -> Iterator[str]:
+            try:
+                for event in generating.events():
+                    if text := events(event):
+                        yield text
+            except MintError as e:
+                yield _sse({"error": str(e), "error_type": type(e).__name__})
+            finally:
+                generating.cancel()  # a no-op once finished; frees the row if the client left
+
+        return StreamingResponse(
+            body(), media_type="text/event-stream", headers={REVISION_HEADER: served}
+        )
+
+    # TGI.
+
+    def tgi_token(event: TokenEvent) -> dict[str, object]:
+        return {
+            "id": event.token_id,
+            "text": event.text,
+            "logprob": event.logprob,
+            "special": event.token_id < 32,
+        }
+
+    def tgi_details(generation: Generation) -> dict[str, object]:
+        return {
+            "finish_reason": generation.finish_reason.value,
+            "generated_tokens": len(generation.token_ids),
+            "seed": generation.seed,
+        }
+
+    def tgi_generate(body: GenerateRequest, who: str) -> tuple[dict[str, object], str]:
+        params = body.parameters
+        served, generating = start(body.inputs, params.adapter_id, params.sampling(), who)
+        generation = generating.result()
+        prefix = body.inputs if params.return_full_text else ""
+        payload: dict[str, object] = {"generated_text": prefix + generation.text}
+        if params.details:
+            tokens = [
+                tgi_token(TokenEvent(t, tokenizer.token_text(t), p))
+                for t, p in zip(generation.token_ids, generation.logprobs, strict=True)
+            ]
+            payload["details"] = tgi_details(generation) | {"prefill": [], "tokens": tokens}
+        return payload, served
+
+    def tgi_stream(body: GenerateRequest, who: str) -> StreamingResponse:
+        params = body.parameters
+        served, generating = start(body.inputs, params.adapter_id, params.sampling(), who)
+        prefix = body.inputs if params.return_full_text else ""
+        # Each token is sent when the next event comes: the last one carries the totals.
+        pending: list[TokenEvent] = []
+        sent = 0
+
+        def event(e: TokenEvent | Generation) -> str:
+            nonlocal sent
+            out = ""
+            if pending:
+                final = e if isinstance(e, Generation) else None
+                out = _sse(
+                    {
+                        "index": sent,
+                        "token": tgi_token(pending.pop()),
+                        "generated_text": prefix + final.text if final else None,
+                        "details": tgi_details(final) if final else None,
+                    }
+                )
+                sent += 1
+            if isinstance(e, TokenEvent):
+                pending.append(e)
+            return out
+
+        return streamed(generating, served, event)
 
     @app.post("/generate")
     def generate(body: GenerateRequest, who: Principal) -> JSONResponse:
-        params = body.parameters
-        _refuse_sampling(params.do_sample, params.temperature)
-        ref = RevisionRef.parse(params.adapter_id) if params.adapter_id else None
-        served, generation = run(body.inputs, ref, params.max_new_tokens, who)
-        payload: dict[str, object] = {"generated_text": generation.text}
-        if params.details:
-            payload["details"] = {
-                "finish_reason": "eos_token" if generation.finished else "length",
-                "generated_tokens": len(generation.token_ids),
-                "seed": None,
-                "prefill": [],
-                "tokens": [
-                    {
-                        "id": token,
-                        "text": engine.tokenizer.token_text(token),
-                        "logprob": logprob,
-                        "special": token < 32,
-                    }
-                    for token, logprob in zip(
-                        generation.token_ids, generation.logprobs, strict=True
-                    )
-                ],
-            }
+        payload, served = tgi_generate(body, who)
         return JSONResponse(payload, headers={REVISION_HEADER: served})
 
-    @app.post("/v1/completions")
-    def completions(body: CompletionRequest, who: Principal) -> JSONResponse:
-        _refuse_sampling(False, body.temperature)
-        ref = None if body.model in (base_id, "base") else RevisionRef.parse(body.model)
+    @app.post("/generate_stream")
+    def generate_stream(body: GenerateRequest, who: Principal) -> StreamingResponse:
+        return tgi_stream(body, who)
+
+    @app.post("/", response_model=None)
+    def tgi_compat(body: GenerateRequest, who: Principal) -> Response:
+        """Where `InferenceClient(base_url=...).text_generation` posts: a list of one result,
+        or the stream when `stream` is true."""
+        if body.stream:
+            return tgi_stream(body, who)
+        payload, served = tgi_generate(body, who)
+        return JSONResponse([payload], headers={REVISION_HEADER: served})
+
+    # OpenAI.
+
+    def openai_stream(
+        generating: Generating,
+        served: str,
+        params: SamplingParams,
+        chunk: Callable[[str, str | None], dict[str, object]],
+    ) -> StreamingResponse:
+        # Hold back as much text as the longest stop sequence: a token event comes before the
+        # news that it completed one, and OpenAI leaves stop sequences out.
+        hold = max((len(s) for s in params.stop), default=0)
+        sent = 0
+        text = ""
+
+        def event(e: TokenEvent | Generation) -> str:
+            nonlocal sent, text
+            if isinstance(e, TokenEvent):
+                text += e.text
+                if len(text) - hold <= sent:
+                    return ""
+                piece, sent = text[sent : len(text) - hold], len(text) - hold
+                return _sse(chunk(piece, None))
+            final = _openai_text(e, params.stop)
+            tail = final[sent:] if len(final) > sent else ""
+            return _sse(chunk(tail, _openai_finish(e))) + "data: [DONE]\n\n"
+
+        return streamed(generating, served, event)
+
+    @app.post("/v1/completions", response_model=None)
+    def completions(body: CompletionRequest, who: Principal) -> Response:
+        params = body.sampling(None)
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        choices = []
-        served = base_id
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
-        for index, prompt in enumerate(prompts):
-            served, generation = run(prompt, ref, body.max_tokens, who)
-            finish: Literal["stop", "length"] = "stop" if generation.finished else "length"
-            choices.append(
-                {"index": index, "text": generation.text, "logprobs": None, "finish_reason": finish}
-            )
-            usage["prompt_tokens"] += len(engine.tokenizer.encode(prompt))
-            usage["completion_tokens"] += len(generation.token_ids)
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        payload = {
+        if not prompts:
+            raise ConfigurationError("prompt is an empty list; send at least one prompt")
+        common = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
             "created": int(time.time()),
+        }
+        if body.stream:
+            if len(prompts) != 1:
+                raise ConfigurationError("streaming takes one prompt; send a string")
+            served, generating = start(prompts[0], body.model, params, who)
+
+            def chunk(text: str, finish: str | None) -> dict[str, object]:
+                choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+                return common | {"model": served, "choices": [choice]}
+
+            return openai_stream(generating, served, params, chunk)
+        started = [start(prompt, body.model, params, who) for prompt in prompts]
+        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
+        for index, (prompt, (_, generating)) in enumerate(zip(prompts, started, strict=True)):
+            generation = generating.result()
+            choices.append(
+                {
+                    "index": index,
+                    "text": _openai_text(generation, params.stop),
+                    "logprobs": None,
+                    "finish_reason": _openai_finish(generation),
+                }
+            )
+            usage["prompt_tokens"] += len(tokenizer.encode(prompt))
+            usage["completion_tokens"] += len(generation.token_ids)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        served = started[0][0]
+        payload = common | {"model": served, "choices": choices, "usage": usage}
+        return JSONResponse(payload, headers={REVISION_HEADER: served})
+
+    @app.post("/v1/chat/completions", response_model=None)
+    def chat_completions(body: ChatRequest, who: Principal) -> Response:
+        params = body.sampling(body.max_completion_tokens)
+        prompt = body.prompt()
+        served, generating = start(prompt, body.model, params, who)
+        common = {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "created": int(time.time()),
             "model": served,
-            "choices": choices,
-            "usage": usage,
+        }
+        if body.stream:
+            first = [True]
+
+            def chunk(text: str, finish: str | None) -> dict[str, object]:
+                delta: dict[str, str] = {"content": text}
+                if first[0]:
+                    delta["role"] = "assistant"
+                    first[0] = False
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                return common | {"object": "chat.completion.chunk", "choices": [choice]}
+
+            return openai_stream(generating, served, params, chunk)
+        generation = generating.result()
+        message = {"role": "assistant", "content": _openai_text(generation, params.stop)}
+        prompt_tokens = len(tokenizer.encode(prompt))
+        payload = common | {
+            "object": "chat.completion",
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": _openai_finish(generation)}
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": len(generation.token_ids),
+                "total_tokens": prompt_tokens + len(generation.token_ids),
+            },
         }
         return JSONResponse(payload, headers={REVISION_HEADER: served})
 
@@ -215,13 +449,37 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
         ]
         return {"object": "list", "data": data}
 
+    # MinT.
+
+    @app.get("/health")
+    def health() -> dict[str, object]:
+        return {
+            "status": "ok",
+            "base_model": base_id,
+            "base_digest": engine.base.digest,
+            "queue_depth": worker.scheduler.queue_depth,
+            "batch_size": worker.scheduler.batch_size,
+        }
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(worker.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
     @app.get("/v1/adapters/{name}")
     def adapter_status(name: str) -> dict[str, object]:
         check_adapter_name(name)
         entries = worker.entries(name)
         if not entries and name not in worker.registry.adapters():
             raise NotFoundError(f"adapter {name!r} is not registered")
-        return {"adapter": name, "revisions": [entry_json(e) for e in entries]}
+        residency = worker.residency
+        revisions = []
+        for entry in entries:
+            key = str(entry.revision)
+            slot = residency.slot_of(key)
+            pins = next((e.pins for e in residency.slot_table() if e.key == key), 0)
+            tiers = {"host": residency.in_host(key), "device_slot": slot, "pins": pins}
+            revisions.append(entry_json(entry) | {"residency": tiers})
+        return {"adapter": name, "revisions": revisions}
 
     @app.post("/admin/admit", status_code=202)
     def admit(body: AdmitRequest) -> dict[str, object]:

@@ -2,16 +2,20 @@
 
 The engine owns its base model and adapts it in place: every attention and MLP projection is
 wrapped (`serving.lora`) so a batch can mix adapters row by row, each row naming its device
-slot, slot 0 being the base alone. Loading an adapter copies its LoRA pairs into a free slot;
-the base weights are never touched. Loading and generating take one lock.
+slot, slot 0 being the base alone. Loading an adapter copies its LoRA pairs into a slot (the
+worker's residency plan says which); the base weights are never touched. `step` is one forward
+pass over a batch with its key/value cache, what the continuous-batching scheduler runs;
+`generate` and `logits` run one static batch (tests, benchmarks). Each takes the engine lock.
 """
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from peft import LoraConfig, get_peft_config
 from peft.utils.other import get_pattern_key
+from transformers.cache_utils import DynamicCache
 
 from mint_core.base_model import BaseModel
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
@@ -22,9 +26,21 @@ from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_projections
 
 BASE = "__base__"
 """Adapter key of rows served by the base model alone."""
-WARMUP_PROMPT = "warm="
 DEFAULT_SLOTS = 64
 _PEFT_PREFIX = "base_model.model."
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """One adapter's LoRA pairs, checked against the base and ready to copy into a slot."""
+
+    key: str
+    pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+    """Module name -> (A `[rank, in]`, B `[out, rank]`, scaling)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b, _ in self.pairs.values())
 
 
 class TorchEngine:
@@ -36,35 +52,66 @@ class TorchEngine:
         self.base = base
         self.tokenizer = CharTokenizer()
         self.slots = slots
-        self._batch = SlotBatch()
+        self.batch = SlotBatch()
         # One slot more than adapters: slot 0 stays all zeros for base rows.
-        self._wrappers = wrap_projections(base.model, ALL_PROJECTIONS, slots + 1, self._batch)
+        self._wrappers = wrap_projections(base.model, ALL_PROJECTIONS, slots + 1, self.batch)
         self._slot_of: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()
+        """Held for each forward pass and each slot copy: a copy waits for at most one step."""
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.model.parameters()).device
 
     @property
     def adapters(self) -> frozenset[str]:
         return frozenset(self._slot_of)
 
-    def load(
-        self, key: str, adapter_config: Mapping[str, object], tensors: dict[str, torch.Tensor]
-    ) -> None:
-        """Put adapter `key` (PEFT config and tensors) into a free device slot. Idempotent."""
-        if key in self._slot_of:
-            return
+    def slot_of(self, key: str) -> int:
+        """The device slot serving `key` (BASE_SLOT for the base)."""
+        if key == BASE:
+            return BASE_SLOT
+        if key not in self._slot_of:
+            raise ConfigurationError(f"adapter {key} is not loaded on this engine")
+        return self._slot_of[key]
+
+    def prepare(
+        self, key: str, adapter_config: Mapping[str, object], tensors: Mapping[str, torch.Tensor]
+    ) -> AdapterWeights:
+        """Check adapter `key` (PEFT config and tensors) against the base: IntegrityError for
+        tensors that do not fit, ConfigurationError for what is not plain LoRA."""
         config = get_peft_config(dict(adapter_config))
         if not isinstance(config, LoraConfig) or config.use_dora:
             raise ConfigurationError(f"adapter {key} is not a plain LoRA adapter: {config}")
-        pairs = self._pairs(key, config, tensors)
-        with self._lock:
-            free = sorted(set(range(1, self.slots + 1)) - set(self._slot_of.values()))
-            if not free:
-                raise ServiceError(
-                    f"all {self.slots} device slots hold adapters; {key} cannot be loaded"
-                )
-            for module, (a, b, scaling) in pairs.items():
-                self._wrappers[module].fill(free[0], a, b, scaling)
-            self._slot_of[key] = free[0]
+        return AdapterWeights(key, self._pairs(key, config, tensors))
+
+    def load(self, weights: AdapterWeights, slot: int | None = None) -> int:
+        """Copy an adapter into device slot `slot` (whatever held it is dropped), or into the
+        first free slot; returns the slot. Loading a key already in a slot is a no-op."""
+        with self.lock:
+            if weights.key in self._slot_of and slot in (None, self._slot_of[weights.key]):
+                return self._slot_of[weights.key]
+            if slot is None:
+                free = sorted(set(range(1, self.slots + 1)) - set(self._slot_of.values()))
+                if not free:
+                    raise ServiceError(
+                        f"all {self.slots} device slots hold adapters; {weights.key} cannot "
+                        "be loaded"
+                    )
+                slot = free[0]
+            elif not 1 <= slot <= self.slots:
+                raise ConfigurationError(f"slot {slot} is not one of 1..{self.slots}")
+            self._slot_of = {
+                k: s for k, s in self._slot_of.items() if s != slot and k != weights.key
+            }
+            for module, (a, b, scaling) in weights.pairs.items():
+                self._wrappers[module].fill(slot, a, b, scaling)
+            for module in self._wrappers.keys() - weights.pairs.keys():
+                self._wrappers[module].clear(slot)
+            self._slot_of[weights.key] = slot
+            # The same rows may now mean different weights: gather them again.
+            self.batch.reset()
+            return slot
 
     def _pairs(
         self, key: str, config: LoraConfig, tensors: Mapping[str, torch.Tensor]
@@ -98,7 +145,7 @@ class TorchEngine:
 
     def unload(self, key: str) -> None:
         """Free adapter `key`'s device slot."""
-        with self._lock:
+        with self.lock:
             slot = self._slot_of.pop(key, None)
             if slot is not None:
                 for wrapper in self._wrappers.values():
@@ -108,23 +155,41 @@ class TorchEngine:
         self, prompts: Sequence[str], adapter_keys: Sequence[str], max_new_tokens: int
     ) -> list[Generation]:
         """Greedy continuations; `adapter_keys[i]` (a loaded key or BASE) serves row i."""
-        device = next(self.base.model.parameters()).device
-        with self._lock, self._batch.rows(self._slots(adapter_keys), device):
+        slots = [self.slot_of(key) for key in adapter_keys]
+        with self.lock, self.batch.rows(slots, self.device):
             return greedy_generate(self.base.model, self.tokenizer, prompts, max_new_tokens)
 
-    def _slots(self, adapter_keys: Sequence[str]) -> list[int]:
-        unknown = sorted({k for k in adapter_keys if k != BASE and k not in self._slot_of})
-        if unknown:
-            raise ConfigurationError(f"adapters {unknown} are not loaded on this engine")
-        return [BASE_SLOT if k == BASE else self._slot_of[k] for k in adapter_keys]
+    @torch.inference_mode()
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        slots: list[int],
+        cache: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """One forward pass: `input_ids` `[batch, new]` after `cache` (per layer, keys and values
+        `[batch, heads, cached, dim]`, left-padded like `attention_mask` `[batch, cached + new]`),
+        row i through device slot `slots[i]`. Returns the last position's logits `[batch, vocab]`
+        and the cache extended by the new tokens."""
+        # Each row counts positions from its own first real token, as if it ran alone.
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        with self.lock:
+            self.batch.use(slots, input_ids.device)
+            output = self.base.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=DynamicCache(ddp_cache_data=cache) if cache else None,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        extended = [(layer.keys, layer.values) for layer in output.past_key_values.layers]
+        return output.logits[:, -1], extended
 
     @torch.inference_mode()
     def logits(self, prompts: Sequence[str], adapter_keys: Sequence[str]) -> torch.Tensor:
         """Next-token logits after each prompt, `[batch, vocab]`, one adapter per row."""
         input_ids, attention_mask = left_padded(self.tokenizer, prompts)
-        with self._lock, self._batch.rows(self._slots(adapter_keys), input_ids.device):
+        slots = [self.slot_of(key) for key in adapter_keys]
+        with self.lock, self.batch.rows(slots, input_ids.device):
             return self.base.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -1]
-
-    def warm_up(self, key: str) -> Generation:
-        """A forward pass through adapter `key`, so its first request pays no first-use cost."""
-        return self.generate([WARMUP_PROMPT], [key], max_new_tokens=2)[0]

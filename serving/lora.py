@@ -30,18 +30,30 @@ class SlotBatch:
         """[batch] slot indices, or None when every row is served by the base alone."""
         self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         """Per wrapper: its slots gathered for this batch's rows (A.T, Bt, scaling)."""
+        self._rows: list[int] = []
 
-    @contextmanager
-    def rows(self, slot_ids: list[int], device: torch.device) -> Iterator[None]:
+    def use(self, slot_ids: list[int], device: torch.device) -> None:
+        """Run the next forward passes with these rows; a change of rows drops the gathers."""
+        if slot_ids == self._rows:
+            return
+        self._rows = list(slot_ids)
+        self.gathered = {}
         # A batch of base rows skips the adapter path entirely (and its gathers).
         self.slot_ids = (
             torch.tensor(slot_ids, device=device) if any(s != BASE_SLOT for s in slot_ids) else None
         )
+
+    def reset(self) -> None:
+        """Forget the rows, so that slots refilled since are gathered afresh."""
+        self.use([], torch.device("cpu"))
+
+    @contextmanager
+    def rows(self, slot_ids: list[int], device: torch.device) -> Iterator[None]:
+        self.use(slot_ids, device)
         try:
             yield
         finally:
-            self.slot_ids = None
-            self.gathered = {}
+            self.reset()
 
 
 class SlotLoraLinear(nn.Module):

@@ -21,9 +21,14 @@ log = logging.getLogger(__name__)
 
 
 def build_worker(config: MintConfig) -> Worker:
-    engine = TorchEngine(load_base(config.base, config.home))
-    store = open_store(config)
-    return Worker(engine, Registry(config.tracking_uri), store)
+    engine = TorchEngine(load_base(config.base, config.home), slots=config.device_slots)
+    return Worker(
+        engine,
+        Registry(config.tracking_uri),
+        open_store(config),
+        host_cache_bytes=config.host_cache_mb << 20,
+        max_batch=config.max_batch,
+    )
 
 
 def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:

@@ -1,9 +1,12 @@
-"""A serving worker: the resident engine plus each revision's readiness on this worker.
+"""A serving worker: the resident engine, its scheduler, the residency tiers and each
+revision's readiness on this worker.
 
 Revisions reach the engine only through admission: `admit` queues a revision, and one
-background thread prewarms queued revisions one at a time (fetch, verify, load, warm-up
-forward) before marking them ready. The request path never loads anything: `route` answers
-with the engine key of a ready revision or raises `RevisionNotReady` at once.
+background thread prewarms queued revisions one at a time, in two phases: fetch and verify the
+artifact into the host cache (`fetching`), then load it into a device slot and run a warm-up
+generation through the scheduler (`warming`); only then is it `ready`. The request path never
+fetches anything: `route` answers with the engine key of a ready revision or raises
+`RevisionNotReady` at once.
 """
 
 import logging
@@ -23,11 +26,19 @@ from mint_core.errors import (
 )
 from mint_core.packing import load as load_packed
 from mint_core.registry import Registry
+from mint_core.residency import Residency
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, transition
-from serving.engine import BASE, TorchEngine
+from serving.engine import BASE, AdapterWeights, TorchEngine
+from serving.metrics import WorkerMetrics
+from serving.sampling import SamplingParams
+from serving.scheduler import DEFAULT_MAX_BATCH, Request, Scheduler
 
 log = logging.getLogger(__name__)
+
+WARMUP_PROMPT = "warm="
+WARMUP_TIMEOUT_S = 120.0
+DEFAULT_HOST_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -51,10 +62,23 @@ class RevisionNotReady(NotReadyError):
 class Worker:
     """Readiness table, admission queue and prewarm loop around one engine."""
 
-    def __init__(self, engine: TorchEngine, registry: Registry, store: ArtifactStore) -> None:
+    def __init__(
+        self,
+        engine: TorchEngine,
+        registry: Registry,
+        store: ArtifactStore,
+        host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> None:
         self.engine = engine
         self.registry = registry
         self.store = store
+        self.residency = Residency(host_cache_bytes, engine.slots)
+        self.metrics = WorkerMetrics(self.residency)
+        self._host: dict[str, AdapterWeights] = {}
+        """The host cache's contents (the residency plan says what belongs here)."""
+        self.scheduler = Scheduler(engine, self.residency, self._host.__getitem__,
+                                   self.metrics, max_batch)  # fmt: skip
         self._table: dict[RevisionId, ReadinessEntry] = {}
         self._policies: dict[RevisionId, PolicyRecord] = {}
         self._lock = threading.Lock()
@@ -90,7 +114,7 @@ class Worker:
         with self._lock:
             current = self._table.get(revision)
             state = current.state if current else Readiness.NOT_ADMITTED
-            if state in (Readiness.QUEUED, Readiness.PREWARMING, Readiness.READY):
+            if state not in (Readiness.NOT_ADMITTED, Readiness.FAILED):
                 return current  # type: ignore[return-value]
             entry = self._set(revision, Readiness.QUEUED)
         self._queue.put(revision)
@@ -121,8 +145,16 @@ class Worker:
         check_access(registered.policy, principal, revision)
         entry = self.readiness(revision)
         if entry.state is not Readiness.READY:
+            self.metrics.not_ready.inc()
             raise RevisionNotReady(entry)
         return revision, str(revision)
+
+    def generate(self, prompt: str, key: str, params: SamplingParams) -> Request:
+        """Queue a generation for a routed engine key; iterate the request for its tokens."""
+        return self.scheduler.submit(self.engine.tokenizer.encode(prompt), key, params)
+
+    def close(self) -> None:
+        self.scheduler.stop()
 
     def _set(
         self, revision: RevisionId, state: Readiness, reason: str | None = None
@@ -136,23 +168,26 @@ class Worker:
     def _prewarm_loop(self) -> None:
         while True:
             revision = self._queue.get()
-            with self._lock:
-                self._set(revision, Readiness.PREWARMING)
             try:
                 self._prewarm(revision)
             except MintError as e:
                 log.warning("prewarm of %s failed: %s", revision, e)
-                with self._lock:
-                    self._set(revision, Readiness.FAILED, reason=str(e))
+                self._fail(revision, str(e))
             except Exception as e:  # a worker must outlive any one bad revision
                 log.exception("prewarm of %s crashed", revision)
-                with self._lock:
-                    self._set(revision, Readiness.FAILED, reason=f"{type(e).__name__}: {e}")
-            else:
-                with self._lock:
-                    self._set(revision, Readiness.READY)
+                self._fail(revision, f"{type(e).__name__}: {e}")
+
+    def _fail(self, revision: RevisionId, reason: str) -> None:
+        key = str(revision)
+        if self.residency.drop_host(key):
+            self._host.pop(key, None)
+            self.engine.unload(key)
+        with self._lock:
+            self._set(revision, Readiness.FAILED, reason=reason)
 
     def _prewarm(self, revision: RevisionId) -> None:
+        with self._lock:
+            self._set(revision, Readiness.FETCHING)
         registered = self.registry.get(revision)
         if registered.policy.base_digest != self.engine.base.digest:
             raise BaseMismatchError(
@@ -166,7 +201,25 @@ class Worker:
                 f"artifact of {revision} has content digest {index.content_digest}, the policy "
                 f"record says {registered.policy.content_digest}"
             )
-        self.engine.load(str(revision), index.adapter_config, adapter.peft_state_dict())
-        self.engine.warm_up(str(revision))
+        key = str(revision)
+        weights = self.engine.prepare(key, index.adapter_config, adapter.peft_state_dict())
+        self._host[key] = weights
+        for evicted in self.residency.put_host(key, weights.nbytes):
+            self._evicted(evicted)
+
         with self._lock:
             self._policies[revision] = registered.policy
+            self._set(revision, Readiness.WARMING)
+        warm_up = SamplingParams(max_new_tokens=2)
+        self.generate(WARMUP_PROMPT, key, warm_up).result(timeout_s=WARMUP_TIMEOUT_S)
+        with self._lock:
+            self._set(revision, Readiness.READY)
+
+    def _evicted(self, key: str) -> None:
+        """`key` left the host cache: it no longer serves here until admitted again."""
+        self._host.pop(key, None)
+        self.engine.unload(key)
+        with self._lock:
+            for revision, entry in self._table.items():
+                if str(revision) == key and entry.state is Readiness.READY:
+                    self._set(revision, Readiness.NOT_ADMITTED, reason="evicted from host cache")

@@ -62,8 +62,8 @@ def test_a_zero_adapter_gives_the_base_logits_bit_for_bit(home: Path) -> None:
     lora, model = random_adapter(fresh_base(home), rank=4, seed=0)
     zeros = {k: torch.zeros_like(v) for k, v in weights_of(model).items()}
     engine = TorchEngine(fresh_base(home))
-    engine.load("zero", config_of(lora), zeros)
-    engine.load("busy", config_of(lora), weights_of(model))
+    engine.load(engine.prepare("zero", config_of(lora), zeros))
+    engine.load(engine.prepare("busy", config_of(lora), weights_of(model)))
     keys = ["zero", "busy"] * (len(PROMPTS) // 2)
     mixed = engine.logits(PROMPTS, keys)
     assert torch.equal(mixed[0::2], base_logits[0::2])
@@ -78,7 +78,7 @@ def test_a_mixed_batch_gives_each_row_what_its_adapter_gives_alone_and_what_peft
     for number, rank in enumerate(RANKS):
         targets = PROJECTIONS if number % 3 else ["q_proj", "v_proj", "down_proj"]
         lora, model = random_adapter(fresh_base(home), rank, seed=number, targets=targets)
-        engine.load(f"a{number}", config_of(lora), weights_of(model))
+        engine.load(engine.prepare(f"a{number}", config_of(lora), weights_of(model)))
         adapters[f"a{number}"] = model
     # Every adapter and two base rows, each on its own prompt, in one batch.
     keys = [*adapters, BASE, BASE]
@@ -101,14 +101,14 @@ def test_adapters_that_do_not_fit_or_exceed_the_slots_are_refused(home: Path) ->
     engine = TorchEngine(fresh_base(home), slots=2)
     lora, model = random_adapter(fresh_base(home), rank=2, seed=1)
     for key in ("one", "two"):
-        engine.load(key, config_of(lora), weights_of(model))
+        engine.load(engine.prepare(key, config_of(lora), weights_of(model)))
     with pytest.raises(ServiceError, match="all 2 device slots hold adapters"):
-        engine.load("three", config_of(lora), weights_of(model))
+        engine.load(engine.prepare("three", config_of(lora), weights_of(model)))
     engine.unload("one")
-    engine.load("three", config_of(lora), weights_of(model))
+    engine.load(engine.prepare("three", config_of(lora), weights_of(model)))
     other = load_base(BaseModelSpec(hidden_size=32, num_layers=2, num_heads=2,
                                     intermediate_size=64, pretrain_steps=0), home)  # fmt: skip
     lora, model = random_adapter(other, rank=2, seed=1)
     engine.unload("two")
     with pytest.raises(IntegrityError, match="does not fit the base"):
-        engine.load("alien", config_of(lora), weights_of(model))
+        engine.load(engine.prepare("alien", config_of(lora), weights_of(model)))

@@ -151,9 +151,9 @@ def test_packed_adapter_serves_exactly_like_its_peft_form(tmp_path: Path) -> Non
     packed = load(tmp_path / "packed")
 
     engine = TorchEngine(base)
-    engine.load("packed", packed.index.adapter_config, packed.peft_state_dict())
+    engine.load(engine.prepare("packed", packed.index.adapter_config, packed.peft_state_dict()))
     config, tensors = read_adapter(trained.path)
-    engine.load("peft", config, tensors)
+    engine.load(engine.prepare("peft", config, tensors))
     prompts = [prompt_for(word) for word in held_out_words(16)]
     from_packed = engine.generate(prompts, ["packed"] * len(prompts), 12)
     from_peft = engine.generate(prompts, ["peft"] * len(prompts), 12)

@@ -1,0 +1,225 @@
+"""Where a ready revision's weights are: the plan of MinT's three residency tiers.
+
+1. **catalog**: every registered revision is addressable (the registry); holding nothing.
+2. **host cache**: verified weights in host memory, least recently used evicted first, bounded
+   in bytes. A revision is ready on a worker only while it is here.
+3. **device slots**: a fixed number of slots beside the resident base. A request pins the slot
+   of its adapter while it runs; a load takes a free slot, else the least recently used
+   unpinned one. When every slot is pinned, the request waits; it never fails for it.
+
+The tiers are inclusive: a device slot only holds a revision the host cache holds, and
+evicting a revision from the host frees its (unpinned) slot too.
+
+This module only decides. `Residency` answers what to load, where, and what that evicts; the
+worker carries that out (copies tensors, clears slots). Keys are opaque strings (revision ids).
+Thread-safe: the prewarm thread, the scheduler and the HTTP handlers share one plan.
+"""
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from mint_core.errors import ConfigurationError, NotReadyError
+
+
+class Tier(StrEnum):
+    HOST = "host"
+    """Host memory, bounded in bytes."""
+    DEVICE = "device"
+    """Device slots beside the base model."""
+
+
+@dataclass
+class TierCounters:
+    """What happened in one tier since the worker started."""
+
+    hits: int = 0
+    """Lookups that found the revision already in this tier."""
+    misses: int = 0
+    """Lookups that did not."""
+    loads: int = 0
+    """Revisions copied into this tier."""
+    evictions: int = 0
+    """Revisions dropped from this tier to make room."""
+
+
+@dataclass(frozen=True)
+class HostEntry:
+    key: str
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class SlotEntry:
+    slot: int
+    key: str
+    pins: int
+    """Requests now using the slot; a pinned slot is never evicted."""
+
+
+@dataclass(frozen=True)
+class SlotGrant:
+    """A pinned device slot for a request: `load` says the weights must be copied in first
+    (the slot held `evicted` before, or nothing)."""
+
+    key: str
+    slot: int
+    load: bool
+    evicted: str | None = None
+
+
+@dataclass
+class _Slot:
+    key: str
+    pins: int = 0
+
+
+@dataclass
+class Residency:
+    """The host cache and device slot tables, and the decisions that change them."""
+
+    host_capacity_bytes: int
+    device_slots: int
+    _host: OrderedDict[str, int] = field(default_factory=OrderedDict, init=False)
+    """key -> bytes, least recently used first."""
+    _slots: dict[int, _Slot] = field(default_factory=dict, init=False)
+    _slot_use: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+    """Occupied slots, least recently used first."""
+    counters: dict[Tier, TierCounters] = field(
+        default_factory=lambda: {tier: TierCounters() for tier in Tier}, init=False
+    )
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.host_capacity_bytes < 1:
+            raise ConfigurationError(
+                f"host cache capacity {self.host_capacity_bytes} bytes must be positive"
+            )
+        if self.device_slots < 1:
+            raise ConfigurationError(f"device_slots={self.device_slots} must be at least 1")
+
+    # Host tier.
+
+    def put_host(self, key: str, nbytes: int) -> list[str]:
+        """Take `key` into the host cache, evicting least recently used revisions that are not
+        in a pinned slot until it fits; returns the evicted keys (their slots are freed too).
+        ConfigurationError if it cannot fit even then; nothing is evicted in that case."""
+        with self._lock:
+            if key in self._host:
+                self._host.move_to_end(key)
+                return []
+            victims: list[str] = []
+            free = self.host_capacity_bytes - sum(self._host.values())
+            for candidate, size in self._host.items():
+                if free >= nbytes:
+                    break
+                if self._pins(candidate) == 0:
+                    victims.append(candidate)
+                    free += size
+            if free < nbytes:
+                raise ConfigurationError(
+                    f"{key} needs {nbytes} bytes of host cache; {free} can be freed of "
+                    f"{self.host_capacity_bytes} (the rest is pinned by running requests): "
+                    "raise the host cache capacity (MINT_HOST_CACHE_MB)"
+                )
+            for victim in victims:
+                self._drop(victim)
+                self.counters[Tier.HOST].evictions += 1
+            self._host[key] = nbytes
+            self.counters[Tier.HOST].loads += 1
+            return victims
+
+    def drop_host(self, key: str) -> bool:
+        """Forget `key` (and its slot) unless a request pins it; True if it was dropped."""
+        with self._lock:
+            if key not in self._host or self._pins(key):
+                return False
+            self._drop(key)
+            return True
+
+    def in_host(self, key: str) -> bool:
+        with self._lock:
+            return key in self._host
+
+    # Device tier.
+
+    def acquire(self, key: str) -> SlotGrant | None:
+        """Pin a device slot for one request for `key`: the slot already holding it (a hit),
+        else a free slot, else the least recently used unpinned one. None when every slot is
+        pinned: the request waits. NotReadyError if the host cache does not hold `key`."""
+        with self._lock:
+            if key not in self._host:
+                self.counters[Tier.HOST].misses += 1
+                raise NotReadyError(f"{key} is not in this worker's host cache")
+            slot = self._slot_of(key)
+            if slot is not None:
+                self.counters[Tier.DEVICE].hits += 1
+                return self._pin(key, slot, load=False)
+            free = next((s for s in range(1, self.device_slots + 1) if s not in self._slots), None)
+            evicted = None
+            if free is None:
+                free = next((s for s in self._slot_use if self._slots[s].pins == 0), None)
+                if free is None:
+                    return None  # counted when it is granted
+                evicted = self._slots.pop(free).key
+                del self._slot_use[free]
+                self.counters[Tier.DEVICE].evictions += 1
+            # A device load reads the host copy: a host hit.
+            self.counters[Tier.HOST].hits += 1
+            self.counters[Tier.DEVICE].misses += 1
+            self.counters[Tier.DEVICE].loads += 1
+            return self._pin(key, free, load=True, evicted=evicted)
+
+    def release(self, key: str) -> None:
+        """Unpin one use of `key`'s slot (a request finished)."""
+        with self._lock:
+            slot = self._slot_of(key)
+            if slot is None or self._slots[slot].pins == 0:
+                raise ConfigurationError(f"{key} holds no pinned device slot to release")
+            self._slots[slot].pins -= 1
+
+    def slot_of(self, key: str) -> int | None:
+        with self._lock:
+            return self._slot_of(key)
+
+    # Tables, for tests, status and metrics.
+
+    def host_table(self) -> list[HostEntry]:
+        """Host cache, least recently used first."""
+        with self._lock:
+            return [HostEntry(key, nbytes) for key, nbytes in self._host.items()]
+
+    def slot_table(self) -> list[SlotEntry]:
+        """Occupied device slots, by slot number."""
+        with self._lock:
+            return [SlotEntry(s, e.key, e.pins) for s, e in sorted(self._slots.items())]
+
+    @property
+    def host_bytes(self) -> int:
+        with self._lock:
+            return sum(self._host.values())
+
+    # Internals; the caller holds the lock.
+
+    def _slot_of(self, key: str) -> int | None:
+        return next((s for s, e in self._slots.items() if e.key == key), None)
+
+    def _pins(self, key: str) -> int:
+        slot = self._slot_of(key)
+        return 0 if slot is None else self._slots[slot].pins
+
+    def _pin(self, key: str, slot: int, load: bool, evicted: str | None = None) -> SlotGrant:
+        self._host.move_to_end(key)
+        entry = self._slots.setdefault(slot, _Slot(key))
+        entry.pins += 1
+        self._slot_use[slot] = None
+        self._slot_use.move_to_end(slot)
+        return SlotGrant(key, slot, load, evicted)
+
+    def _drop(self, key: str) -> None:
+        del self._host[key]
+        slot = self._slot_of(key)
+        if slot is not None:
+            del self._slots[slot]
+            del self._slot_use[slot]

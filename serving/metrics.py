@@ -1,0 +1,81 @@
+"""The worker's Prometheus metrics: queue depth, batch size, tokens, latencies, tier counters.
+
+Each worker has its own registry (several workers may share a test process); the tier
+counters are read from the residency plan at scrape time, so they are never out of step.
+"""
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from mint_core.residency import Residency
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class _TierCollector(Collector):
+    def __init__(self, residency: Residency) -> None:
+        self.residency = residency
+
+    def collect(self) -> Iterator[Metric]:
+        for event in ("hits", "misses", "loads", "evictions"):
+            family = CounterMetricFamily(
+                f"mint_tier_{event}", f"Residency tier {event} since start", labels=["tier"]
+            )
+            for tier, counters in self.residency.counters.items():
+                family.add_metric([tier.value], getattr(counters, event))
+            yield family
+        resident = GaugeMetricFamily("mint_tier_resident", "Revisions resident", labels=["tier"])
+        resident.add_metric(["host"], len(self.residency.host_table()))
+        resident.add_metric(["device"], len(self.residency.slot_table()))
+        yield resident
+        yield GaugeMetricFamily(
+            "mint_host_cache_bytes",
+            "Bytes of adapter weights in the host cache",
+            value=self.residency.host_bytes,
+        )
+
+
+class WorkerMetrics:
+    def __init__(self, residency: Residency) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.queue_depth = Gauge(
+            "mint_queue_depth", "Requests waiting to join the batch", registry=r
+        )
+        self.batch_size = Histogram(
+            "mint_batch_size",
+            "Rows in each decode step",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128),
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "mint_generated_tokens", "Tokens generated, all requests", registry=r
+        )
+        self.tokens_per_second = Gauge(
+            "mint_tokens_per_second", "Tokens per second of the last decode step", registry=r
+        )
+        self.requests = Counter(
+            "mint_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.request_latency = Histogram(
+            "mint_request_latency_seconds",
+            "Submit to last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.time_to_first_token = Histogram(
+            "mint_time_to_first_token_seconds",
+            "Submit to first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.not_ready = Counter(
+            "mint_not_ready_answers", "Requests answered 'not ready' at the gate", registry=r
+        )
+        r.register(_TierCollector(residency))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

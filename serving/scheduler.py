@@ -1,0 +1,339 @@
+"""Continuous batching: one thread runs the engine step after step; requests join the running
+batch at any step and leave it as soon as they finish.
+
+Each step of the loop:
+
+1. **retire** rows that finished (or whose client went away), unpinning their device slots and
+   cutting their rows out of the key/value cache;
+2. **join** waiting requests while the batch has room: each needs its adapter in a device slot,
+   pinned for the request's life (a hit, or one copy from the host cache: at most one copy per
+   step, so a load never holds up the running rows for longer than that). A request whose
+   adapter finds every slot pinned waits; others may pass it. Joiners run their prompts
+   together (prefill) and sample their first token;
+3. **decode** one token for every running row in one forward pass.
+
+Every row keeps its own key/value cache, as rows of the batch's cache left-padded to one width;
+positions count from each row's first real token and padding is masked, so a row computes what
+it would alone.
+"""
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mint_core.errors import ConfigurationError, MintError, NotReadyError, ServiceError
+from mint_core.residency import Residency
+from mint_core.textgen import FinishReason, Generation, pad_left
+from serving.engine import BASE, AdapterWeights, TorchEngine
+from serving.metrics import WorkerMetrics
+from serving.sampling import RowSampler, SamplingParams, stop_hit
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BATCH = 64
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str
+    logprob: float
+
+
+class Request:
+    """One generation in flight. The scheduler thread writes it; the client reads its events."""
+
+    def __init__(self, prompt_ids: list[int], key: str, params: SamplingParams) -> None:
+        self.prompt_ids = prompt_ids
+        self.key = key
+        """Engine key of the adapter serving it (BASE for the base)."""
+        self.params = params
+        self.sampler = RowSampler(params)
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.text = ""
+        self.submitted = time.perf_counter()
+        self.finish_reason: FinishReason | None = None
+        self.failed = False
+        self.joined_step: int | None = None
+        """The scheduler step at which it joined the batch (prefill), and at which it left."""
+        self.left_step: int | None = None
+        self._events: queue.Queue[TokenEvent | Generation | MintError] = queue.Queue()
+        self._cancelled = threading.Event()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.failed or self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """The client went away: the scheduler drops the request at its next step."""
+        self._cancelled.set()
+
+    def events(self, timeout_s: float | None = None) -> Iterator[TokenEvent | Generation]:
+        """Each token as it is generated, then the whole Generation. Raises what failed it."""
+        while True:
+            try:
+                event = self._events.get(timeout=timeout_s)
+            except queue.Empty:
+                raise ServiceError(f"no token for {timeout_s} s; the engine is stuck") from None
+            if isinstance(event, MintError):
+                raise event
+            yield event
+            if isinstance(event, Generation):
+                return
+
+    def result(self, timeout_s: float | None = None) -> Generation:
+        for event in self.events(timeout_s):
+            if isinstance(event, Generation):
+                return event
+        raise AssertionError("events() ends with a Generation")
+
+    # Called by the scheduler thread only.
+
+    def push(self, token: int, logprob: float, text: str, eos_id: int) -> bool:
+        """Record one generated token; True when it ends the generation."""
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.text += text
+        self._events.put(TokenEvent(token, text, logprob))
+        if token == eos_id:
+            self.finish_reason = FinishReason.EOS_TOKEN
+        elif stop_hit(self.text, self.params.stop):
+            self.finish_reason = FinishReason.STOP_SEQUENCE
+        elif len(self.token_ids) >= self.params.max_new_tokens:
+            self.finish_reason = FinishReason.LENGTH
+        if self.finish_reason is None:
+            return False
+        seed = None if self.params.greedy else self.sampler.seed
+        generation = Generation(
+            self.text, tuple(self.token_ids), tuple(self.logprobs), self.finish_reason, seed
+        )
+        self._events.put(generation)
+        return True
+
+    def fail(self, error: MintError) -> None:
+        self.failed = True
+        self._events.put(error)
+
+
+class Scheduler:
+    """Runs the engine for every request of one worker."""
+
+    def __init__(
+        self,
+        engine: TorchEngine,
+        residency: Residency,
+        weights: Callable[[str], AdapterWeights],
+        metrics: WorkerMetrics,
+        max_batch: int = DEFAULT_MAX_BATCH,
+    ) -> None:
+        if max_batch < 1:
+            raise ConfigurationError(f"max_batch={max_batch} must be at least 1")
+        self.engine = engine
+        self.residency = residency
+        self._weights = weights
+        self.metrics = metrics
+        self.max_batch = max_batch
+        self._waiting: deque[Request] = deque()
+        self._wake = threading.Condition()
+        self._running: list[Request] = []
+        self._cache: KVCache | None = None
+        self._mask: torch.Tensor | None = None
+        self._stopped = False
+        self.steps = 0
+        """Forward passes run so far (prefills and decode steps)."""
+        self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], key: str, params: SamplingParams) -> Request:
+        """Queue a generation; its adapter must be in the host cache (ready) or BASE."""
+        limit = self.engine.base.spec.max_positions
+        if len(prompt_ids) + params.max_new_tokens > limit:
+            raise ConfigurationError(
+                f"prompt of {len(prompt_ids)} tokens plus max_new_tokens={params.max_new_tokens}"
+                f" exceeds the base model's {limit} positions; shorten the prompt or ask for "
+                "fewer tokens"
+            )
+        request = Request(prompt_ids, key, params)
+        with self._wake:
+            if self._stopped:
+                raise ServiceError("the scheduler is stopped")
+            self._waiting.append(request)
+            self.metrics.queue_depth.set(len(self._waiting))
+            self._wake.notify()
+        return request
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self._running)
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self._waiting and not self._running:
+                    self._wake.wait()
+                if self._stopped:
+                    break
+            try:
+                self._retire()
+                self._join()
+                self._retire()
+                if self._running:
+                    self._decode()
+                elif self._waiting:
+                    # Every waiting request waits for a slot that a running one will free:
+                    # none is running, so nothing changes until something new arrives.
+                    time.sleep(0.001)
+            except Exception as e:  # the loop must outlive any one bad step
+                log.exception("scheduler step failed; failing the running requests")
+                error = ServiceError(f"the engine failed a step: {type(e).__name__}: {e}")
+                for request in self._running:
+                    request.fail(error)
+                self._retire()
+        for request in [*self._running, *self._waiting]:
+            request.fail(ServiceError("the worker is shutting down"))
+
+    def _retire(self) -> None:
+        keep = [i for i, r in enumerate(self._running) if not r.done]
+        if len(keep) == len(self._running):
+            return
+        for request in self._running:
+            if not request.done:
+                continue
+            request.left_step = self.steps
+            if request.key != BASE:
+                self.residency.release(request.key)
+            if request.finish_reason is not None:
+                self._record_finish(request)
+        self._running = [self._running[i] for i in keep]
+        if not keep:
+            self._cache = self._mask = None
+            return
+        assert self._cache is not None and self._mask is not None
+        rows = torch.tensor(keep)
+        mask = self._mask.index_select(0, rows)
+        # Drop leading columns that are padding in every remaining row.
+        first = int(mask.any(0).nonzero()[0])
+        self._mask = mask[:, first:]
+        self._cache = [
+            (k.index_select(0, rows)[:, :, first:], v.index_select(0, rows)[:, :, first:])
+            for k, v in self._cache
+        ]
+
+    def _record_finish(self, request: Request) -> None:
+        assert request.finish_reason is not None
+        self.metrics.requests.labels(request.finish_reason.value).inc()
+        self.metrics.request_latency.observe(time.perf_counter() - request.submitted)
+
+    def _join(self) -> None:
+        joining: list[Request] = []
+        copied = False
+        with self._wake:
+            candidates = list(self._waiting)
+        for request in candidates:
+            if len(self._running) + len(joining) >= self.max_batch:
+                break
+            if request.done:
+                self._unqueue(request)
+                continue
+            if request.key != BASE:
+                if copied and self.residency.slot_of(request.key) is None:
+                    continue  # one copy per step
+                try:
+                    grant = self.residency.acquire(request.key)
+                except NotReadyError as e:  # evicted from the host cache since it was routed
+                    self._unqueue(request)
+                    request.fail(e)
+                    continue
+                if grant is None:
+                    continue  # every slot pinned: wait for one to be released
+                if grant.load:
+                    try:
+                        self.engine.load(self._weights(request.key), grant.slot)
+                    except MintError as e:
+                        self.residency.release(request.key)
+                        self._unqueue(request)
+                        request.fail(NotReadyError(f"{request.key} could not be loaded: {e}"))
+                        continue
+                    copied = True
+            self._unqueue(request)
+            joining.append(request)
+        if not joining:
+            return
+        input_ids, mask = pad_left([r.prompt_ids for r in joining], self.engine.tokenizer.pad_id)
+        slots = [self.engine.slot_of(r.key) for r in joining]
+        logits, cache = self.engine.step(input_ids, mask, slots, None)
+        self.steps += 1
+        now = time.perf_counter()
+        for request in joining:
+            request.joined_step = self.steps
+            self.metrics.time_to_first_token.observe(now - request.submitted)
+        self._sample(joining, logits)
+        self._merge(joining, cache, mask)
+
+    def _unqueue(self, request: Request) -> None:
+        with self._wake:
+            self._waiting.remove(request)
+            self.metrics.queue_depth.set(len(self._waiting))
+
+    def _merge(self, joining: list[Request], cache: KVCache, mask: torch.Tensor) -> None:
+        """Append the joiners' rows to the running batch, left-padding to one width."""
+        if self._cache is None or self._mask is None:
+            self._running, self._cache, self._mask = joining, cache, mask
+            return
+        width = max(self._mask.shape[1], mask.shape[1])
+
+        def widen(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            pad = [0, 0] * (t.dim() - 1 - dim) + [missing, 0]
+            return F.pad(t, pad)
+
+        self._running = self._running + joining
+        self._mask = torch.cat([widen(self._mask, 1), widen(mask, 1)])
+        self._cache = [
+            (torch.cat([widen(k, 2), widen(jk, 2)]), torch.cat([widen(v, 2), widen(jv, 2)]))
+            for (k, v), (jk, jv) in zip(self._cache, cache, strict=True)
+        ]
+
+    def _decode(self) -> None:
+        assert self._mask is not None
+        started = time.perf_counter()
+        input_ids = torch.tensor([[r.token_ids[-1]] for r in self._running])
+        mask = F.pad(self._mask, (0, 1), value=1)
+        slots = [self.engine.slot_of(r.key) for r in self._running]
+        logits, self._cache = self.engine.step(input_ids, mask, slots, self._cache)
+        self.steps += 1
+        self._mask = mask
+        self._sample(self._running, logits)
+        rows = len(self._running)
+        self.metrics.batch_size.observe(rows)
+        self.metrics.tokens_per_second.set(rows / (time.perf_counter() - started))
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
+        tokenizer = self.engine.tokenizer
+        for request, row in zip(requests, logits, strict=True):
+            if request.done:
+                continue
+            token, logprob = request.sampler.pick(row)
+            request.push(token, logprob, tokenizer.token_text(token), tokenizer.eos_id)
+        self.metrics.generated_tokens.inc(len(requests))

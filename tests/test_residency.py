@@ -1,0 +1,97 @@
+"""The residency plan: exact host and slot tables after each step of scripted sequences."""
+
+import pytest
+
+from mint_core.errors import ConfigurationError, NotReadyError
+from mint_core.residency import HostEntry, Residency, SlotEntry, SlotGrant, Tier, TierCounters
+
+MB = 1 << 20
+
+
+def host(*entries: tuple[str, int]) -> list[HostEntry]:
+    return [HostEntry(key, size * MB) for key, size in entries]
+
+
+def slots(*entries: tuple[int, str, int]) -> list[SlotEntry]:
+    return [SlotEntry(slot, key, pins) for slot, key, pins in entries]
+
+
+def test_load_hit_evict_pin_unpin_step_by_step() -> None:
+    plan = Residency(host_capacity_bytes=10 * MB, device_slots=2)
+    for key in ("a", "b", "c"):
+        assert plan.put_host(key, 3 * MB) == []
+    assert plan.host_table() == host(("a", 3), ("b", 3), ("c", 3))
+
+    # Load: a free slot for each of a and b.
+    assert plan.acquire("a") == SlotGrant("a", 1, load=True)
+    assert plan.acquire("b") == SlotGrant("b", 2, load=True)
+    assert plan.slot_table() == slots((1, "a", 1), (2, "b", 1))
+    # Hit: a second request for a shares its slot; host LRU order follows use.
+    assert plan.acquire("a") == SlotGrant("a", 1, load=False)
+    assert plan.slot_table() == slots((1, "a", 2), (2, "b", 1))
+    assert plan.host_table() == host(("c", 3), ("b", 3), ("a", 3))
+
+    # Pinned: every slot is in use, so c waits (None) rather than evicting anyone.
+    assert plan.acquire("c") is None
+    assert plan.slot_table() == slots((1, "a", 2), (2, "b", 1))
+
+    # Unpin b: c takes b's slot, the least recently used unpinned one.
+    plan.release("b")
+    assert plan.slot_table() == slots((1, "a", 2), (2, "b", 0))
+    assert plan.acquire("c") == SlotGrant("c", 2, load=True, evicted="b")
+    assert plan.slot_table() == slots((1, "a", 2), (2, "c", 1))
+
+    # Unpin everything; a fourth revision overflows the host cache (10 MB): the least recently
+    # used, b, leaves it.
+    plan.release("a")
+    plan.release("a")
+    plan.release("c")
+    assert plan.slot_table() == slots((1, "a", 0), (2, "c", 0))
+    assert plan.put_host("d", 3 * MB) == ["b"]
+    assert plan.host_table() == host(("a", 3), ("c", 3), ("d", 3))
+
+    # Evicting from the host frees the revision's slot too (the tiers are inclusive).
+    assert plan.put_host("e", 4 * MB) == ["a"]
+    assert plan.host_table() == host(("c", 3), ("d", 3), ("e", 4))
+    assert plan.slot_table() == slots((2, "c", 0))
+    with pytest.raises(NotReadyError, match="a is not in this worker's host cache"):
+        plan.acquire("a")
+
+    assert plan.counters == {
+        Tier.HOST: TierCounters(hits=3, misses=1, loads=5, evictions=2),
+        Tier.DEVICE: TierCounters(hits=1, misses=3, loads=3, evictions=1),
+    }
+
+
+def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
+    plan = Residency(host_capacity_bytes=6 * MB, device_slots=1)
+    plan.put_host("busy", 3 * MB)
+    plan.put_host("idle", 3 * MB)
+    assert plan.acquire("busy") == SlotGrant("busy", 1, load=True)
+
+    # busy is the least recently used, but pinned: idle leaves instead.
+    assert plan.put_host("new", 3 * MB) == ["idle"]
+    assert plan.host_table() == host(("busy", 3), ("new", 3))
+    assert plan.acquire("new") is None
+    assert plan.slot_table() == slots((1, "busy", 1))
+    assert plan.drop_host("busy") is False
+
+    # Nothing unpinned is left to evict: the new revision is refused and nothing moves.
+    with pytest.raises(ConfigurationError, match="raise the host cache capacity"):
+        plan.put_host("huge", 5 * MB)
+    assert plan.host_table() == host(("busy", 3), ("new", 3))
+
+    plan.release("busy")
+    assert plan.acquire("new") == SlotGrant("new", 1, load=True, evicted="busy")
+    assert plan.slot_table() == slots((1, "new", 1))
+    with pytest.raises(ConfigurationError, match="busy holds no pinned device slot"):
+        plan.release("busy")
+
+
+@pytest.mark.parametrize(
+    ("capacity", "slots_", "message"),
+    [(0, 4, "capacity 0 bytes must be positive"), (MB, 0, "device_slots=0 must be at least 1")],
+)
+def test_bad_capacities_are_refused(capacity: int, slots_: int, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Residency(capacity, slots_)

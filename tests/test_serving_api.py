@@ -1,0 +1,248 @@
+"""The worker's API with real clients: huggingface_hub's InferenceClient (TGI) and the openai
+package, streaming and not, against a worker process serving 16 imported adapters; /metrics and
+residency; and a load test of 32 concurrent clients checked answer by answer."""
+
+import json
+import os
+import random
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from huggingface_hub import InferenceClient
+from peft import LoraConfig
+
+from mint_core.base_model import BaseModel
+from mint_core.config import MintConfig
+from mint_core.datasets import held_out_words, prompt_for
+from mint_core.services import ManagedProcess
+from serving.client import WorkerClient
+from tasks.pipeline import (
+    activate_revision,
+    admit_revision,
+    check_import,
+    export_adapter,
+    freeze_adapter,
+    pack_adapter,
+    prewarm_revision,
+    register_revision,
+)
+from tests.conftest import random_lora
+
+pytestmark = pytest.mark.slow
+
+ADAPTERS = [f"load-bot-{n:02d}" for n in range(16)]
+PROMPTS = [prompt_for(word) for word in held_out_words()[:12]]
+NEW_TOKENS = 12
+LOAD_CLIENTS = 32
+LOAD_SECONDS = float(os.environ.get("MINT_LOAD_TEST_SECONDS", "60"))
+
+
+def release_random_adapter(config: MintConfig, base: BaseModel, name: str, folder: Path) -> None:
+    """A random LoRA imported through the pipeline's steps, admitted, warmed and activated."""
+    rank = 1 + len(folder.name) % 8
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "up_proj"])
+    random_lora(base.model, lora, seed=hash(name) % 1000, std=0.3).save_pretrained(folder)
+    imported = check_import.fn(config, folder)
+    frozen = freeze_adapter.fn(config, imported.path)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    exported = export_adapter.fn(config, packed_dir, index)
+    revision = register_revision.fn(config, name, imported, frozen, exported, "load-test")
+    admit_revision.fn(config, revision)
+    prewarm_revision.fn(config, revision)
+    activate_revision.fn(config, revision)
+
+
+@pytest.fixture(scope="module")
+def served(
+    fleet_config: MintConfig, base: BaseModel, tmp_path_factory: pytest.TempPathFactory
+) -> dict[tuple[str, str], str]:
+    """(adapter, prompt) -> its single-request greedy answer, asked one request at a time."""
+    folder = tmp_path_factory.mktemp("load-adapters")
+    for name in ADAPTERS:
+        release_random_adapter(fleet_config, base, name, folder / name)
+    client = WorkerClient(fleet_config.worker_urls[0])
+    answers = {
+        (name, prompt): client.generate(prompt, f"{name}@production", NEW_TOKENS)[0]
+        for name in ADAPTERS
+        for prompt in PROMPTS
+    }
+    # The adapters differ: most prompts get several different answers across them.
+    assert sum(len({answers[n, p] for n in ADAPTERS}) > 1 for p in PROMPTS) >= len(PROMPTS) // 2
+    return answers
+
+
+def test_huggingface_inference_client_text_generation(
+    worker: ManagedProcess, served: dict[tuple[str, str], str]
+) -> None:
+    client = InferenceClient(base_url=worker.url)
+    name, prompt = ADAPTERS[3], PROMPTS[0]
+    expected = served[name, prompt]
+    adapter_id = f"{name}@production"
+
+    text = client.text_generation(prompt, adapter_id=adapter_id, max_new_tokens=NEW_TOKENS)
+    assert text == expected
+    detailed = client.text_generation(
+        prompt, adapter_id=adapter_id, max_new_tokens=NEW_TOKENS, details=True
+    )
+    assert detailed.generated_text == expected
+    assert detailed.details is not None
+    assert detailed.details.generated_tokens == len(detailed.details.tokens)
+
+    pieces = client.text_generation(
+        prompt, adapter_id=adapter_id, max_new_tokens=NEW_TOKENS, stream=True
+    )
+    assert "".join(pieces) == expected
+    events = list(
+        client.text_generation(
+            prompt, adapter_id=adapter_id, max_new_tokens=NEW_TOKENS, stream=True, details=True
+        )
+    )
+    assert events[-1].generated_text == expected
+    assert events[-1].details is not None
+    assert all(e.generated_text is None for e in events[:-1])
+
+    # Sampling with a seed repeats itself.
+    sampled = [
+        client.text_generation(prompt, adapter_id=adapter_id, max_new_tokens=NEW_TOKENS,
+                               do_sample=True, temperature=0.9, top_k=20, seed=7)
+        for _ in range(2)
+    ]  # fmt: skip
+    assert sampled[0] == sampled[1]
+
+
+def test_openai_client_completions_and_chat(
+    worker: ManagedProcess, served: dict[tuple[str, str], str], base: BaseModel
+) -> None:
+    client = openai.OpenAI(base_url=worker.url + "/v1", api_key="key-team-a", max_retries=0)
+    name, prompt = ADAPTERS[5], PROMPTS[1]
+    expected = served[name, prompt]
+    model = f"{name}@production"
+
+    completion = client.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert completion.choices[0].text == expected
+    assert completion.model == f"{name}:r1"
+    stream = client.completions.create(
+        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream) == expected
+
+    messages = [{"role": "user", "content": prompt}]
+    chat = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=NEW_TOKENS, temperature=0
+    )
+    assert chat.choices[0].message.content == expected
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model=model, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stream=True
+        )
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    # A stop sequence is left out of the text, streaming or not (OpenAI's rule).
+    if len(expected) >= 4:
+        stop = expected[2:4]
+        cut = expected[: expected.index(stop)]
+        stopped = client.completions.create(
+            model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[stop]
+        )
+        assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
+        streamed = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stop=stop,
+            stream=True,
+        )  # fmt: skip
+        assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut
+
+    models = {m.id: m for m in client.models.list()}
+    assert models[f"{name}:r1"].model_extra["parent"] == base.model_id  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-bot", prompt=prompt, max_tokens=2)
+
+
+def test_adapter_residency_and_metrics(
+    worker: ManagedProcess, served: dict[tuple[str, str], str]
+) -> None:
+    status = httpx.get(f"{worker.url}/v1/adapters/{ADAPTERS[0]}").json()
+    (revision,) = status["revisions"]
+    assert revision["state"] == "ready"
+    assert revision["residency"]["host"] is True
+    assert revision["residency"]["pins"] == 0
+
+    metrics = httpx.get(f"{worker.url}/metrics").text
+    for name in (
+        "mint_queue_depth",
+        "mint_batch_size_bucket",
+        "mint_generated_tokens_total",
+        "mint_tokens_per_second",
+        "mint_request_latency_seconds_bucket",
+        "mint_time_to_first_token_seconds_bucket",
+        'mint_tier_hits_total{tier="device"}',
+        'mint_tier_loads_total{tier="host"}',
+        'mint_tier_evictions_total{tier="device"}',
+    ):
+        assert name in metrics, name
+
+
+def test_32_clients_over_16_adapters_for_60_s_get_their_single_request_answers(
+    worker: ManagedProcess, served: dict[tuple[str, str], str]
+) -> None:
+    deadline = time.monotonic() + LOAD_SECONDS
+    outcomes: Counter[str] = Counter()
+    wrong: list[str] = []
+    lock = threading.Lock()
+
+    def client_loop(seed: int) -> None:
+        pick = random.Random(seed)
+        with httpx.Client(base_url=worker.url, timeout=60) as http:
+            while time.monotonic() < deadline:
+                name, prompt = pick.choice(ADAPTERS), pick.choice(PROMPTS)
+                route = pick.choice(["tgi", "tgi-stream", "openai"])
+                try:
+                    text = ask(http, route, f"{name}@production", prompt)
+                except Exception as e:  # every failure is counted and reported
+                    with lock:
+                        outcomes["error"] += 1
+                        wrong.append(f"{route} {name} {prompt!r}: {type(e).__name__}: {e}")
+                    continue
+                with lock:
+                    if text == served[name, prompt]:
+                        outcomes["right"] += 1
+                    else:
+                        outcomes["wrong"] += 1
+                        wrong.append(f"{route} {name} {prompt!r}: {text!r}")
+
+    threads = [threading.Thread(target=client_loop, args=(n,)) for n in range(LOAD_CLIENTS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(f"load test: {dict(outcomes)} in {LOAD_SECONDS:.0f} s from {LOAD_CLIENTS} clients")
+    assert wrong == []
+    assert outcomes["right"] >= LOAD_CLIENTS * 2
+
+
+def ask(http: httpx.Client, route: str, model: str, prompt: str) -> str:
+    """One greedy request over one of the worker's APIs; the generated text."""
+    if route == "openai":
+        body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+        response = http.post("/v1/completions", json=body)
+        response.raise_for_status()
+        return response.json()["choices"][0]["text"]
+    body = {"inputs": prompt, "parameters": {"adapter_id": model, "max_new_tokens": NEW_TOKENS}}
+    if route == "tgi":
+        response = http.post("/generate", json=body)
+        response.raise_for_status()
+        return response.json()["generated_text"]
+    with http.stream("POST", "/generate_stream", json=body) as stream:
+        stream.raise_for_status()
+        final = [line for line in stream.iter_lines() if '"generated_text": "' in line]
+    assert len(final) == 1, final
+    return json.loads(final[0].removeprefix("data: "))["generated_text"]
