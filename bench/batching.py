@@ -1,8 +1,10 @@
 """Batching benchmark: one request set, 64 distinct adapters, served four ways in one run.
 
-(a) base only (the same batch, no adapters): the ceiling; (b) MinT's mixed batch (gathered
-per-row LoRA deltas over device slots); (c) PEFT's per-request `set_adapter` switching, one
-request at a time (the naive server); (d) PEFT's own mixed batch (`adapter_names=`). Every
+(a) base only (the same requests, no adapters): the ceiling; (b) MinT's mixed batches
+(gathered per-row LoRA deltas over device slots); (c) PEFT's per-request `set_adapter`
+switching, one request at a time (the naive server); (d) PEFT's own mixed batch
+(`adapter_names=`). (a) and (b) go through the worker's continuous-batching scheduler, all
+requests submitted at once, as a serving worker runs them. Every
 request has the same prompt length and generates the same number of tokens (EOS is masked), on
 a model large enough that matmuls dominate. Prints tokens/s and ratios (medians of several
 runs), checks (b), (c) and (d) give the same tokens, and writes bench/results/batching.json.
@@ -28,9 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mint_core.base_model import BaseModel, BaseModelSpec
 from mint_core.datasets import held_out_words
+from mint_core.residency import Residency
 from mint_core.textgen import greedy_generate, seeded
 from mint_core.training import ALL_PROJECTIONS
 from serving.engine import BASE, TorchEngine
+from serving.metrics import WorkerMetrics
+from serving.sampling import SamplingParams
+from serving.scheduler import Scheduler
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
 
@@ -96,11 +102,23 @@ def main() -> None:
     peft.eval()
     engine = TorchEngine(base, slots=args.adapters)
     config = lora.to_dict() | {"target_modules": sorted(ALL_PROJECTIONS)}
-    for name, state in zip(names, states, strict=True):
-        engine.load(engine.prepare(name, config, state))
+    host = {
+        name: engine.prepare(name, config, state) for name, state in zip(names, states, strict=True)
+    }
+    residency = Residency(sum(w.nbytes for w in host.values()), device_slots=args.adapters)
+    for weights in host.values():
+        residency.put_host(weights.key, weights.nbytes)
+    scheduler = Scheduler(
+        engine, residency, host.__getitem__, WorkerMetrics(residency), max_batch=len(prompts)
+    )
+    sampling = SamplingParams(max_new_tokens=args.new_tokens)
 
     def mint(keys: list[str]) -> list[tuple[int, ...]]:
-        return [g.token_ids for g in engine.generate(prompts, keys, args.new_tokens)]
+        requests = [
+            scheduler.submit(engine.tokenizer.encode(prompt), key, sampling)
+            for prompt, key in zip(prompts, keys, strict=True)
+        ]
+        return [request.result().token_ids for request in requests]
 
     def peft_switching() -> list[tuple[int, ...]]:
         tokens = []
@@ -161,6 +179,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
+    scheduler.stop()
 
 
 if __name__ == "__main__":
