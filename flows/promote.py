@@ -22,8 +22,11 @@ from tasks.pipeline import (
 )
 
 
-def roll_out(config: MintConfig, revision: RevisionId, actor: str, reason: str) -> str:
-    """Make `revision` what `name@production` serves, once every worker has it ready."""
+def roll_out(
+    config: MintConfig, revision: RevisionId, actor: str, reason: str, rollback: bool = False
+) -> str:
+    """Make `revision` what `name@production` serves, once every worker has it ready. Workers
+    prewarm a rollback before anything else they have queued."""
     registry = Registry(config.tracking_uri)
     current = registry.get(revision)
     if current.stage is Stage.ACTIVE and PRODUCTION in current.aliases:
@@ -31,7 +34,7 @@ def roll_out(config: MintConfig, revision: RevisionId, actor: str, reason: str) 
     ensure_exported(config, revision)
     try:
         with rollout_lock(revision.adapter):
-            admit_revision(config, revision)
+            admit_revision(config, revision, rollback=rollback)
             prewarm_revision(config, revision)
             activate_revision(config, revision, actor=actor, reason=reason)
     except Exception as e:
@@ -61,4 +64,4 @@ def rollback(
         if to_revision is not None
         else Registry(config.tracking_uri).previous(adapter)
     )
-    return roll_out(config, target, actor, reason)
+    return roll_out(config, target, actor, reason, rollback=True)

@@ -10,6 +10,7 @@ from pathlib import Path
 from mint_core.access import parse_api_keys
 from mint_core.base_model import BaseModelSpec
 from mint_core.errors import ConfigurationError
+from mint_core.revisions import RevisionId, RevisionRef
 
 DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
 DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
@@ -75,9 +76,20 @@ class MintConfig:
     ready on a worker only while it is in this cache."""
     max_batch: int = 64
     """Most sequences a worker decodes in one step (`MINT_MAX_BATCH`)."""
+    admission_k: int = 1
+    """Revisions a worker prewarms at once (`MINT_ADMISSION_K`); the rest queue."""
+    sync_interval_s: float = 1.0
+    """How often a worker catches up with the registry (`MINT_SYNC_INTERVAL_MS`); activation
+    also nudges every worker to sync at once."""
+    pins: tuple[RevisionId, ...] = ()
+    """Revisions every worker holds whatever the aliases say (`MINT_PINS`, `name:rN,...`)."""
+    worker_api_key: str = ""
+    """The key the pipeline presents to workers' admin endpoints (`MINT_WORKER_API_KEY`)."""
 
     def __post_init__(self) -> None:
-        for name in ("device_slots", "host_cache_mb", "max_batch"):
+        if self.sync_interval_s <= 0:
+            raise ConfigurationError(f"sync_interval_s={self.sync_interval_s} must be positive")
+        for name in ("device_slots", "host_cache_mb", "max_batch", "admission_k"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
         if not self.worker_urls:
@@ -121,6 +133,10 @@ class MintConfig:
             device_slots=_integer(env, "MINT_DEVICE_SLOTS", 64),
             host_cache_mb=_integer(env, "MINT_HOST_CACHE_MB", 1024),
             max_batch=_integer(env, "MINT_MAX_BATCH", 64),
+            admission_k=_integer(env, "MINT_ADMISSION_K", 1),
+            sync_interval_s=float(_integer(env, "MINT_SYNC_INTERVAL_MS", 1000)) / 1000,
+            pins=tuple(_pin(text) for text in env.get("MINT_PINS", "").split(",") if text.strip()),
+            worker_api_key=env.get("MINT_WORKER_API_KEY", ""),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -139,6 +155,10 @@ class MintConfig:
             "MINT_DEVICE_SLOTS": str(self.device_slots),
             "MINT_HOST_CACHE_MB": str(self.host_cache_mb),
             "MINT_MAX_BATCH": str(self.max_batch),
+            "MINT_ADMISSION_K": str(self.admission_k),
+            "MINT_SYNC_INTERVAL_MS": str(round(self.sync_interval_s * 1000)),
+            "MINT_PINS": ",".join(str(pin) for pin in self.pins),
+            "MINT_WORKER_API_KEY": self.worker_api_key,
         }
 
 
@@ -162,3 +182,12 @@ def _integer(env: Mapping[str, str], name: str, default: int) -> int:
         return int(text)
     except ValueError:
         raise ConfigurationError(f"{name}={text!r} is not a whole number") from None
+
+
+def _pin(text: str) -> RevisionId:
+    ref = RevisionRef.parse(text.strip())
+    if ref.revision is None:
+        raise ConfigurationError(
+            f"MINT_PINS entry {text.strip()!r} names an alias; pin exact revisions, 'name:rN'"
+        )
+    return RevisionId(ref.adapter, ref.revision)

@@ -43,6 +43,17 @@ class AliasMove:
 
 
 @dataclass(frozen=True)
+class AdapterAliases:
+    """An adapter's aliases as of its last change in the registry."""
+
+    adapter: str
+    aliases: Mapping[str, int]
+    """Alias -> revision number."""
+    updated_ms: int
+    """The registry's last-updated time of the adapter, in milliseconds (its clock)."""
+
+
+@dataclass(frozen=True)
 class RegisteredRevision:
     """A revision as the registry knows it."""
 
@@ -131,6 +142,8 @@ class Registry:
             if e.error_code == "RESOURCE_DOES_NOT_EXIST" or "not found" in str(e).lower():
                 raise NotFoundError(f"{ref} does not exist in the registry") from None
             raise RegistryError(f"MLflow failed to resolve {ref}: {e}") from e
+        except OSError as e:  # the server does not answer
+            raise RegistryError(f"MLflow at {self.tracking_uri} cannot resolve {ref}: {e}") from e
         return self._revision(version, aliases=tuple(version.aliases or ()))
 
     def get(self, revision: RevisionId) -> RegisteredRevision:
@@ -174,7 +187,7 @@ class Registry:
             previous_number: int | None = int(previous.version)
         except MlflowException:
             previous_number = None
-        self._client.set_registered_model_alias(revision.adapter, alias, str(revision.number))
+        self.point_alias(revision, alias)
         now = _now()
         self._client.set_model_version_tag(
             revision.adapter, str(revision.number), ACTIVATED_AT_TAG, now
@@ -185,6 +198,56 @@ class Registry:
             revision.adapter, ALIAS_HISTORY_TAG, json.dumps(moves)
         )
         return previous_number
+
+    def point_alias(self, revision: RevisionId, alias: str) -> None:
+        """Set `adapter@alias` to `revision` with no history: for working aliases such as
+        `candidate`. Workers see the change at their next sync."""
+        self._client.set_registered_model_alias(revision.adapter, alias, str(revision.number))
+        self._touch(revision.adapter)
+
+    def drop_alias(self, adapter: str, alias: str) -> None:
+        """Remove `adapter@alias` (nothing happens if it does not exist)."""
+        try:
+            self._client.delete_registered_model_alias(adapter, alias)
+        except MlflowException as e:
+            if e.error_code != "RESOURCE_DOES_NOT_EXIST":
+                raise RegistryError(f"MLflow failed to remove {adapter}@{alias}: {e}") from e
+        self._touch(adapter)
+
+    def _touch(self, adapter: str) -> None:
+        # MLflow does not count an alias or tag change as an update of the registered model;
+        # re-setting its description does, and workers find changes by that time.
+        model = self._registered_model(adapter)
+        self._client.update_registered_model(
+            adapter, description=model.description if model else ""
+        )
+
+    def adapters_changed_since(self, since_ms: int, page_size: int = 1000) -> list[AdapterAliases]:
+        """Every adapter updated (new revision, alias moved) at or after `since_ms` on the
+        registry's clock, newest first: what a worker needs to catch up. RegistryError if
+        MLflow cannot answer."""
+        changed: list[AdapterAliases] = []
+        page_token = None
+        try:
+            while True:
+                page = self._client.search_registered_models(
+                    max_results=page_size,
+                    order_by=["last_updated_timestamp DESC"],
+                    page_token=page_token,
+                )
+                for model in page:
+                    if model.last_updated_timestamp < since_ms:
+                        return changed
+                    if model.tags.get(KIND_TAG) == _ADAPTER_KIND:
+                        aliases = {a: int(v) for a, v in (model.aliases or {}).items()}
+                        changed.append(
+                            AdapterAliases(model.name, aliases, model.last_updated_timestamp)
+                        )
+                page_token = page.token
+                if not page_token:
+                    return changed
+        except (MlflowException, OSError) as e:  # OSError: the server does not answer
+            raise RegistryError(f"MLflow at {self.tracking_uri} cannot list adapters: {e}") from e
 
     def alias_history(self, adapter: str) -> list[AliasMove]:
         """Every alias move of `adapter`, oldest first."""
@@ -234,6 +297,8 @@ class Registry:
             if e.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return None
             raise RegistryError(f"MLflow failed to look up adapter {adapter!r}: {e}") from e
+        except OSError as e:  # the server does not answer
+            raise RegistryError(f"MLflow at {self.tracking_uri} does not answer: {e}") from e
 
     def _revision(self, version: ModelVersion, aliases: tuple[str, ...]) -> RegisteredRevision:
         tags = dict(version.tags or {})

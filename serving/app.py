@@ -16,7 +16,7 @@ an error is one last event of that shape.
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Annotated, Literal
 
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.access import ANONYMOUS, principal_for
+from mint_core.admission import Priority
 from mint_core.errors import (
     AccessDeniedError,
     AuthenticationError,
@@ -138,6 +139,7 @@ class ChatRequest(OpenAIRequest):
 class AdmitRequest(BaseModel):
     adapter: str
     revision: int = Field(ge=1)
+    priority: Literal["normal", "rollback"] = "normal"
 
 
 def _error(status: int, error_type: str, message: str, **names: object) -> JSONResponse:
@@ -152,6 +154,7 @@ def entry_json(entry: ReadinessEntry) -> dict[str, object]:
         "state": entry.state.value,
         "since": entry.since,
         "reason": entry.reason,
+        "queue_position": entry.queue_position,
     }
 
 
@@ -176,7 +179,7 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
     (no header: anonymous); without, every request is anonymous and the header is ignored."""
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> Iterator[None]:  # type: ignore[misc]
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         yield
 
@@ -453,12 +456,16 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
 
     @app.get("/health")
     def health() -> dict[str, object]:
+        """`ok`, or `degraded` while the registry cannot be reached (serving goes on)."""
         return {
-            "status": "ok",
+            "status": "degraded" if worker.degraded else "ok",
+            "degraded_reason": worker.degraded,
+            "last_sync": worker.catalog.last_sync,
             "base_model": base_id,
             "base_digest": engine.base.digest,
             "queue_depth": worker.scheduler.queue_depth,
             "batch_size": worker.scheduler.batch_size,
+            "request_path_loads": worker.request_path_loads,
         }
 
     @app.get("/metrics")
@@ -469,23 +476,43 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
     def adapter_status(name: str) -> dict[str, object]:
         check_adapter_name(name)
         entries = worker.entries(name)
-        if not entries and name not in worker.registry.adapters():
-            raise NotFoundError(f"adapter {name!r} is not registered")
+        if not entries and name not in worker.catalog.adapters():
+            worker.catalog.resolve(RevisionRef(name))  # NotFoundError names it, if unknown
         residency = worker.residency
+        pins = {entry.key: entry.pins for entry in residency.slot_table()}
         revisions = []
         for entry in entries:
             key = str(entry.revision)
-            slot = residency.slot_of(key)
-            pins = next((e.pins for e in residency.slot_table() if e.key == key), 0)
-            tiers = {"host": residency.in_host(key), "device_slot": slot, "pins": pins}
+            tiers = {
+                "host": residency.in_host(key),
+                "device_slot": residency.slot_of(key),
+                "pins": pins.get(key, 0),
+            }
             revisions.append(entry_json(entry) | {"residency": tiers})
         return {"adapter": name, "revisions": revisions}
 
     @app.post("/admin/admit", status_code=202)
     def admit(body: AdmitRequest) -> dict[str, object]:
-        revision = worker.registry.get(
+        revision = worker.catalog.record(
             RevisionId(check_adapter_name(body.adapter), body.revision)
         ).id
-        return entry_json(worker.admit(revision))
+        return entry_json(worker.admit(revision, Priority[body.priority.upper()]))
+
+    @app.post("/admin/sync", status_code=202)
+    def sync(who: Principal) -> dict[str, object]:
+        """Catch up with the registry now (activation calls it after moving an alias)."""
+        if keys and who == ANONYMOUS:
+            raise AuthenticationError("POST /admin/sync needs an API key of this worker")
+        return {"admitted": [str(r) for r in worker.sync()]}
+
+    @app.get("/admin/events")
+    def events() -> dict[str, object]:
+        """Every readiness change on this worker since it started, oldest first."""
+        return {
+            "events": [
+                {"at": e.at, "id": str(e.revision), "state": e.state.value, "reason": e.reason}
+                for e in worker.events()
+            ]
+        }
 
     return app

@@ -13,9 +13,10 @@ from mint_core.states import Readiness
 class WorkerClient:
     """One worker, by base URL."""
 
-    def __init__(self, url: str, timeout_s: float = 30.0) -> None:
+    def __init__(self, url: str, api_key: str = "", timeout_s: float = 30.0) -> None:
         self.url = url.rstrip("/")
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
     def _call(self, method: str, path: str, **kwargs: object) -> httpx.Response:
         try:
@@ -31,9 +32,17 @@ class WorkerClient:
     def health(self) -> dict[str, object]:
         return self._call("GET", "/health").json()
 
-    def admit(self, revision: RevisionId) -> Readiness:
-        body = {"adapter": revision.adapter, "revision": revision.number}
+    def admit(self, revision: RevisionId, priority: str = "normal") -> Readiness:
+        """Queue `revision` for prewarm (`priority` "rollback" goes first)."""
+        body = {"adapter": revision.adapter, "revision": revision.number, "priority": priority}
         return Readiness(self._call("POST", "/admin/admit", json=body).json()["state"])
+
+    def sync(self) -> list[str]:
+        """Have the worker catch up with the registry now; the revisions it admitted."""
+        response = self._call("POST", "/admin/sync")
+        if response.status_code == 503:
+            raise ServiceError(f"worker {self.url} cannot sync: {response.json()['error']}")
+        return response.json()["admitted"]
 
     def readiness(self, revision: RevisionId) -> tuple[Readiness, str | None]:
         """This worker's state for `revision`, and the reason when it failed."""
@@ -54,9 +63,7 @@ class WorkerClient:
             if state is Readiness.FAILED:
                 raise NotReadyError(f"worker {self.url} failed to prewarm {revision}: {reason}")
             if state is Readiness.NOT_ADMITTED:
-                raise NotReadyError(
-                    f"worker {self.url} has not admitted {revision}; admit it first"
-                )
+                raise NotReadyError(f"worker {self.url} reports {revision} {state}: admit it first")
             if time.monotonic() > deadline:
                 raise NotReadyError(
                     f"worker {self.url} still reports {revision} {state} after {timeout_s:.0f} s"

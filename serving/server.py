@@ -2,6 +2,7 @@
 
 import argparse
 import logging
+import os
 import sys
 
 import uvicorn
@@ -9,8 +10,8 @@ from transformers.utils import logging as transformers_logging
 
 from mint_core.artifact_store import open_store
 from mint_core.base_model import load_base
+from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
-from mint_core.errors import MintError
 from mint_core.registry import Registry
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
 from serving.app import create_app
@@ -21,23 +22,22 @@ log = logging.getLogger(__name__)
 
 
 def build_worker(config: MintConfig) -> Worker:
+    """A worker that starts syncing with the registry at once (and admitting what it says)."""
     engine = TorchEngine(load_base(config.base, config.home), slots=config.device_slots)
     return Worker(
         engine,
-        Registry(config.tracking_uri),
+        Catalog(Registry(config.tracking_uri), config.pins),
         open_store(config),
         host_cache_bytes=config.host_cache_mb << 20,
         max_batch=config.max_batch,
+        admission_k=config.admission_k,
+        sync_interval_s=config.sync_interval_s,
     )
 
 
 def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:
-    """Load the base, take in what the registry says is in production, serve until stopped."""
+    """Load the base, follow the registry, serve until stopped."""
     worker = build_worker(config)
-    try:
-        worker.reconcile()
-    except MintError as e:
-        log.warning("could not read the registry at start-up, serving nothing yet: %s", e)
     uvicorn.run(create_app(worker, config.api_keys), host=host, port=port, log_level="warning")
 
 
@@ -66,5 +66,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # A worker asks MLflow in the background and must notice quickly when it is down, not
+    # after MLflow's default minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     transformers_logging.disable_progress_bar()
     serve(MintConfig.from_env(), args.host, args.port)

@@ -1,33 +1,40 @@
-"""A serving worker: the resident engine, its scheduler, the residency tiers and each
+"""A serving worker: the resident engine, its scheduler, the residency tiers, and each
 revision's readiness on this worker.
 
-Revisions reach the engine only through admission: `admit` queues a revision, and one
-background thread prewarms queued revisions one at a time, in two phases: fetch and verify the
-artifact into the host cache (`fetching`), then load it into a device slot and run a warm-up
-generation through the scheduler (`warming`); only then is it `ready`. The request path never
-fetches anything: `route` answers with the engine key of a ready revision or raises
-`RevisionNotReady` at once.
+- **Watcher**: a thread syncs the catalog with the registry every `sync_interval_s` (and when
+  nudged) and admits what the registry says this worker should hold (`Catalog.desired`). If
+  MLflow is down the worker keeps serving what it has and reports itself `degraded`.
+- **Admission**: admitted revisions queue (`mint_core.admission`, rollbacks first) and K
+  prewarm threads take them one at a time, in two phases: fetch and verify the artifact into
+  the host cache (`fetching`), then load it into a device slot and run a warm-up generation
+  through the scheduler (`warming`); only then is it `ready`.
+- **Readiness gate**: the request path never fetches anything: `route` answers with the engine
+  key of a ready revision or raises `RevisionNotReady` at once.
+
+Every readiness change is kept in an event log (`events`), which is how tests and operators
+see what happened and when.
 """
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from mint_core.access import ANONYMOUS, allows, check_access
+from mint_core.admission import DEFAULT_CONCURRENCY, AdmissionQueue, Priority
 from mint_core.artifact_store import ArtifactStore
+from mint_core.catalog import Catalog
 from mint_core.errors import (
     BaseMismatchError,
     IntegrityError,
     MintError,
-    NotFoundError,
     NotReadyError,
+    RegistryError,
 )
 from mint_core.packing import load as load_packed
-from mint_core.registry import Registry
 from mint_core.residency import Residency
-from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
+from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, transition
 from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.metrics import WorkerMetrics
@@ -39,6 +46,8 @@ log = logging.getLogger(__name__)
 WARMUP_PROMPT = "warm="
 WARMUP_TIMEOUT_S = 120.0
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
+DEFAULT_SYNC_INTERVAL_S = 1.0
+_PREWARM_THREAD = "prewarm"
 
 
 @dataclass(frozen=True)
@@ -51,6 +60,16 @@ class ReadinessEntry:
     """Unix time the revision entered `state`."""
     reason: str | None = None
     """Why it failed, for `failed`."""
+    queue_position: int | None = None
+    """For `queued`: how many queued revisions go before it."""
+
+
+@dataclass(frozen=True)
+class ReadinessEvent:
+    at: float
+    revision: RevisionId
+    state: Readiness
+    reason: str | None = None
 
 
 class RevisionNotReady(NotReadyError):
@@ -60,41 +79,57 @@ class RevisionNotReady(NotReadyError):
 
 
 class Worker:
-    """Readiness table, admission queue and prewarm loop around one engine."""
-
     def __init__(
         self,
         engine: TorchEngine,
-        registry: Registry,
+        catalog: Catalog,
         store: ArtifactStore,
         host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
         max_batch: int = DEFAULT_MAX_BATCH,
+        admission_k: int = DEFAULT_CONCURRENCY,
+        sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
     ) -> None:
         self.engine = engine
-        self.registry = registry
+        self.catalog = catalog
         self.store = store
         self.residency = Residency(host_cache_bytes, engine.slots)
         self.metrics = WorkerMetrics(self.residency)
         self._host: dict[str, AdapterWeights] = {}
         """The host cache's contents (the residency plan says what belongs here)."""
-        self.scheduler = Scheduler(engine, self.residency, self._host.__getitem__,
-                                   self.metrics, max_batch)  # fmt: skip
+        self.scheduler = Scheduler(
+            engine, self.residency, self._host.__getitem__, self.metrics, max_batch
+        )
         self._table: dict[RevisionId, ReadinessEntry] = {}
         self._policies: dict[RevisionId, PolicyRecord] = {}
-        self._lock = threading.Lock()
-        self._queue: queue.Queue[RevisionId] = queue.Queue()
-        self._prewarmer = threading.Thread(target=self._prewarm_loop, name="prewarm", daemon=True)
-        self._prewarmer.start()
+        self._events: list[ReadinessEvent] = []
+        self._admission: AdmissionQueue[RevisionId] = AdmissionQueue(admission_k)
+        self._lock = threading.Condition()
+        self.request_path_loads = 0
+        """Artifact fetches outside the prewarm threads: the readiness gate keeps it at zero."""
+        self.degraded: str | None = None
+        """Why the last sync with the registry failed; None while it succeeds."""
+        self.sync_interval_s = sync_interval_s
+        self._nudge = threading.Event()
+        for number in range(admission_k):
+            threading.Thread(
+                target=self._prewarm_loop, name=f"{_PREWARM_THREAD}-{number}", daemon=True
+            ).start()
+        threading.Thread(target=self._watch, name="watcher", daemon=True).start()
+
+    # Readiness.
 
     def readiness(self, revision: RevisionId) -> ReadinessEntry:
         with self._lock:
-            entry = self._table.get(revision)
-        return entry or ReadinessEntry(revision, Readiness.NOT_ADMITTED, since=0.0)
+            return self._entry(revision)
 
     def entries(self, adapter: str) -> list[ReadinessEntry]:
         with self._lock:
-            found = [e for r, e in self._table.items() if r.adapter == adapter]
+            found = [self._entry(r) for r in self._table if r.adapter == adapter]
         return sorted(found, key=lambda e: e.revision.number)
+
+    def events(self) -> list[ReadinessEvent]:
+        with self._lock:
+            return list(self._events)
 
     def ready_revisions(self, principal: str = ANONYMOUS) -> list[RevisionId]:
         """Ready revisions `principal` may use."""
@@ -108,29 +143,85 @@ class Worker:
                 key=lambda r: (r.adapter, r.number),
             )
 
-    def admit(self, revision: RevisionId) -> ReadinessEntry:
-        """Queue `revision` for prewarm. Idempotent: a queued, prewarming or ready revision
-        stays as it is."""
-        with self._lock:
-            current = self._table.get(revision)
-            state = current.state if current else Readiness.NOT_ADMITTED
-            if state not in (Readiness.NOT_ADMITTED, Readiness.FAILED):
-                return current  # type: ignore[return-value]
-            entry = self._set(revision, Readiness.QUEUED)
-        self._queue.put(revision)
+    def _entry(self, revision: RevisionId) -> ReadinessEntry:
+        entry = self._table.get(revision)
+        if entry is None:
+            return ReadinessEntry(revision, Readiness.NOT_ADMITTED, since=0.0)
+        if entry.state is Readiness.QUEUED:
+            position = self._admission.position(revision)
+            return ReadinessEntry(revision, entry.state, entry.since, queue_position=position)
         return entry
 
-    def reconcile(self) -> list[RevisionId]:
-        """Admit what the registry says users get: every adapter's `production` revision."""
+    def _set(
+        self, revision: RevisionId, state: Readiness, reason: str | None = None
+    ) -> ReadinessEntry:
+        """Move `revision` to `state` (the caller holds the lock)."""
+        current = self._table.get(revision)
+        transition(current.state if current else Readiness.NOT_ADMITTED, state)
+        entry = ReadinessEntry(revision, state, since=time.time(), reason=reason)
+        self._table[revision] = entry
+        self._events.append(ReadinessEvent(entry.since, revision, state, reason))
+        return entry
+
+    # Admission.
+
+    def admit(self, revision: RevisionId, priority: Priority = Priority.NORMAL) -> ReadinessEntry:
+        """Queue `revision` for prewarm. Idempotent: a queued, prewarming or ready revision
+        stays as it is (a queued one moves up if `priority` is higher)."""
+        with self._lock:
+            state = self._entry(revision).state
+            if state in (Readiness.NOT_ADMITTED, Readiness.FAILED):
+                self._set(revision, Readiness.QUEUED)
+            if state in (Readiness.NOT_ADMITTED, Readiness.FAILED, Readiness.QUEUED):
+                self._admission.push(revision, priority)
+                self._lock.notify_all()
+            return self._entry(revision)
+
+    def sync(self) -> list[RevisionId]:
+        """Catch up with the registry and admit what it says this worker should hold but does
+        not; the revisions admitted. A failed sync marks the worker degraded and changes
+        nothing else."""
+        try:
+            self.catalog.sync()
+        except RegistryError as e:
+            if self.degraded is None:
+                log.warning("registry unreachable; serving what this worker holds: %s", e)
+            self.degraded = str(e)
+            raise
+        self.degraded = None
         admitted = []
-        for adapter in self.registry.adapters():
-            try:
-                revision = self.registry.resolve(RevisionRef(adapter, alias=PRODUCTION)).id
-            except NotFoundError:
-                continue
-            self.admit(revision)
-            admitted.append(revision)
+        for revision in sorted(self.catalog.desired(), key=lambda r: (r.adapter, r.number)):
+            if self.readiness(revision).state is Readiness.NOT_ADMITTED:
+                self.admit(revision, self._priority(revision))
+                admitted.append(revision)
         return admitted
+
+    def nudge(self) -> None:
+        """Sync now rather than at the next interval."""
+        self._nudge.set()
+
+    def _priority(self, revision: RevisionId) -> Priority:
+        """A revision older than one this worker has ready is a rollback: it goes first."""
+        with self._lock:
+            newer = any(
+                r.adapter == revision.adapter and r.number > revision.number
+                for r, e in self._table.items()
+                if e.state is Readiness.READY
+            )
+        return Priority.ROLLBACK if newer else Priority.NORMAL
+
+    def _watch(self) -> None:
+        while True:
+            try:
+                self.sync()
+            except RegistryError:
+                pass  # recorded in `degraded`; try again at the next interval
+            except Exception:  # the watcher must outlive any one bad sync
+                log.exception("sync with the registry failed")
+            self._nudge.wait(self.sync_interval_s)
+            self._nudge.clear()
+
+    # Serving.
 
     def route(
         self, ref: RevisionRef | None, principal: str = ANONYMOUS
@@ -140,7 +231,7 @@ class Worker:
         AccessDeniedError, or RevisionNotReady."""
         if ref is None:
             return None, BASE
-        registered = self.registry.resolve(ref)
+        registered = self.catalog.resolve(ref)
         revision = registered.id
         check_access(registered.policy, principal, revision)
         entry = self.readiness(revision)
@@ -156,18 +247,13 @@ class Worker:
     def close(self) -> None:
         self.scheduler.stop()
 
-    def _set(
-        self, revision: RevisionId, state: Readiness, reason: str | None = None
-    ) -> ReadinessEntry:
-        current = self._table.get(revision)
-        transition(current.state if current else Readiness.NOT_ADMITTED, state)
-        entry = ReadinessEntry(revision, state, since=time.time(), reason=reason)
-        self._table[revision] = entry
-        return entry
+    # Prewarm.
 
     def _prewarm_loop(self) -> None:
         while True:
-            revision = self._queue.get()
+            with self._lock:
+                while (revision := self._admission.start_next()) is None:
+                    self._lock.wait()
             try:
                 self._prewarm(revision)
             except MintError as e:
@@ -176,6 +262,10 @@ class Worker:
             except Exception as e:  # a worker must outlive any one bad revision
                 log.exception("prewarm of %s crashed", revision)
                 self._fail(revision, f"{type(e).__name__}: {e}")
+            finally:
+                with self._lock:
+                    self._admission.finish(revision)
+                    self._lock.notify_all()
 
     def _fail(self, revision: RevisionId, reason: str) -> None:
         key = str(revision)
@@ -188,13 +278,13 @@ class Worker:
     def _prewarm(self, revision: RevisionId) -> None:
         with self._lock:
             self._set(revision, Readiness.FETCHING)
-        registered = self.registry.get(revision)
+        registered = self.catalog.record(revision)
         if registered.policy.base_digest != self.engine.base.digest:
             raise BaseMismatchError(
                 f"{revision} was trained on base {registered.policy.base_digest}; this worker "
                 f"serves {self.engine.base.digest}"
             )
-        adapter = load_packed(self.store.fetch(registered.artifact_uri))
+        adapter = load_packed(self._fetch(registered.artifact_uri))
         index = adapter.index
         if index.content_digest != registered.policy.content_digest:
             raise IntegrityError(
@@ -214,6 +304,11 @@ class Worker:
         self.generate(WARMUP_PROMPT, key, warm_up).result(timeout_s=WARMUP_TIMEOUT_S)
         with self._lock:
             self._set(revision, Readiness.READY)
+
+    def _fetch(self, uri: str) -> Path:
+        if not threading.current_thread().name.startswith(_PREWARM_THREAD):
+            self.request_path_loads += 1
+        return self.store.fetch(uri)
 
     def _evicted(self, key: str) -> None:
         """`key` left the host cache: it no longer serves here until admitted again."""

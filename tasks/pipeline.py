@@ -7,6 +7,7 @@ persisted results keyed by flow run for the expensive steps (a rerun of a failed
 a strict global concurrency limit per adapter around rolling a revision out.
 """
 
+import logging
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -23,17 +24,26 @@ from prefect.exceptions import ObjectAlreadyExists
 from mint_core.access import EVERYONE
 from mint_core.artifact_store import open_store
 from mint_core.base_model import BaseModelSpec, base_digest, load_base
+from mint_core.catalog import CANDIDATE
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
-from mint_core.errors import IntegrityError, NotFoundError, NotReadyError, ServiceError
+from mint_core.errors import (
+    IntegrityError,
+    NotFoundError,
+    NotReadyError,
+    ServiceError,
+    TransitionError,
+)
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
 from mint_core.imports import ImportedAdapter, inspect_import
 from mint_core.packing import PackedIndex, pack
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
-from mint_core.states import Readiness, Stage
+from mint_core.states import Stage
 from mint_core.training import TrainedAdapter, TrainingConfig, train_lora
 from serving.client import WorkerClient
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -133,19 +143,41 @@ def rollout_lock(adapter: str, timeout_s: float = ROLLOUT_TIMEOUT_S) -> Iterator
 
 
 @task(name="admit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def admit_revision(config: MintConfig, revision: RevisionId) -> None:
+def admit_revision(config: MintConfig, revision: RevisionId, rollback: bool = False) -> None:
+    """Make `revision` the adapter's `candidate` (workers that restart take it in again) and
+    queue it on every worker; a rollback goes to the front of their queues."""
+    registry = Registry(config.tracking_uri)
+    registry.point_alias(revision, CANDIDATE)
     for url in config.worker_urls:
-        WorkerClient(url).admit(revision)
-    Registry(config.tracking_uri).set_stage(revision, Stage.ADMITTED)
+        WorkerClient(url, config.worker_api_key).admit(
+            revision, "rollback" if rollback else "normal"
+        )
+    registry.set_stage(revision, Stage.ADMITTED)
 
 
 @task(name="prewarm", cache_policy=NO_CACHE)
 def prewarm_revision(config: MintConfig, revision: RevisionId, timeout_s: float = 300.0) -> None:
     registry = Registry(config.tracking_uri)
     registry.set_stage(revision, Stage.PREWARMING)
-    for url in config.worker_urls:
-        WorkerClient(url).wait_ready(revision, timeout_s)
+    wait_fleet_ready(config, revision, timeout_s)
     registry.set_stage(revision, Stage.READY)
+
+
+def wait_fleet_ready(config: MintConfig, revision: RevisionId, timeout_s: float) -> None:
+    """Return once every worker reports `revision` ready; NotReadyError naming each worker
+    that failed it, never admitted it, or ran out of time."""
+    problems = []
+    for url in config.worker_urls:
+        try:
+            WorkerClient(url, config.worker_api_key).wait_ready(revision, timeout_s)
+        except NotReadyError as e:
+            problems.append(str(e))
+    if problems:
+        raise NotReadyError(f"{revision} is not ready on the fleet: {'; '.join(problems)}")
+
+
+_ACTIVATABLE = (Stage.ADMITTED, Stage.PREWARMING, Stage.READY)
+"""Stages from which activation can go on to `active`, in order."""
 
 
 @task(name="activate", cache_policy=NO_CACHE)
@@ -155,22 +187,34 @@ def activate_revision(
     alias: str = PRODUCTION,
     actor: str = "mint",
     reason: str = "release",
+    timeout_s: float = 300.0,
 ) -> None:
-    """Move `alias` to `revision`, but only if every worker reports it ready right now."""
-    not_ready = []
-    for url in config.worker_urls:
-        state, why = WorkerClient(url).readiness(revision)
-        if state is not Readiness.READY:
-            not_ready.append(f"{url}: {state}" + (f" ({why})" if why else ""))
-    if not_ready:
-        raise NotReadyError(
-            f"not moving {revision.adapter}@{alias} to {revision}: not ready on {not_ready}"
-        )
+    """Move `alias` to `revision` once every worker reports it ready (waiting up to
+    `timeout_s`); if one fails it or time runs out, the alias stays where it was. Then nudge
+    the workers, so they switch new requests at once instead of at their next sync."""
     registry = Registry(config.tracking_uri)
+    stage = registry.get(revision).stage
+    if stage not in _ACTIVATABLE:
+        raise TransitionError(
+            f"{revision} is {stage}; only an admitted revision can be activated: admit it first"
+        )
+    try:
+        wait_fleet_ready(config, revision, timeout_s)
+    except NotReadyError as e:
+        raise NotReadyError(f"not moving {revision.adapter}@{alias} to {revision}: {e}") from e
+    for step in _ACTIVATABLE[_ACTIVATABLE.index(stage) + 1 :]:
+        registry.set_stage(revision, step, actor, "every worker reports it ready")
     previous = registry.move_alias(revision, alias, actor, reason)
+    if CANDIDATE in registry.get(revision).aliases:
+        registry.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over
     registry.set_stage(revision, Stage.ACTIVE, actor, reason)
     if alias == PRODUCTION and previous is not None and previous != revision.number:
         registry.set_stage(RevisionId(revision.adapter, previous), Stage.RETIRED, actor, reason)
+    for url in config.worker_urls:
+        try:
+            WorkerClient(url, config.worker_api_key).sync()
+        except ServiceError as e:  # it catches up at its next sync all the same
+            log.warning("could not nudge worker %s to sync: %s", url, e)
 
 
 @task(name="ensure-exported", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)

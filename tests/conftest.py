@@ -51,6 +51,7 @@ from serving.client import WorkerClient  # noqa: E402
 from serving.server import start_worker  # noqa: E402
 from tasks.pipeline import (  # noqa: E402
     Exported,
+    check_import,
     export_adapter,
     freeze_adapter,
     pack_adapter,
@@ -73,6 +74,21 @@ def register_step_by_step(
     packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)
     return register_revision.fn(config, adapter, trained, frozen, exported, "test"), exported, index
+
+
+def register_random_adapter(
+    config: MintConfig, base: BaseModel, name: str, folder: Path, seed: int
+) -> RevisionId:
+    """A random LoRA (a stand-in for one trained elsewhere) taken through the pipeline's steps
+    from import check to register: the next revision of `name`, not admitted anywhere."""
+    rank = 1 + seed % 8
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "up_proj"])
+    random_lora(base.model, lora, seed, std=0.3).save_pretrained(folder)
+    imported = check_import.fn(config, folder)
+    frozen = freeze_adapter.fn(config, imported.path)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    exported = export_adapter.fn(config, packed_dir, index)
+    return register_revision.fn(config, name, imported, frozen, exported, "tests")
 
 
 def random_lora(model: torch.nn.Module, lora: LoraConfig, seed: int, std: float) -> PeftModel:
@@ -113,7 +129,12 @@ def mlflow_server(mint_home: Path) -> Iterator[ManagedProcess]:
 
 @pytest.fixture(scope="session")
 def config(mint_home: Path, mlflow_server: ManagedProcess, base: BaseModel) -> MintConfig:
-    return MintConfig(home=mint_home, tracking_uri=mlflow_server.url, api_keys=API_KEYS)
+    return MintConfig(
+        home=mint_home,
+        tracking_uri=mlflow_server.url,
+        api_keys=API_KEYS,
+        worker_api_key="key-team-a",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +163,12 @@ def worker(config: MintConfig, prefect_api: str) -> Iterator[ManagedProcess]:
 
 @pytest.fixture(scope="session")
 def fleet_config(config: MintConfig, worker: ManagedProcess) -> MintConfig:
-    return MintConfig(home=config.home, tracking_uri=config.tracking_uri, worker_urls=(worker.url,))
+    return MintConfig(
+        home=config.home,
+        tracking_uri=config.tracking_uri,
+        worker_urls=(worker.url,),
+        worker_api_key=config.worker_api_key,
+    )
 
 
 @pytest.fixture(scope="session")

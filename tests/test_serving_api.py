@@ -8,30 +8,19 @@ import random
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from huggingface_hub import InferenceClient
-from peft import LoraConfig
 
 from mint_core.base_model import BaseModel
 from mint_core.config import MintConfig
 from mint_core.datasets import held_out_words, prompt_for
 from mint_core.services import ManagedProcess
 from serving.client import WorkerClient
-from tasks.pipeline import (
-    activate_revision,
-    admit_revision,
-    check_import,
-    export_adapter,
-    freeze_adapter,
-    pack_adapter,
-    prewarm_revision,
-    register_revision,
-)
-from tests.conftest import random_lora
+from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
+from tests.conftest import register_random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -42,29 +31,17 @@ LOAD_CLIENTS = 32
 LOAD_SECONDS = float(os.environ.get("MINT_LOAD_TEST_SECONDS", "60"))
 
 
-def release_random_adapter(config: MintConfig, base: BaseModel, name: str, folder: Path) -> None:
-    """A random LoRA imported through the pipeline's steps, admitted, warmed and activated."""
-    rank = 1 + len(folder.name) % 8
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "up_proj"])
-    random_lora(base.model, lora, seed=hash(name) % 1000, std=0.3).save_pretrained(folder)
-    imported = check_import.fn(config, folder)
-    frozen = freeze_adapter.fn(config, imported.path)
-    packed_dir, index = pack_adapter.fn(config, frozen)
-    exported = export_adapter.fn(config, packed_dir, index)
-    revision = register_revision.fn(config, name, imported, frozen, exported, "load-test")
-    admit_revision.fn(config, revision)
-    prewarm_revision.fn(config, revision)
-    activate_revision.fn(config, revision)
-
-
 @pytest.fixture(scope="module")
 def served(
     fleet_config: MintConfig, base: BaseModel, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[tuple[str, str], str]:
     """(adapter, prompt) -> its single-request greedy answer, asked one request at a time."""
     folder = tmp_path_factory.mktemp("load-adapters")
-    for name in ADAPTERS:
-        release_random_adapter(fleet_config, base, name, folder / name)
+    for seed, name in enumerate(ADAPTERS):
+        revision = register_random_adapter(fleet_config, base, name, folder / name, seed)
+        admit_revision.fn(fleet_config, revision)
+        prewarm_revision.fn(fleet_config, revision)
+        activate_revision.fn(fleet_config, revision)
     client = WorkerClient(fleet_config.worker_urls[0])
     answers = {
         (name, prompt): client.generate(prompt, f"{name}@production", NEW_TOKENS)[0]

@@ -1,0 +1,232 @@
+"""Admission benchmark: do new adapters disturb the tenants already being served?
+
+One run against a real `mlflow server` and a real worker process (admission K=1) on loopback.
+Closed-loop clients keep 8 established adapters busy (one client each, `name@production`,
+TGI `/generate`); their latencies are measured over a baseline window, then again while 32 new
+adapters are registered and promoted (admit -> prewarm -> activate) one after another. For each
+new adapter it also measures the not-ready answer (requests sent while it is queued or
+prewarming) and the activation latency (alias move -> first answer from the new revision).
+Adapters are random LoRAs packed and exported before the baseline window, so the measured window
+holds what a release does on the serving side. Prints the figures, writes
+bench/results/admission.json.
+
+    .venv/bin/python bench/admission.py                     # 8 tenants, 32 new adapters
+    .venv/bin/python bench/admission.py --new 4 --window 5  # a smoke run
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
+
+import httpx
+from peft import LoraConfig, get_peft_model
+
+from mint_core.base_model import load_base
+from mint_core.config import MintConfig
+from mint_core.revisions import RevisionId
+from mint_core.services import start_mlflow, stop_all
+from mint_core.textgen import seeded
+from serving.client import WorkerClient
+from serving.server import start_worker
+from tasks.pipeline import (
+    Exported,
+    activate_revision,
+    admit_revision,
+    check_import,
+    export_adapter,
+    freeze_adapter,
+    pack_adapter,
+    register_revision,
+    wait_fleet_ready,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results" / "admission.json"
+PROMPT = "admission="
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """An adapter exported to the store, not yet registered."""
+
+    name: str
+    imported: object
+    frozen: object
+    exported: Exported
+
+
+def prepare(config: MintConfig, name: str, folder: Path, seed: int) -> Prepared:
+    base = load_base(config.base, config.home)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "up_proj"])
+    with seeded(seed):
+        model = get_peft_model(base.model, lora)
+        for parameter_name, parameter in model.named_parameters():
+            if "lora_" in parameter_name:
+                parameter.data.normal_(0.0, 0.3)
+    model.save_pretrained(folder)
+    imported = check_import.fn(config, folder)
+    frozen = freeze_adapter.fn(config, imported.path)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    return Prepared(name, imported, frozen, export_adapter.fn(config, packed_dir, index))
+
+
+def register(config: MintConfig, prepared: Prepared) -> RevisionId:
+    return register_revision.fn(
+        config, prepared.name, prepared.imported, prepared.frozen, prepared.exported, "bench"
+    )
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+class Tenants:
+    """Closed-loop clients, one per established adapter; (finish time, latency) per request."""
+
+    def __init__(self, url: str, names: list[str], new_tokens: int) -> None:
+        self.samples: list[tuple[float, float]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._loop, args=(url, name, new_tokens)) for name in names
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self, url: str, name: str, new_tokens: int) -> None:
+        body = {"inputs": PROMPT, "parameters": {"adapter_id": f"{name}@production",
+                                                 "max_new_tokens": new_tokens}}  # fmt: skip
+        with httpx.Client(base_url=url, timeout=60) as http:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                response = http.post("/generate", json=body)
+                done = time.perf_counter()
+                if response.status_code != 200:
+                    self.errors.append(f"{name}: {response.status_code} {response.text[:200]}")
+                self.samples.append((done, done - started))
+
+    def between(self, start: float, end: float) -> list[float]:
+        return [latency for at, latency in self.samples if start <= at < end]
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--new", type=int, default=32, help="adapters promoted under load")
+    parser.add_argument("--window", type=float, default=20.0, help="baseline seconds")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--home", type=Path, default=Path(".mint"), help="base model cache")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="mint-bench-admission-"))
+    mlflow = start_mlflow(work / "registry")
+    config = MintConfig(
+        home=args.home.absolute(), tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5
+    )
+    load_base(config.base, config.home)  # pretrained once, before any worker starts
+    worker = start_worker(config)
+    config = dataclasses.replace(config, worker_urls=(worker.url,))
+    services = [worker, mlflow]
+    try:
+        run(args, config, work)
+    finally:
+        stop_all(services)
+
+
+def run(args: argparse.Namespace, config: MintConfig, work: Path) -> None:
+    url = config.worker_urls[0]
+    tenants = [f"tenant-{n}" for n in range(args.tenants)]
+    newcomers = [f"newcomer-{n:02d}" for n in range(args.new)]
+    print(f"preparing {len(tenants)} established and {len(newcomers)} new adapters")
+    prepared = {
+        name: prepare(config, name, work / "adapters" / name, seed)
+        for seed, name in enumerate(tenants + newcomers)
+    }
+    for name in tenants:
+        revision = register(config, prepared[name])
+        admit_revision.fn(config, revision)
+        activate_revision.fn(config, revision)
+
+    load = Tenants(url, tenants, args.new_tokens)
+    time.sleep(2.0)  # let the loop settle
+    baseline_start = time.perf_counter()
+    time.sleep(args.window)
+    baseline_end = during_start = time.perf_counter()
+
+    not_ready_ms: list[float] = []
+    activation_s: list[float] = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for name in newcomers:
+            revision = register(config, prepared[name])
+            admit_revision.fn(config, revision)
+            body = {"inputs": PROMPT, "parameters": {"adapter_id": str(revision),
+                                                     "max_new_tokens": 2}}  # fmt: skip
+            for _ in range(5):  # asked for while it is queued or prewarming
+                started = time.perf_counter()
+                response = http.post("/generate", json=body)
+                if response.status_code != 503:
+                    break
+                not_ready_ms.append((time.perf_counter() - started) * 1000)
+            wait_fleet_ready(config, revision, timeout_s=300)
+            moved = time.perf_counter()
+            activate_revision.fn(config, revision)
+            body["parameters"]["adapter_id"] = f"{name}@production"
+            while http.post("/generate", json=body).headers.get("X-Mint-Revision") != str(revision):
+                pass
+            activation_s.append(time.perf_counter() - moved)
+    during_end = time.perf_counter()
+    load.stop()
+
+    baseline = load.between(baseline_start, baseline_end)
+    during = load.between(during_start, during_end)
+    health = WorkerClient(url).health()
+    result = {
+        "tenants": args.tenants,
+        "new_adapters": args.new,
+        "new_tokens": args.new_tokens,
+        "baseline_requests": len(baseline),
+        "during_requests": len(during),
+        "during_s": during_end - during_start,
+        "p50_baseline_s": statistics.median(baseline),
+        "p95_baseline_s": percentile(baseline, 0.95),
+        "p50_during_s": statistics.median(during),
+        "p95_during_s": percentile(during, 0.95),
+        "p95_ratio": percentile(during, 0.95) / percentile(baseline, 0.95),
+        "request_path_loads": health["request_path_loads"],
+        "activation_p50_s": statistics.median(activation_s),
+        "activation_max_s": max(activation_s),
+        "not_ready_answers": len(not_ready_ms),
+        "not_ready_p50_ms": statistics.median(not_ready_ms) if not_ready_ms else None,
+        "not_ready_p99_ms": percentile(not_ready_ms, 0.99) if not_ready_ms else None,
+        "tenant_errors": len(load.errors),
+    }
+    for key, value in result.items():
+        print(f"  {key:<20} {value:.4g}" if isinstance(value, float) else f"  {key:<20} {value}")
+    if load.errors:
+        print("tenant errors:", *load.errors[:5], sep="\n  ")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
