@@ -15,7 +15,9 @@ Every readiness change is kept in an event log (`events`), which is how tests an
 see what happened and when.
 """
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ WARMUP_PROMPT = "warm="
 WARMUP_TIMEOUT_S = 120.0
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 DEFAULT_SYNC_INTERVAL_S = 1.0
+PREWARM_NICENESS = 10
 _PREWARM_THREAD = "prewarm"
 
 
@@ -250,6 +253,9 @@ class Worker:
     # Prewarm.
 
     def _prewarm_loop(self) -> None:
+        # Prewarming is background work: on a busy machine the running batch goes first.
+        with contextlib.suppress(AttributeError, OSError):  # per-thread nice: Linux only
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREWARM_NICENESS)
         while True:
             with self._lock:
                 while (revision := self._admission.start_next()) is None:
