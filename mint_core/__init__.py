@@ -9,8 +9,10 @@ A revision's life, one module per step:
 4. `artifact_store`: the packed artifact is exported, content-addressed (a local folder or S3).
 5. `registry`: an MLflow model version (= revision `rN`) records the policy record
    (`revisions.PolicyRecord`) as tags and as a JSON artifact; no user can reach it yet.
-6. Workers admit and prewarm it (readiness in `states.Readiness`); once all report ready, the
-   `production` alias moves to it and users get it. `states.Stage` tracks each step.
+6. Workers follow the registry through a `catalog`, admit it (`admission`: K at a time,
+   rollbacks first), prewarm it into their `residency` tiers (host cache, then a device slot)
+   and report it ready (`states.Readiness`); once all do, the `production` alias moves to it
+   and users get it. `states.Stage` tracks each step.
 """
 
 from mint_core.base_model import BaseModel, BaseModelSpec, load_base

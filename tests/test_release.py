@@ -12,7 +12,7 @@ from mint_cli import format_table, status_rows
 from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task, held_out_words, prompt_for
-from mint_core.errors import BaseMismatchError, NotFoundError, NotReadyError
+from mint_core.errors import BaseMismatchError, NotFoundError, TransitionError
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
@@ -127,7 +127,7 @@ def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
     assert response.headers["Retry-After"]
     assert response.json() | {"id": "gate-bot:r1", "state": "not_admitted"} == response.json()
 
-    with pytest.raises(NotReadyError, match="not_admitted"):
+    with pytest.raises(TransitionError, match="is registered; only an admitted revision"):
         activate_revision.fn(config, revision)
     registry = Registry(config.tracking_uri)
     assert registry.get(revision).aliases == ()
