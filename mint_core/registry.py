@@ -222,10 +222,10 @@ class Registry:
             adapter, description=model.description if model else ""
         )
 
-    def adapters_changed_since(self, since_ms: int, page_size: int = 1000) -> list[AdapterAliases]:
+    def adapters_changed_since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
         """Every adapter updated (new revision, alias moved) at or after `since_ms` on the
-        registry's clock, newest first: what a worker needs to catch up. RegistryError if
-        MLflow cannot answer."""
+        registry's clock, newest first: what a worker needs to catch up. Pages are small, as a
+        sync usually finds a few changes at most. RegistryError if MLflow cannot answer."""
         changed: list[AdapterAliases] = []
         page_token = None
         try:

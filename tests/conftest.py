@@ -157,6 +157,7 @@ def worker(config: MintConfig, prefect_api: str) -> Iterator[ManagedProcess]:
     os.environ["MINT_HOME"] = str(config.home)
     os.environ["MLFLOW_TRACKING_URI"] = config.tracking_uri
     os.environ["MINT_WORKER_URLS"] = process.url
+    os.environ["MINT_WORKER_API_KEY"] = config.worker_api_key
     yield process
     process.stop()
 
