@@ -33,6 +33,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
 
 import httpx
+import psutil
 from peft import LoraConfig, get_peft_model
 
 from mint_core.base_model import load_base
@@ -176,12 +177,23 @@ def main() -> None:
     config = dataclasses.replace(config, worker_urls=(worker.url,))
     services = [worker, mlflow]
     try:
-        run(args, config, work)
+        run(args, config, work, {"worker": worker.process.pid, "mlflow": mlflow.process.pid})
     finally:
         stop_all(services)
 
 
-def run(args: argparse.Namespace, config: MintConfig, work: Path) -> None:
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU time each process (and its children) has used so far."""
+    used = {}
+    for name, pid in pids.items():
+        process = psutil.Process(pid)
+        tree = [process, *process.children(recursive=True)]
+        used[name] = sum(sum(p.cpu_times()[:2]) for p in tree)
+    used["benchmark"] = sum(psutil.Process().cpu_times()[:2])
+    return used
+
+
+def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str, int]) -> None:
     url = config.worker_urls[0]
     tenants = [f"tenant-{n}" for n in range(args.tenants)]
     newcomers = [f"newcomer-{n:02d}" for n in range(args.new)]
@@ -197,9 +209,10 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path) -> None:
 
     load = Tenants(url, tenants, args.new_tokens)
     time.sleep(2.0)  # let the loop settle
-    baseline_start = time.monotonic()
+    baseline_start, cpu_at_start = time.monotonic(), cpu_seconds(pids)
     time.sleep(args.window)
     baseline_end = during_start = time.monotonic()
+    cpu_at_baseline_end = cpu_seconds(pids)
 
     not_ready_ms: list[float] = []
     activation_s: list[float] = []
@@ -224,7 +237,16 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path) -> None:
                 time.sleep(0.005)
             activation_s.append(time.monotonic() - moved)
     during_end = time.monotonic()
+    cpu_at_end = cpu_seconds(pids)
     load.stop()
+    # Share of one core each process used in each window: what competes with the worker.
+    cores = {
+        window: {name: round((end[name] - start[name]) / seconds, 3) for name in start}
+        for window, start, end, seconds in (
+            ("baseline", cpu_at_start, cpu_at_baseline_end, baseline_end - baseline_start),
+            ("during", cpu_at_baseline_end, cpu_at_end, during_end - during_start),
+        )
+    }
 
     baseline = load.between(baseline_start, baseline_end)
     during = load.between(during_start, during_end)
@@ -248,6 +270,8 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path) -> None:
         "not_ready_p50_ms": statistics.median(not_ready_ms) if not_ready_ms else None,
         "not_ready_p99_ms": percentile(not_ready_ms, 0.99) if not_ready_ms else None,
         "tenant_errors": len(load.errors),
+        "cores_used": cores,
+        "machine_cores": os.cpu_count(),
     }
     for key, value in result.items():
         print(f"  {key:<20} {value:.4g}" if isinstance(value, float) else f"  {key:<20} {value}")
