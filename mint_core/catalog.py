@@ -89,3 +89,10 @@ class Catalog:
     def adapters(self) -> list[str]:
         with self._lock:
             return sorted(self._aliases)
+
+    def knows(self, adapter: str) -> bool:
+        """Whether `adapter` is registered (asking the registry if not synced yet)."""
+        with self._lock:
+            if adapter in self._aliases:
+                return True
+        return self.registry.has_adapter(adapter)

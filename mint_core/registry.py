@@ -270,6 +270,9 @@ class Registry:
             "--to-revision"
         )
 
+    def has_adapter(self, adapter: str) -> bool:
+        return self._registered_model(adapter) is not None
+
     def adapters(self) -> list[str]:
         models = self._client.search_registered_models(
             filter_string=f"tags.`{KIND_TAG}` = '{_ADAPTER_KIND}'"

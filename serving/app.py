@@ -476,8 +476,8 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
     def adapter_status(name: str) -> dict[str, object]:
         check_adapter_name(name)
         entries = worker.entries(name)
-        if not entries and name not in worker.catalog.adapters():
-            worker.catalog.resolve(RevisionRef(name))  # NotFoundError names it, if unknown
+        if not entries and not worker.catalog.knows(name):
+            raise NotFoundError(f"adapter {name!r} is not registered")
         residency = worker.residency
         pins = {entry.key: entry.pins for entry in residency.slot_table()}
         revisions = []
