@@ -510,7 +510,7 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
         """Every readiness change on this worker since it started, oldest first."""
         return {
             "events": [
-                {"at": e.at, "id": str(e.revision), "state": e.state.value, "reason": e.reason}
+                {"at": e.since, "id": str(e.revision), "state": e.state.value, "reason": e.reason}
                 for e in worker.events()
             ]
         }

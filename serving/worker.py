@@ -67,14 +67,6 @@ class ReadinessEntry:
     """For `queued`: how many queued revisions go before it."""
 
 
-@dataclass(frozen=True)
-class ReadinessEvent:
-    at: float
-    revision: RevisionId
-    state: Readiness
-    reason: str | None = None
-
-
 class RevisionNotReady(NotReadyError):
     def __init__(self, entry: ReadinessEntry) -> None:
         super().__init__(f"{entry.revision} is {entry.state} on this worker, not ready")
@@ -104,7 +96,8 @@ class Worker:
         )
         self._table: dict[RevisionId, ReadinessEntry] = {}
         self._policies: dict[RevisionId, PolicyRecord] = {}
-        self._events: list[ReadinessEvent] = []
+        self._events: list[ReadinessEntry] = []
+        """Every readiness change, oldest first."""
         self._admission: AdmissionQueue[RevisionId] = AdmissionQueue(admission_k)
         self._lock = threading.Condition()
         self.request_path_loads = 0
@@ -130,7 +123,7 @@ class Worker:
             found = [self._entry(r) for r in self._table if r.adapter == adapter]
         return sorted(found, key=lambda e: e.revision.number)
 
-    def events(self) -> list[ReadinessEvent]:
+    def events(self) -> list[ReadinessEntry]:
         with self._lock:
             return list(self._events)
 
@@ -163,7 +156,7 @@ class Worker:
         transition(current.state if current else Readiness.NOT_ADMITTED, state)
         entry = ReadinessEntry(revision, state, since=time.time(), reason=reason)
         self._table[revision] = entry
-        self._events.append(ReadinessEvent(entry.since, revision, state, reason))
+        self._events.append(entry)
         return entry
 
     # Admission.
