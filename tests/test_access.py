@@ -12,7 +12,7 @@ from mint_core.config import MintConfig
 from mint_core.errors import AccessDeniedError, AuthenticationError, ConfigurationError
 from mint_core.revisions import RevisionId
 from mint_core.services import ManagedProcess
-from tests.test_revisions import make_policy
+from tests.helpers import make_policy
 
 
 def test_api_keys_parse_from_env_and_file(tmp_path: Path) -> None:

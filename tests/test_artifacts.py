@@ -22,7 +22,7 @@ from mint_core.freezing import PEFT_WEIGHTS, freeze
 from mint_core.packing import load, pack, verify
 from mint_core.services import ManagedProcess
 from mint_core.training import TrainedAdapter, TrainingConfig, train_lora
-from tests.conftest import create_bucket
+from tests.helpers import create_bucket
 
 TINY = BaseModelSpec(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0

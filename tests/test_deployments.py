@@ -26,7 +26,7 @@ from mint_core.errors import ConfigurationError, ServiceError
 from mint_core.services import ManagedProcess, free_port
 from mint_core.training import TrainingConfig
 from tasks.pipeline import rollout_lock, train_adapter
-from tests.test_lifecycle import answer
+from tests.helpers import answer
 
 pytestmark = pytest.mark.slow
 

@@ -6,21 +6,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model_state_dict
+from peft import PeftModel
 
 from mint_core.base_model import BaseModel, BaseModelSpec, load_base
-from mint_core.datasets import held_out_words, prompt_for
 from mint_core.errors import IntegrityError, ServiceError
 from mint_core.textgen import greedy_generate, left_padded
 from mint_core.tokenizer import CharTokenizer
 from serving.engine import BASE, TorchEngine
-from tests.conftest import random_lora
+from tests.helpers import ENGINE_PROMPTS as PROMPTS
+from tests.helpers import ENGINE_SPEC as SPEC
+from tests.helpers import PROJECTIONS, config_of, random_adapter, weights_of
 
-SPEC = BaseModelSpec(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                     pretrain_steps=0)  # fmt: skip
-PROMPTS = [prompt_for(word) for word in held_out_words(8)]
 RANKS = [1, 2, 4, 8, 16, 3, 8, 5]
-PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -31,23 +28,6 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fresh_base(home: Path) -> BaseModel:
     """A base the engine may own (it adapts its model in place)."""
     return load_base(SPEC, home)
-
-
-def random_adapter(
-    base: BaseModel, rank: int, seed: int, targets: list[str] | None = None
-) -> tuple[LoraConfig, PeftModel]:
-    """A LoRA with random (non-zero) weights; odd seeds use rsLoRA scaling."""
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank + seed, use_rslora=seed % 2 == 1,
-                      target_modules=targets or PROJECTIONS)  # fmt: skip
-    return lora, random_lora(base.model, lora, seed, std=0.2)
-
-
-def config_of(lora: LoraConfig) -> dict[str, object]:
-    return lora.to_dict() | {"peft_type": "LORA", "target_modules": sorted(lora.target_modules)}
-
-
-def weights_of(model: PeftModel) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
 
 
 @torch.inference_mode()

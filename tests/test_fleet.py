@@ -25,7 +25,7 @@ from mint_core.states import Stage
 from serving.client import WorkerClient
 from serving.server import start_worker
 from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
-from tests.conftest import register_random_adapter
+from tests.helpers import register_random_adapter
 
 pytestmark = pytest.mark.slow
 

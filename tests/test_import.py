@@ -19,7 +19,7 @@ from mint_core.revisions import RevisionRef
 from mint_core.textgen import greedy_generate
 from mint_core.tokenizer import CharTokenizer
 from serving.client import WorkerClient
-from tests.conftest import random_lora
+from tests.helpers import random_lora
 
 pytestmark = pytest.mark.slow
 

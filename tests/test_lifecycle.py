@@ -19,22 +19,12 @@ from flows.release import release
 from mint_core.errors import ConfigurationError, NotFoundError, NotReadyError
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
-from mint_core.services import ManagedProcess
 from mint_core.states import Readiness, Stage
 from serving.client import WorkerClient
 from tasks.pipeline import admit_revision, prewarm_revision
-from tests.conftest import Fleet, register_step_by_step
+from tests.helpers import Fleet, answer, register_step_by_step
 
 pytestmark = pytest.mark.slow
-
-
-def answer(worker: ManagedProcess, adapter_id: str) -> tuple[str, list[float]]:
-    """The revision that answered and its token log-probabilities: a fingerprint of weights."""
-    body = {"inputs": "hello=", "parameters": {"adapter_id": adapter_id, "details": True}}
-    response = httpx.post(worker.url + "/generate", json=body)
-    response.raise_for_status()
-    logprobs = [token["logprob"] for token in response.json()["details"]["tokens"]]
-    return response.headers["X-Mint-Revision"], logprobs
 
 
 def test_rollback_brings_back_r1_without_training(fleet: Fleet) -> None:

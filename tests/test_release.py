@@ -23,7 +23,7 @@ from tasks.pipeline import (
     admit_revision,
     prewarm_revision,
 )
-from tests.conftest import register_step_by_step
+from tests.helpers import register_step_by_step
 
 pytestmark = pytest.mark.slow
 

@@ -5,6 +5,7 @@ import pytest
 from mint_core.errors import ConfigurationError, TransitionError
 from mint_core.revisions import PolicyRecord, RevisionRef
 from mint_core.states import Readiness, Stage, transition
+from tests.helpers import make_policy
 
 
 @pytest.mark.parametrize(
@@ -28,29 +29,6 @@ def test_revision_refs_parse(
 def test_bad_revision_refs_name_the_value(text: str) -> None:
     with pytest.raises(ConfigurationError, match=r"not valid|r1 or later"):
         RevisionRef.parse(text)
-
-
-def make_policy(**changes: object) -> PolicyRecord:
-    values: dict[str, object] = {
-        "adapter": "support-bot",
-        "content_digest": "sha256:" + "a" * 64,
-        "base_model_id": "mint-tiny-llama-x",
-        "base_digest": "sha256:" + "b" * 64,
-        "task": "upper",
-        "training_steps": 200,
-        "dataset_digest": "sha256:" + "c" * 64,
-        "lora_rank": 8,
-        "lora_alpha": 16,
-        "target_modules": ("q_proj", "v_proj"),
-        "created_by": "alice",
-        "created_at": "2026-11-29T00:00:00+00:00",
-        "parent_revision": 2,
-        "frozen_digest": "sha256:" + "d" * 64,
-        "principals": ("team-a", "team-b"),
-        "eval_metrics": {"held_out_accuracy": 0.97},
-    }
-    values.update(changes)
-    return PolicyRecord(**values)  # type: ignore[arg-type]
 
 
 def test_policy_record_round_trips_through_json_and_tags() -> None:

@@ -14,7 +14,9 @@ from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.metrics import WorkerMetrics
 from serving.sampling import SamplingParams
 from serving.scheduler import Request, Scheduler, TokenEvent
-from tests.test_engine import PROMPTS, SPEC, config_of, random_adapter, weights_of
+from tests.helpers import ENGINE_PROMPTS as PROMPTS
+from tests.helpers import ENGINE_SPEC as SPEC
+from tests.helpers import config_of, random_adapter, weights_of
 
 ADAPTERS = 5
 

@@ -20,7 +20,7 @@ from mint_core.datasets import held_out_words, prompt_for
 from mint_core.services import ManagedProcess
 from serving.client import WorkerClient
 from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
-from tests.conftest import register_random_adapter
+from tests.helpers import register_random_adapter
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,193 @@
+"""Helpers several test modules share (fixtures stay in conftest.py): synthetic adapters taken
+through the pipeline, tiny engines' adapters, a policy record, the fleet scenario over each
+artifact store, and a fingerprint of what a worker answered."""
+
+import copy
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import boto3
+import httpx
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+
+from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
+from mint_core.base_model import BaseModel, BaseModelSpec
+from mint_core.config import MintConfig
+from mint_core.datasets import held_out_words, prompt_for
+from mint_core.packing import PackedIndex
+from mint_core.revisions import PolicyRecord, RevisionId
+from mint_core.services import ManagedProcess
+from mint_core.textgen import seeded
+from mint_core.training import TrainingConfig
+from tasks.pipeline import (
+    Exported,
+    check_import,
+    export_adapter,
+    freeze_adapter,
+    pack_adapter,
+    register_revision,
+    train_adapter,
+)
+
+# --- Adapters made for tests ---------------------------------------------------------------
+
+
+def random_lora(model: torch.nn.Module, lora: LoraConfig, seed: int, std: float) -> PeftModel:
+    """A PEFT LoRA over a copy of `model` with random non-zero weights: a stand-in for one that
+    learned something (PEFT initialises B to zero, which would change nothing)."""
+    with seeded(seed):
+        peft = get_peft_model(copy.deepcopy(model), lora)
+        with torch.no_grad():
+            for name, parameter in peft.named_parameters():
+                if "lora_" in name:
+                    parameter.normal_(0.0, std)
+    return peft.eval()
+
+
+def register_step_by_step(
+    config: MintConfig, adapter: str, task: str
+) -> tuple[RevisionId, Exported, PackedIndex]:
+    """Train (briefly) through register by calling the pipeline's tasks one at a time."""
+    trained = train_adapter.fn(config, adapter, task, TrainingConfig(steps=5), config.base)
+    frozen = freeze_adapter.fn(config, trained.path)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    exported = export_adapter.fn(config, packed_dir, index)
+    return register_revision.fn(config, adapter, trained, frozen, exported, "test"), exported, index
+
+
+def register_random_adapter(
+    config: MintConfig, base: BaseModel, name: str, folder: Path, seed: int
+) -> RevisionId:
+    """A random LoRA (a stand-in for one trained elsewhere) taken through the pipeline's steps
+    from import check to register: the next revision of `name`, not admitted anywhere."""
+    rank = 1 + seed % 8
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "up_proj"])
+    random_lora(base.model, lora, seed, std=0.3).save_pretrained(folder)
+    imported = check_import.fn(config, folder)
+    frozen = freeze_adapter.fn(config, imported.path)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    exported = export_adapter.fn(config, packed_dir, index)
+    return register_revision.fn(config, name, imported, frozen, exported, "tests")
+
+
+def make_policy(**changes: object) -> PolicyRecord:
+    """A complete policy record for support-bot; `changes` replace its fields."""
+    values: dict[str, object] = {
+        "adapter": "support-bot",
+        "content_digest": "sha256:" + "a" * 64,
+        "base_model_id": "mint-tiny-llama-x",
+        "base_digest": "sha256:" + "b" * 64,
+        "task": "upper",
+        "training_steps": 200,
+        "dataset_digest": "sha256:" + "c" * 64,
+        "lora_rank": 8,
+        "lora_alpha": 16,
+        "target_modules": ("q_proj", "v_proj"),
+        "created_by": "alice",
+        "created_at": "2026-11-29T00:00:00+00:00",
+        "parent_revision": 2,
+        "frozen_digest": "sha256:" + "d" * 64,
+        "principals": ("team-a", "team-b"),
+        "eval_metrics": {"held_out_accuracy": 0.97},
+    }
+    values.update(changes)
+    return PolicyRecord(**values)  # type: ignore[arg-type]
+
+
+# --- Tiny engines (engine and scheduler tests) ----------------------------------------------
+
+ENGINE_SPEC = BaseModelSpec(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                            pretrain_steps=0)  # fmt: skip
+"""An untrained base small enough to build in a moment, for engine-level tests."""
+ENGINE_PROMPTS = [prompt_for(word) for word in held_out_words(8)]
+PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def random_adapter(
+    base: BaseModel, rank: int, seed: int, targets: list[str] | None = None
+) -> tuple[LoraConfig, PeftModel]:
+    """A LoRA with random (non-zero) weights; odd seeds use rsLoRA scaling."""
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank + seed, use_rslora=seed % 2 == 1,
+                      target_modules=targets or PROJECTIONS)  # fmt: skip
+    return lora, random_lora(base.model, lora, seed, std=0.2)
+
+
+def config_of(lora: LoraConfig) -> dict[str, object]:
+    """The adapter config an engine is given, as a packed index holds it."""
+    return lora.to_dict() | {"peft_type": "LORA", "target_modules": sorted(lora.target_modules)}
+
+
+def weights_of(model: PeftModel) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+# --- Workers and their artifact stores ------------------------------------------------------
+
+
+def answer(worker: ManagedProcess, adapter_id: str) -> tuple[str, list[float]]:
+    """The revision that answered and its token log-probabilities: a fingerprint of weights."""
+    body = {"inputs": "hello=", "parameters": {"adapter_id": adapter_id, "details": True}}
+    response = httpx.post(worker.url + "/generate", json=body)
+    response.raise_for_status()
+    logprobs = [token["logprob"] for token in response.json()["details"]["tokens"]]
+    return response.headers["X-Mint-Revision"], logprobs
+
+
+def create_bucket(endpoint_url: str, name: str) -> None:
+    boto3.client("s3", endpoint_url=endpoint_url).create_bucket(Bucket=name)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """A worker and the configuration flows use with it, over one kind of artifact store.
+    Tests damage the store through it the way a disk or a careless operator would."""
+
+    store_kind: str
+    config: MintConfig
+    worker: ManagedProcess
+
+    @property
+    def store(self) -> ArtifactStore:
+        return open_store(self.config)
+
+    def adapter(self, name: str) -> str:
+        """A name unique to this fleet (both fleets share one MLflow server)."""
+        return name if self.store_kind == "local" else f"{name}-{self.store_kind}"
+
+    def lose(self, uri: str) -> None:
+        """Delete an artifact from the store."""
+        store = self.store
+        if isinstance(store, LocalArtifactStore):
+            shutil.rmtree(store.fetch(uri))
+            return
+        assert isinstance(store, S3ArtifactStore)
+        s3 = boto3.client("s3", endpoint_url=self.config.s3_endpoint_url)
+        digest = store.digest_of(uri)
+        for shard in self._index(store, uri).shards:
+            s3.delete_object(Bucket=store.bucket, Key=store.shard_key(shard.sha256))
+        s3.delete_object(Bucket=store.bucket, Key=store.index_key(digest))
+
+    def corrupt(self, uri: str, shard_name: str) -> None:
+        """Flip the last byte of one shard of an artifact, in the store itself."""
+        store = self.store
+        if isinstance(store, LocalArtifactStore):
+            path = store.fetch(uri) / shard_name
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.write_bytes(bytes(data))
+            return
+        assert isinstance(store, S3ArtifactStore)
+        s3 = boto3.client("s3", endpoint_url=self.config.s3_endpoint_url)
+        shard = next(s for s in self._index(store, uri).shards if s.name == shard_name)
+        key = store.shard_key(shard.sha256)
+        data = bytearray(s3.get_object(Bucket=store.bucket, Key=key)["Body"].read())
+        data[-1] ^= 0xFF
+        s3.put_object(Bucket=store.bucket, Key=key, Body=bytes(data))
+
+    @staticmethod
+    def _index(store: S3ArtifactStore, uri: str) -> PackedIndex:
+        index = store.stored_index(store.digest_of(uri))
+        assert index is not None, uri
+        return index
