@@ -4,6 +4,7 @@ Each process gets its own process group, so stopping it also stops whatever it s
 server forks a web server), and its output goes to a log file under the state dir.
 """
 
+import contextlib
 import os
 import signal
 import socket
@@ -39,24 +40,54 @@ class ManagedProcess:
     log_path: Path
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.process.poll() is not None:
-            return
+        """Stop the process and everything in its process group: SIGTERM, then SIGKILL to
+        whatever still runs after `grace_s`. Returns once none of them runs, even when the
+        leader had already exited: MLflow's uvicorn outlives a `mlflow server` that is gone."""
+        group = self.process.pid
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.process.wait(wait_s)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            if not group_running(group):
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
+            deadline = time.monotonic() + wait_s
+            while group_running(group) and time.monotonic() < deadline:
+                self.process.poll()  # reap the leader as soon as it exits
+                time.sleep(0.05)
+        self.process.poll()
+        if group_running(group):
+            raise ServiceError(
+                f"{self.name} (process group {group}) still runs after SIGKILL; a process in "
+                f"uninterruptible sleep waits on a device or file system: see `ps -g {group}`"
+            )
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+def group_running(group: int) -> bool:
+    """Whether a process of process group `group` runs. Zombies do not count: they have
+    exited, and where PID 1 does not reap orphans (some containers) they stay in the group."""
+    try:
+        os.killpg(group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True  # no /proc to tell zombies apart; init reaps orphans on such systems
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # After the command name in parentheses: state, parent pid, process group.
+            state, _, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
+        except OSError:  # exited while we looked
+            continue
+        if int(pgrp) == group and state not in ("Z", "X"):
+            return True
+    return False
 
 
 def stop_all(services: Sequence[ManagedProcess]) -> None:
@@ -97,20 +128,28 @@ def start_process(
             start_new_session=True,
         )
     service = ManagedProcess(name, process, url, log_path)
+    try:
+        _wait_healthy(service, healthy, timeout_s)
+    except BaseException:
+        service.stop()  # whatever it forked before failing, too
+        raise
+    return service
+
+
+def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if process.poll() is not None:
+        if service.process.poll() is not None:
             raise ServiceError(
-                f"{name} exited with code {process.returncode} while starting; its log "
-                f"({log_path}) ends with:\n{service.log_tail()}"
+                f"{service.name} exited with code {service.process.returncode} while starting; "
+                f"its log ({service.log_path}) ends with:\n{service.log_tail()}"
             )
         if healthy():
-            return service
+            return
         time.sleep(0.2)
-    service.stop()
     raise ServiceError(
-        f"{name} was not healthy at {url} within {timeout_s:.0f} s; its log "
-        f"({log_path}) ends with:\n{service.log_tail()}"
+        f"{service.name} was not healthy at {service.url} within {timeout_s:.0f} s; its log "
+        f"({service.log_path}) ends with:\n{service.log_tail()}"
     )
 
 

@@ -1,0 +1,83 @@
+"""Stopping a started service stops its whole process group, whatever its leader did: the
+shape of `mlflow server`, whose uvicorn child can outlive it."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from mint_core.errors import ServiceError
+from mint_core.services import ManagedProcess, group_running, start_process
+
+
+def started(tmp_path: Path, script: str) -> tuple[ManagedProcess, int]:
+    """`bash -c script` in a group of its own; the script writes its child's pid to a file,
+    and the service counts as healthy once it has."""
+    pid_file = tmp_path / "child.pid"
+    service = start_process(
+        "test service",
+        ["bash", "-c", script.replace("PID_FILE", str(pid_file))],
+        "http://127.0.0.1:9",
+        lambda: pid_file.exists() and pid_file.read_text().strip() != "",
+        tmp_path / "service.log",
+        timeout_s=30,
+    )
+    return service, int(pid_file.read_text())
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_child_outliving_its_leader_is_stopped(tmp_path: Path) -> None:
+    service, child = started(tmp_path, "sleep 300 & echo $! > PID_FILE; wait")
+    service.process.kill()  # the leader alone, as `process.kill()` on `mlflow server` does
+    service.process.wait()
+    assert running(child)
+
+    service.stop()
+
+    assert not running(child)
+    assert not group_running(service.process.pid)
+
+
+def test_a_child_that_ignores_sigterm_is_killed_before_stop_returns(tmp_path: Path) -> None:
+    # The leader dies on SIGTERM at once; the child shrugs it off, as a web server waiting for
+    # open connections can.
+    service, child = started(
+        tmp_path, "bash -c 'trap \"\" TERM; echo $$ > PID_FILE; exec sleep 300' & wait"
+    )
+    started_at = time.monotonic()
+    service.stop(grace_s=1.0)
+    assert time.monotonic() - started_at >= 1.0
+    assert service.process.poll() is not None
+    assert not running(child)
+
+
+def test_a_zombie_left_in_the_group_does_not_hold_stop_up(tmp_path: Path) -> None:
+    # `true` exits and `sleep` (exec'd in the leader's place) never reaps it: a zombie stays in
+    # the group; where PID 1 does not reap orphans it stays one after the leader is gone.
+    service, zombie = started(tmp_path, "true & echo $! > PID_FILE; exec sleep 300")
+    started_at = time.monotonic()
+    service.stop(grace_s=30.0)
+    assert time.monotonic() - started_at < 10.0
+    assert service.process.returncode is not None
+    assert not running(zombie)
+
+
+def test_a_service_that_fails_to_start_leaves_nothing_running(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(ServiceError, match="exited with code 3 while starting"):
+        start_process(
+            "failing service",
+            ["bash", "-c", f"sleep 300 & echo $! > {pid_file}; exit 3"],
+            "http://127.0.0.1:9",
+            lambda: False,
+            tmp_path / "service.log",
+            timeout_s=30,
+        )
+    assert not running(int(pid_file.read_text()))
