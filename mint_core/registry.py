@@ -5,11 +5,14 @@ Registered model = adapter, model version = revision (`rN` is the version number
 weights stay in the artifact store and the version's `source` points at them.
 """
 
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
+import requests
 from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -22,8 +25,16 @@ STAGE_TAG = TAG_PREFIX + "stage"
 KIND_TAG = TAG_PREFIX + "kind"
 ACTIVATED_AT_TAG = TAG_PREFIX + "activated_at"
 STAGE_HISTORY_TAG = TAG_PREFIX + "stage_history"
-ALIAS_HISTORY_TAG = TAG_PREFIX + "alias_history"
+"""A revision's stage moves, one JSON list in one model-version tag. Model-version tag values are
+`Text` in MLflow's schema, and MLflow accepts up to 100,000 characters: with reasons cut to
+`_REASON_CHARS`, that is well over a hundred moves of one revision (a roll-out is four)."""
+ALIAS_MOVE_TAG = TAG_PREFIX + "alias_move."
+"""Prefix of the tags recording alias moves, one small tag per move on the version moved to:
+`mint.alias_move.000042` is the adapter's 42nd move. History grows without bound and no tag
+does; registered-model tags, which every worker sync reads, hold none of it."""
 FAILURE_TAG = TAG_PREFIX + "failure_reason"
+_REASON_CHARS = 1000
+"""Reasons are cut to this length in history records, keeping each one small."""
 _ADAPTER_KIND = "adapter"
 _EXPERIMENT = "mint-releases"
 _POLICY_ARTIFACT = "policy.json"
@@ -33,6 +44,8 @@ _POLICY_ARTIFACT = "policy.json"
 class AliasMove:
     """One move of an alias, as `mint history` lists it."""
 
+    number: int
+    """Its place among every alias move of the adapter, from 1."""
     at: str
     """ISO-8601 UTC time of the move."""
     alias: str
@@ -40,6 +53,46 @@ class AliasMove:
     to_revision: int
     actor: str
     reason: str
+
+    @property
+    def tag(self) -> str:
+        return f"{ALIAS_MOVE_TAG}{self.number:06d}"
+
+
+@dataclass(frozen=True)
+class _MoveRecord:
+    """An alias move as its history tag holds it: written as an intent before the alias moves,
+    marked done after."""
+
+    move: AliasMove
+    done: bool
+
+    def to_tag(self) -> str:
+        return json.dumps({**asdict(self.move), "done": self.done})
+
+    @classmethod
+    def from_tag(cls, value: str) -> "_MoveRecord":
+        fields = json.loads(value)
+        done = fields.pop("done")
+        return cls(AliasMove(**fields), done)
+
+
+def moves_made(records: Sequence[_MoveRecord], aliases: Mapping[str, int]) -> list[AliasMove]:
+    """The moves that happened, in order, from every history record (in order) and where the
+    aliases point now. A record marked done happened. One still an intent happened if its alias
+    was next seen at its target: the next move of that alias started from there or, if none came
+    after, the alias points there now. Otherwise its mover stopped before moving the alias."""
+    made = []
+    for position, record in enumerate(records):
+        move = record.move
+        if not record.done:
+            later = (r.move for r in records[position + 1 :] if r.move.alias == move.alias)
+            next_move = next(later, None)
+            seen = next_move.from_revision if next_move else aliases.get(move.alias)
+            if seen != move.to_revision:
+                continue
+        made.append(move)
+    return made
 
 
 @dataclass(frozen=True)
@@ -65,12 +118,66 @@ class RegisteredRevision:
     tags: Mapping[str, str]
 
 
+class _Answering:
+    """MLflow's client, except that a call the server does not answer (refused, timed out,
+    failing after MLflow's retries) raises RegistryError naming the server, the setting that
+    names it and the cause, whichever call it was. Other failures stay MLflow's own."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        self._uri = tracking_uri
+        self._client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        @functools.wraps(method)
+        def call(*args: object, **kwargs: object) -> object:
+            try:
+                return method(*args, **kwargs)
+            except (MlflowException, requests.RequestException) as e:
+                cause = _unanswered(e)
+                if cause is None:
+                    raise
+                raise RegistryError(
+                    f"MLflow at {self._uri} (MLFLOW_TRACKING_URI) did not answer {name}: "
+                    f"{cause}; check that it runs (`mint registry` starts one) and that "
+                    "MLFLOW_TRACKING_URI points at it"
+                ) from e
+
+        return call
+
+
+_UNANSWERED = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.RetryError,
+)
+"""requests' errors for a server that does not answer, or answers only with errors until
+MLflow's retries give up."""
+
+
+def _unanswered(error: BaseException) -> str | None:
+    """The innermost cause, as text, when `error` means the server did not answer; else None.
+    MLflow's client turns requests' network errors into MlflowException, keeping the original
+    as its context."""
+    network = error if isinstance(error, requests.RequestException) else error.__context__
+    if not isinstance(network, _UNANSWERED):
+        return None
+    cause: BaseException = network
+    while (inner := cause.__cause__ or cause.__context__) is not None:
+        cause = inner
+    return str(cause) or type(cause).__name__
+
+
 class Registry:
     """MinT's operations on an MLflow tracking server."""
 
     def __init__(self, tracking_uri: str) -> None:
         self.tracking_uri = tracking_uri
-        self._client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        # Typed as the client it stands in for: every call goes through it unchanged.
+        self._client: MlflowClient = _Answering(tracking_uri)  # type: ignore[assignment]
 
     def register(
         self, policy: PolicyRecord, artifact_uri: str, serving_base_digest: str
@@ -159,7 +266,7 @@ class Registry:
         history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
         history.append(
             {"at": _now(), "from": registered.stage.value, "to": stage.value, "actor": actor,
-             "reason": reason}
+             "reason": reason[:_REASON_CHARS]}
         )  # fmt: skip
         version = str(revision.number)
         self._client.set_model_version_tag(revision.adapter, version, STAGE_TAG, stage.value)
@@ -181,23 +288,52 @@ class Registry:
         self, revision: RevisionId, alias: str, actor: str = "mint", reason: str = ""
     ) -> int | None:
         """Point `adapter@alias` at `revision`, record the move in the adapter's alias history,
-        and return the revision the alias pointed at before."""
+        and return the revision the alias pointed at before (None if there was no such alias).
+        Any failure to read or write raises RegistryError: nothing is guessed.
+
+        The history record comes first, as an intent; then the alias moves; then the record is
+        marked done. A mover killed anywhere leaves history and alias agreeing, with nothing to
+        repair: killed before the record, nothing happened; killed after the record but before
+        the alias moved, the record stays an intent that readers skip, since the alias was next
+        seen elsewhere (`moves_made`); killed after the alias moved, readers count the intent,
+        since the alias was next seen at its target. Moves of one adapter are serialized by its
+        roll-out lock, which keeps their numbers unique."""
+        model = self._registered_model(revision.adapter)
+        if model is None:
+            raise NotFoundError(f"adapter {revision.adapter!r} is not registered")
+        before = (model.aliases or {}).get(alias)
+        number = max((r.move.number for r in self._move_records(revision.adapter)), default=0)
+        move = AliasMove(
+            number + 1,
+            _now(),
+            alias,
+            int(before) if before is not None else None,
+            revision.number,
+            actor,
+            reason[:_REASON_CHARS],
+        )
+        adapter, version = revision.adapter, str(revision.number)
+        with self._failing(f"move {adapter}@{alias} to {revision}"):
+            record = _MoveRecord(move, done=False)
+            self._client.set_model_version_tag(adapter, version, move.tag, record.to_tag())
+            self._client.set_registered_model_alias(adapter, alias, version)
+            self._touch(adapter, model)
+            self._client.set_model_version_tag(adapter, version, ACTIVATED_AT_TAG, move.at)
+            done = _MoveRecord(move, done=True)
+            self._client.set_model_version_tag(adapter, version, move.tag, done.to_tag())
+        return move.from_revision
+
+    @contextmanager
+    def _failing(self, action: str) -> Iterator[None]:
+        """MLflow's failures inside the block as RegistryError naming `action`."""
         try:
-            previous = self._client.get_model_version_by_alias(revision.adapter, alias)
-            previous_number: int | None = int(previous.version)
-        except MlflowException:
-            previous_number = None
-        self.point_alias(revision, alias)
-        now = _now()
-        self._client.set_model_version_tag(
-            revision.adapter, str(revision.number), ACTIVATED_AT_TAG, now
-        )
-        moves = [asdict(move) for move in self.alias_history(revision.adapter)]
-        moves.append(asdict(AliasMove(now, alias, previous_number, revision.number, actor, reason)))
-        self._client.set_registered_model_tag(
-            revision.adapter, ALIAS_HISTORY_TAG, json.dumps(moves)
-        )
-        return previous_number
+            yield
+        except MlflowException as e:
+            raise RegistryError(f"MLflow failed to {action}: {e}") from e
+        except OSError as e:  # the server does not answer
+            raise RegistryError(
+                f"MLflow at {self.tracking_uri} does not answer; could not {action}: {e}"
+            ) from e
 
     def point_alias(self, revision: RevisionId, alias: str) -> None:
         """Set `adapter@alias` to `revision` with no history: for working aliases such as
@@ -214,10 +350,10 @@ class Registry:
                 raise RegistryError(f"MLflow failed to remove {adapter}@{alias}: {e}") from e
         self._touch(adapter)
 
-    def _touch(self, adapter: str) -> None:
+    def _touch(self, adapter: str, model: RegisteredModel | None = None) -> None:
         # MLflow does not count an alias or tag change as an update of the registered model;
         # re-setting its description does, and workers find changes by that time.
-        model = self._registered_model(adapter)
+        model = model or self._registered_model(adapter)
         self._client.update_registered_model(
             adapter, description=model.description if model else ""
         )
@@ -250,16 +386,16 @@ class Registry:
             raise RegistryError(f"MLflow at {self.tracking_uri} cannot list adapters: {e}") from e
 
     def alias_history(self, adapter: str) -> list[AliasMove]:
-        """Every alias move of `adapter`, oldest first."""
-        model = self._registered_model(adapter)
-        if model is None:
-            raise NotFoundError(f"adapter {adapter!r} is not registered")
-        return [AliasMove(**move) for move in json.loads(model.tags.get(ALIAS_HISTORY_TAG, "[]"))]
+        """Every alias move of `adapter` that happened, oldest first (see `move_alias`)."""
+        return self._history(adapter)[1]
 
     def previous(self, adapter: str, alias: str = PRODUCTION) -> RevisionId:
         """The revision `alias` pointed at before its current one: what a rollback returns to."""
-        current = self.resolve(RevisionRef(adapter, alias=alias)).id.number
-        for move in reversed(self.alias_history(adapter)):
+        aliases, history = self._history(adapter)
+        current = aliases.get(alias)
+        if current is None:
+            raise NotFoundError(f"{adapter}@{alias} does not exist in the registry")
+        for move in reversed(history):
             if move.alias != alias or move.to_revision != current:
                 continue
             if move.from_revision is not None and move.from_revision != current:
@@ -269,6 +405,34 @@ class Registry:
             f"{adapter}@{alias} has no earlier revision to roll back to; name one with "
             "--to-revision"
         )
+
+    def _history(self, adapter: str) -> tuple[dict[str, int], list[AliasMove]]:
+        """Where `adapter`'s aliases point now, and the moves that took them there."""
+        model = self._registered_model(adapter)
+        if model is None:
+            raise NotFoundError(f"adapter {adapter!r} is not registered")
+        aliases = {alias: int(version) for alias, version in (model.aliases or {}).items()}
+        return aliases, moves_made(self._move_records(adapter), aliases)
+
+    def _move_records(self, adapter: str) -> list[_MoveRecord]:
+        """Every alias-move record of `adapter`, in order: one search, paged."""
+        records = []
+        page_token = None
+        with self._failing(f"read the alias history of {adapter!r}"):
+            while True:
+                page = self._client.search_model_versions(
+                    f"name = '{adapter}'", page_token=page_token
+                )
+                for version in page:
+                    records += [
+                        _MoveRecord.from_tag(value)
+                        for key, value in (version.tags or {}).items()
+                        if key.startswith(ALIAS_MOVE_TAG)
+                    ]
+                page_token = page.token
+                if not page_token:
+                    break
+        return sorted(records, key=lambda record: record.move.number)
 
     def has_adapter(self, adapter: str) -> bool:
         return self._registered_model(adapter) is not None

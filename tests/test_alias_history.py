@@ -1,0 +1,203 @@
+"""Alias moves and their history against the real MLflow server: errors surface, a move
+interrupted at any write leaves history and alias agreeing, and history grows without bound
+in tags a real database can hold."""
+
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from mint_core.digests import sha256_json
+from mint_core.errors import RegistryError
+from mint_core.registry import AliasMove, Registry
+from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
+from mint_core.services import ManagedProcess
+
+BASE_DIGEST = sha256_json("alias-history-base")
+REGISTERED_MODEL_TAG_LIMIT = 5000
+"""MLflow's schema declares registered-model tag values `String(5000)`: PostgreSQL and MySQL
+enforce it, sqlite does not, so the tests check it themselves."""
+WRITES = frozenset(
+    {
+        "set_model_version_tag",
+        "set_registered_model_alias",
+        "set_registered_model_tag",
+        "update_registered_model",
+        "delete_registered_model_alias",
+    }
+)
+
+
+@pytest.fixture
+def registry(mlflow_server: ManagedProcess) -> Registry:
+    return Registry(mlflow_server.url)
+
+
+def register(registry: Registry, adapter: str, count: int) -> list[RevisionId]:
+    """`count` revisions of `adapter` (metadata only: nothing is served)."""
+    revisions = []
+    for number in range(1, count + 1):
+        policy = PolicyRecord(
+            adapter=adapter,
+            content_digest=sha256_json([adapter, number]),
+            base_model_id="mint-tiny",
+            base_digest=BASE_DIGEST,
+            task="upper",
+            training_steps=1,
+            dataset_digest=sha256_json("data"),
+            lora_rank=1,
+            lora_alpha=2,
+            target_modules=("q_proj",),
+            created_by="tests",
+            created_at="2026-01-01T00:00:00+00:00",
+        )
+        uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+        revisions.append(registry.register(policy, uri, BASE_DIGEST).id)
+    return revisions
+
+
+def new_adapter(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def moves(registry: Registry, adapter: str) -> list[tuple[str, int | None, int]]:
+    return [(m.alias, m.from_revision, m.to_revision) for m in registry.alias_history(adapter)]
+
+
+def production(registry: Registry, adapter: str) -> int:
+    return registry.resolve(RevisionRef(adapter, alias=PRODUCTION)).id.number
+
+
+class Crash(Exception):
+    """The process moving the alias died here: this write and everything after never ran."""
+
+
+Fault = Callable[[str, int], Exception | None]
+"""(method, how many times it has been called) -> the error this call raises, or None."""
+
+
+class FaultyClient:
+    """The registry's MLflow client with one fault injected: `fails(method, call)` says whether
+    this call of `method` fails instead of reaching the server."""
+
+    def __init__(self, client: MlflowClient, fails: Fault) -> None:
+        self._client = client
+        self._fails = fails
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._client, name)
+
+        def call(*args: object, **kwargs: object) -> object:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            error = self._fails(name, self.calls[name])
+            if error is not None:
+                raise error
+            return method(*args, **kwargs)
+
+        return call
+
+
+@pytest.fixture
+def inject(registry: Registry) -> Iterator[Callable[[Fault], None]]:
+    healthy = registry._client
+
+    def install(fails: Fault) -> None:
+        registry._client = FaultyClient(healthy, fails)  # type: ignore[assignment]
+
+    yield install
+    registry._client = healthy
+
+
+def test_an_error_reading_the_alias_moves_nothing(registry: Registry, inject: Callable) -> None:
+    adapter = new_adapter("read-fails-bot")
+    r1, r2 = register(registry, adapter, 2)
+    registry.move_alias(r1, PRODUCTION)
+    unavailable = MlflowException("the database is busy", error_code="TEMPORARILY_UNAVAILABLE")
+    # Every read fails; writes still reach the server (a replica lagging, a flaky proxy).
+    inject(lambda method, _: unavailable if method.startswith(("get_", "search_")) else None)
+
+    with pytest.raises(RegistryError, match="the database is busy"):
+        registry.move_alias(r2, PRODUCTION)
+
+    inject(lambda *_: None)
+    assert production(registry, adapter) == 1
+    assert moves(registry, adapter) == [(PRODUCTION, None, 1)]
+
+
+MOVE_WRITES = 5
+"""Writes one alias move makes: its history record (an intent), the alias, the adapter's
+last-updated time (workers find changes by it), the activation time, the record marked done."""
+
+
+@pytest.mark.parametrize("crash_at", range(1, MOVE_WRITES + 1))
+def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
+    registry: Registry, inject: Callable, crash_at: int
+) -> None:
+    adapter = new_adapter(f"crash-{crash_at}-bot")
+    r1, r2, r3 = register(registry, adapter, 3)
+    registry.move_alias(r1, PRODUCTION)
+    registry.move_alias(r2, PRODUCTION)
+    writes = 0
+
+    def crash(method: str, _: int) -> Exception | None:
+        nonlocal writes
+        writes += method in WRITES
+        return Crash(f"killed at write {writes} ({method})") if writes == crash_at else None
+
+    inject(crash)
+    with pytest.raises(Crash):
+        registry.move_alias(r3, PRODUCTION, actor="oncall")
+    inject(lambda *_: None)
+
+    # Wherever the alias is now, history ends there and rollback returns to where it was.
+    now = production(registry, adapter)
+    expected = [(PRODUCTION, None, 1), (PRODUCTION, 1, 2)]
+    if now == 3:
+        expected.append((PRODUCTION, 2, 3))
+    assert moves(registry, adapter) == expected
+    assert registry.previous(adapter).number == now - 1
+
+    # The move done again (if it did not happen) is recorded once, and so is the one after it.
+    if now != 3:
+        registry.move_alias(r3, PRODUCTION)
+    registry.move_alias(r1, PRODUCTION)
+    assert moves(registry, adapter) == [
+        (PRODUCTION, None, 1),
+        (PRODUCTION, 1, 2),
+        (PRODUCTION, 2, 3),
+        (PRODUCTION, 3, 1),
+    ]
+    assert registry.previous(adapter) == r3
+
+
+@pytest.mark.slow
+def test_two_hundred_moves_fit_a_real_database_and_read_back_in_order(
+    registry: Registry,
+) -> None:
+    adapter = new_adapter("busy-bot")
+    revisions = register(registry, adapter, 3)
+    started = time.perf_counter()
+    for step in range(200):
+        registry.move_alias(revisions[step % 3], PRODUCTION, actor=f"actor-{step}")
+    elapsed = time.perf_counter() - started
+
+    history = registry.alias_history(adapter)
+    assert [(m.from_revision, m.to_revision, m.actor) for m in history] == [
+        (None if step == 0 else (step - 1) % 3 + 1, step % 3 + 1, f"actor-{step}")
+        for step in range(200)
+    ]
+    assert all(isinstance(m, AliasMove) for m in history)
+    assert production(registry, adapter) == revisions[199 % 3].number
+    assert registry.previous(adapter) == revisions[0]
+    # Every tag MinT wrote fits the tightest column MLflow declares for a tag value.
+    client = MlflowClient(registry.tracking_uri)
+    tags = dict(client.get_registered_model(adapter).tags)
+    for revision in revisions:
+        tags |= client.get_model_version(adapter, str(revision.number)).tags
+    longest = max(tags, key=lambda key: len(tags[key]))
+    assert len(tags[longest]) < REGISTERED_MODEL_TAG_LIMIT, longest
+    print(f"200 moves in {elapsed:.1f} s")
