@@ -325,15 +325,12 @@ class Registry:
 
     @contextmanager
     def _failing(self, action: str) -> Iterator[None]:
-        """MLflow's failures inside the block as RegistryError naming `action`."""
+        """MLflow's refusals inside the block as RegistryError naming `action` (a server that
+        does not answer raises RegistryError already)."""
         try:
             yield
         except MlflowException as e:
             raise RegistryError(f"MLflow failed to {action}: {e}") from e
-        except OSError as e:  # the server does not answer
-            raise RegistryError(
-                f"MLflow at {self.tracking_uri} does not answer; could not {action}: {e}"
-            ) from e
 
     def point_alias(self, revision: RevisionId, alias: str) -> None:
         """Set `adapter@alias` to `revision` with no history: for working aliases such as
