@@ -1,16 +1,20 @@
 """Who may use a revision: API keys name principals, policy records list allowed principals.
 
 A request without a key is the `anonymous` principal; a policy record that lists `*` allows
-everyone, anonymous included. Refusals name only the adapter asked for, never others.
+everyone, anonymous included. Refusals name only the adapter asked for, never others. Admin
+principals (`MINT_ADMIN_PRINCIPALS`) may also queue prewarms, sync and read every revision's
+readiness on a worker; the pipeline presents an admin key.
 """
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from mint_core.errors import AccessDeniedError, AuthenticationError, ConfigurationError
 from mint_core.revisions import PolicyRecord, RevisionId
 
 ANONYMOUS = "anonymous"
 EVERYONE = "*"
+ADMIN = "admin"
+"""The admin principal when `MINT_ADMIN_PRINCIPALS` names none."""
 
 
 def parse_api_keys(text: str) -> dict[str, str]:
@@ -44,3 +48,11 @@ def allows(policy: PolicyRecord, principal: str) -> bool:
 def check_access(policy: PolicyRecord, principal: str, revision: RevisionId) -> None:
     if not allows(policy, principal):
         raise AccessDeniedError(f"principal {principal!r} may not use adapter {revision.adapter!r}")
+
+
+def check_admin(principal: str, admins: Collection[str]) -> None:
+    if principal not in admins:
+        raise AccessDeniedError(
+            f"principal {principal!r} is not an admin of this worker; use a key whose principal "
+            "is in the worker's MINT_ADMIN_PRINCIPALS"
+        )

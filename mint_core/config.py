@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mint_core.access import parse_api_keys
+from mint_core.access import ADMIN, parse_api_keys
 from mint_core.base_model import BaseModelSpec
 from mint_core.errors import ConfigurationError
 from mint_core.revisions import RevisionId, RevisionRef
@@ -84,7 +84,12 @@ class MintConfig:
     pins: tuple[RevisionId, ...] = ()
     """Revisions every worker holds whatever the aliases say (`MINT_PINS`, `name:rN,...`)."""
     worker_api_key: str = ""
-    """The key the pipeline presents to workers' admin endpoints (`MINT_WORKER_API_KEY`)."""
+    """The key the pipeline presents to workers' admin endpoints (`MINT_WORKER_API_KEY`); with
+    `api_keys`, its principal must be one of `admin_principals`."""
+    admin_principals: tuple[str, ...] = (ADMIN,)
+    """Principals a worker with `api_keys` lets use its admin endpoints (`/admin/...`: admit,
+    sync, events) and see every revision in `/v1/adapters/{name}` (`MINT_ADMIN_PRINCIPALS`,
+    comma-separated; default `admin`). A worker without keys leaves all of that open."""
 
     def __post_init__(self) -> None:
         if self.sync_interval_s <= 0:
@@ -92,6 +97,11 @@ class MintConfig:
         for name in ("device_slots", "host_cache_mb", "max_batch", "admission_k"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
+        if not self.admin_principals:
+            raise ConfigurationError(
+                "admin_principals is empty; name at least one (MINT_ADMIN_PRINCIPALS), or the "
+                "pipeline cannot admit revisions on workers that have API keys"
+            )
         if not self.worker_urls:
             raise ConfigurationError("worker_urls is empty; name at least one serving worker")
         for url in (self.tracking_uri, *self.worker_urls):
@@ -137,6 +147,7 @@ class MintConfig:
             sync_interval_s=float(_integer(env, "MINT_SYNC_INTERVAL_MS", 1000)) / 1000,
             pins=tuple(_pin(text) for text in env.get("MINT_PINS", "").split(",") if text.strip()),
             worker_api_key=env.get("MINT_WORKER_API_KEY", ""),
+            admin_principals=_names(env.get("MINT_ADMIN_PRINCIPALS", "")) or (ADMIN,),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -159,6 +170,7 @@ class MintConfig:
             "MINT_SYNC_INTERVAL_MS": str(round(self.sync_interval_s * 1000)),
             "MINT_PINS": ",".join(str(pin) for pin in self.pins),
             "MINT_WORKER_API_KEY": self.worker_api_key,
+            "MINT_ADMIN_PRINCIPALS": ",".join(self.admin_principals),
         }
 
 
@@ -172,6 +184,10 @@ def _api_keys(env: Mapping[str, str]) -> dict[str, str]:
                 f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
             ) from e
     return keys
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _integer(env: Mapping[str, str], name: str, default: int) -> int:

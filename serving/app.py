@@ -5,27 +5,37 @@
   `parameters.adapter_id` names the revision (`name@alias` or `name:rN`; none: the base).
 - OpenAI: `/v1/completions`, `/v1/chat/completions` (both streaming too), `/v1/models` (ready
   revisions, `parent` = the base); `model` names the revision or the base.
-- MinT: `GET /v1/adapters/{name}` (readiness and residency per revision), `POST /admin/admit`,
-  `/health`, `/metrics` (Prometheus).
+- MinT: `GET /v1/adapters/{name}` (readiness and residency of each revision the caller may
+  use), `/health`, `/metrics` (Prometheus), and the admin endpoints under `/admin` (admit,
+  sync, events), which need a key of an admin principal whenever the worker has API keys.
 
-Errors are JSON in TGI's shape (`error`, `error_type`) plus the names that explain them:
-unknown adapter -> 404, not ready -> 503 with Retry-After, bad request -> 422. Inside a stream,
-an error is one last event of that shape.
+Errors, whatever raised them (MinT, request validation, routing, a bug), are JSON in TGI's
+shape, `error` and `error_type`, plus the names that explain them: unknown key 401, not allowed
+403, unknown adapter or route 404, malformed request 422, not ready 503 with Retry-After,
+anything unexpected 500 (details in the log only). Inside a stream, an error is one last
+event of that shape. Values echoed in messages are cut short (`shorten`), and no body or event
+carries NaN or Infinity, which JSON does not have (`json_bytes`).
 """
 
-import json
+import logging
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
-from typing import Annotated, Literal
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Annotated, Any, Literal
 
 import anyio
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import to_json
+from starlette.exceptions import HTTPException
 
-from mint_core.access import ANONYMOUS, principal_for
+from mint_core.access import ADMIN, ANONYMOUS, allows, check_access, check_admin, principal_for
 from mint_core.admission import Priority
 from mint_core.errors import (
     AccessDeniedError,
@@ -42,10 +52,20 @@ from serving.scheduler import Request as Generating
 from serving.scheduler import TokenEvent
 from serving.worker import ReadinessEntry, RevisionNotReady, Worker
 
+log = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1
 REVISION_HEADER = "X-Mint-Revision"
 HANDLER_THREADS = 256
 """Blocking handlers (each waits on its generation) run in threads: allow many at once."""
+ECHO_LIMIT = 200
+"""Longest stretch of a value (adapter id, model name, field value) an error message echoes;
+the rest becomes an ellipsis. A value is what the caller sent: it may be any length."""
+MESSAGE_LIMIT = 4 * ECHO_LIMIT
+"""Longest error message."""
+LISTED_FIELDS = 5
+"""Most refused fields one validation error names."""
+_LONG_RUN = re.compile(rf"\S{{{ECHO_LIMIT + 1},}}")
 
 
 class GenerateParameters(BaseModel):
@@ -142,8 +162,121 @@ class AdmitRequest(BaseModel):
     priority: Literal["normal", "rollback"] = "normal"
 
 
-def _error(status: int, error_type: str, message: str, **names: object) -> JSONResponse:
-    return JSONResponse({"error": message, "error_type": error_type, **names}, status_code=status)
+def json_bytes(payload: object) -> bytes:
+    """Every JSON body and stream event of the API. JSON has no NaN or Infinity: a non-finite
+    float (the logprob of a damaged adapter's token) is written as null, so strict clients can
+    still read the rest."""
+    return to_json(payload, inf_nan_mode="null")
+
+
+class JSONAnswer(JSONResponse):
+    """The API's JSON responses, written by `json_bytes`. (Routes that return a dict are written
+    by FastAPI through pydantic, whose rule for non-finite floats is the same: null.)"""
+
+    def render(self, content: object) -> bytes:
+        return json_bytes(content)
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text`, cut to `limit` characters and an ellipsis if longer."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def shorten(message: str) -> str:
+    """`message` with each value it echoes cut short: every stretch without a space longer than
+    ECHO_LIMIT (a 10,000-character adapter id), and the whole message past MESSAGE_LIMIT."""
+    return clip(_LONG_RUN.sub(lambda run: clip(run[0]), message), MESSAGE_LIMIT)
+
+
+@dataclass(frozen=True)
+class ErrorAnswer:
+    """An error as the API answers it: a status, a body in TGI's shape (`error`, `error_type`,
+    plus the names that explain it) and headers. A stream sends the body as its last event."""
+
+    status: int
+    error_type: str
+    message: str
+    names: Mapping[str, object] = field(default_factory=dict)
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def body(self) -> dict[str, object]:
+        return {"error": shorten(self.message), "error_type": self.error_type, **self.names}
+
+    def response(self) -> JSONAnswer:
+        return JSONAnswer(self.body, status_code=self.status, headers=dict(self.headers))
+
+
+_RETRY = {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def error_answer(e: Exception, request: Request | None = None) -> ErrorAnswer:
+    """The one table from what went wrong to what the API answers, for every endpoint and
+    stream. `request` names the route in answers about routing."""
+    route = f"{request.method} {request.url.path}" if request else "this request"
+    match e:
+        case AuthenticationError():
+            return ErrorAnswer(
+                401, "unauthenticated", str(e), headers={"WWW-Authenticate": "Bearer"}
+            )
+        case AccessDeniedError():
+            return ErrorAnswer(403, "forbidden", str(e))
+        case NotFoundError():
+            return ErrorAnswer(404, "not_found", str(e))
+        case RevisionNotReady():
+            return ErrorAnswer(503, "not_ready", str(e), entry_json(e.entry), _RETRY)
+        case ConfigurationError():
+            return ErrorAnswer(422, "validation", str(e))
+        case RegistryError():
+            return ErrorAnswer(503, "registry_unavailable", str(e), headers=_RETRY)
+        case MintError():
+            return ErrorAnswer(503, _error_type(e), str(e))
+        case RequestValidationError():
+            return ErrorAnswer(422, "validation", _refused_fields(e.errors()))
+        case HTTPException(status_code=400):
+            # FastAPI answers 400 to a body it cannot decode (not UTF-8), and 422 to one that
+            # is not JSON; to a client both are malformed, which the API answers 422.
+            return ErrorAnswer(422, "validation", f"the body is not JSON in UTF-8: {e.__cause__}")
+        case HTTPException(status_code=405):
+            allowed = (e.headers or {}).get("Allow", "")
+            message = f"{route}: this endpoint takes {allowed}"
+            return ErrorAnswer(405, "method_not_allowed", message, headers=e.headers or {})
+        case HTTPException():
+            status = HTTPStatus(e.status_code)
+            error_type = status.phrase.lower().replace(" ", "_")
+            message = f"{route}: no such endpoint" if status is HTTPStatus.NOT_FOUND else e.detail
+            return ErrorAnswer(e.status_code, error_type, message, headers=e.headers or {})
+        case _:
+            return ErrorAnswer(500, "internal", f"{route} failed; the worker's log has the details")
+
+
+def _answer_error(request: Request, e: Exception) -> Response:
+    # Starlette passes an unexpected error on to the server after this answer: the server logs it.
+    return error_answer(e, request).response()
+
+
+def _error_type(e: MintError) -> str:
+    """`ServiceError` -> `service`, for MinT errors the table does not name."""
+    name = type(e).__name__.removesuffix("Error")
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _refused_fields(errors: Sequence[Any]) -> str:
+    """What FastAPI refused, one clause per field: where it is, what is wrong, what was sent."""
+    clauses = []
+    for error in errors[:LISTED_FIELDS]:
+        if error["type"] == "json_invalid":
+            at = error["loc"][-1]
+            clauses.append(
+                f"the body is not JSON in UTF-8: {error['ctx']['error']} (character {at})"
+            )
+            continue
+        where = ".".join(str(part) for part in error["loc"] if part != "body") or "body"
+        sent = "" if error["type"] == "missing" else f", got {clip(repr(error['input']))}"
+        clauses.append(f"{where}: {error['msg']}{sent}")
+    if len(errors) > LISTED_FIELDS:
+        clauses.append(f"and {len(errors) - LISTED_FIELDS} more")
+    return "; ".join(clauses)
 
 
 def entry_json(entry: ReadinessEntry) -> dict[str, object]:
@@ -159,7 +292,7 @@ def entry_json(entry: ReadinessEntry) -> dict[str, object]:
 
 
 def _sse(payload: object) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+    return f"data: {json_bytes(payload).decode()}\n\n"
 
 
 def _openai_finish(generation: Generation) -> Literal["stop", "length"]:
@@ -174,20 +307,30 @@ def _openai_text(generation: Generation, stop: tuple[str, ...]) -> str:
     return generation.text
 
 
-def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> FastAPI:
+def create_app(
+    worker: Worker,
+    api_keys: Mapping[str, str] | None = None,
+    admin_principals: Collection[str] = (ADMIN,),
+) -> FastAPI:
     """The worker's API. With `api_keys`, `Authorization: Bearer <key>` names the principal
-    (no header: anonymous); without, every request is anonymous and the header is ignored."""
+    (no header: anonymous); without, every request is anonymous and the header is ignored.
+
+    With keys, the admin endpoints take only principals in `admin_principals`, and
+    `/v1/adapters/{name}` shows a caller the revisions its policy records let it use (admins:
+    all of them, as the pipeline reads readiness with its admin key). Without keys there is no
+    telling callers apart: both are open to all, as before keys existed."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         yield
 
-    app = FastAPI(title="MinT serving worker", lifespan=lifespan)
+    app = FastAPI(title="MinT serving worker", lifespan=lifespan, default_response_class=JSONAnswer)
     engine = worker.engine
     tokenizer = engine.tokenizer
     base_id = engine.base.model_id
     keys = dict(api_keys or {})
+    admins = frozenset(admin_principals)
 
     def principal(authorization: Annotated[str | None, Header()] = None) -> str:
         if not keys or authorization is None:
@@ -199,39 +342,20 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
 
     Principal = Annotated[str, Depends(principal)]
 
-    @app.exception_handler(AuthenticationError)
-    def unauthenticated(_: Request, e: AuthenticationError) -> JSONResponse:
-        response = _error(401, "unauthenticated", str(e))
-        response.headers["WWW-Authenticate"] = "Bearer"
-        return response
+    def admin(request: Request, who: Principal) -> None:
+        """Every route under /admin depends on this: with API keys, only admin principals."""
+        if not keys:
+            return
+        if who == ANONYMOUS:
+            raise AuthenticationError(
+                f"{request.method} {request.url.path} needs an admin key of this worker; send "
+                "'Authorization: Bearer <key>' with a key whose principal is in "
+                "MINT_ADMIN_PRINCIPALS"
+            )
+        check_admin(who, admins)
 
-    @app.exception_handler(AccessDeniedError)
-    def forbidden(_: Request, e: AccessDeniedError) -> JSONResponse:
-        return _error(403, "forbidden", str(e))
-
-    @app.exception_handler(NotFoundError)
-    def not_found(_: Request, e: NotFoundError) -> JSONResponse:
-        return _error(404, "not_found", str(e))
-
-    @app.exception_handler(RevisionNotReady)
-    def not_ready(_: Request, e: RevisionNotReady) -> JSONResponse:
-        response = _error(503, "not_ready", str(e), **entry_json(e.entry))
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return response
-
-    @app.exception_handler(ConfigurationError)
-    def bad_value(_: Request, e: ConfigurationError) -> JSONResponse:
-        return _error(422, "validation", str(e))
-
-    @app.exception_handler(RegistryError)
-    def registry_down(_: Request, e: RegistryError) -> JSONResponse:
-        response = _error(503, "registry_unavailable", str(e))
-        response.headers["Retry-After"] = str(RETRY_AFTER_S)
-        return response
-
-    @app.exception_handler(MintError)
-    def other_failure(_: Request, e: MintError) -> JSONResponse:
-        return _error(503, type(e).__name__, str(e))
+    for raised in (MintError, RequestValidationError, HTTPException, Exception):
+        app.add_exception_handler(raised, _answer_error)
 
     def start(
         prompt: str, model: str | None, params: SamplingParams, who: str
@@ -250,8 +374,10 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
                 for event in generating.events():
                     if text := events(event):
                         yield text
-            except MintError as e:
-                yield _sse({"error": str(e), "error_type": type(e).__name__})
+            except Exception as e:  # the answer has started: the error is its last event
+                if not isinstance(e, MintError):
+                    log.exception("stream from %s failed", served)  # the server never sees it
+                yield _sse(error_answer(e).body)
             finally:
                 generating.cancel()  # a no-op once finished; frees the row if the client left
 
@@ -321,7 +447,7 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
     @app.post("/generate")
     def generate(body: GenerateRequest, who: Principal) -> JSONResponse:
         payload, served = tgi_generate(body, who)
-        return JSONResponse(payload, headers={REVISION_HEADER: served})
+        return JSONAnswer(payload, headers={REVISION_HEADER: served})
 
     @app.post("/generate_stream")
     def generate_stream(body: GenerateRequest, who: Principal) -> StreamingResponse:
@@ -334,7 +460,7 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
         if body.stream:
             return tgi_stream(body, who)
         payload, served = tgi_generate(body, who)
-        return JSONResponse([payload], headers={REVISION_HEADER: served})
+        return JSONAnswer([payload], headers={REVISION_HEADER: served})
 
     # OpenAI.
 
@@ -402,7 +528,7 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         served = started[0][0]
         payload = common | {"model": served, "choices": choices, "usage": usage}
-        return JSONResponse(payload, headers={REVISION_HEADER: served})
+        return JSONAnswer(payload, headers={REVISION_HEADER: served})
 
     @app.post("/v1/chat/completions", response_model=None)
     def chat_completions(body: ChatRequest, who: Principal) -> Response:
@@ -440,7 +566,7 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
                 "total_tokens": prompt_tokens + len(generation.token_ids),
             },
         }
-        return JSONResponse(payload, headers={REVISION_HEADER: served})
+        return JSONAnswer(payload, headers={REVISION_HEADER: served})
 
     @app.get("/v1/models")
     def models(who: Principal) -> dict[str, object]:
@@ -472,12 +598,25 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
     def metrics() -> Response:
         return Response(worker.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
+    def usable(entries: list[ReadinessEntry], who: str) -> list[ReadinessEntry]:
+        """The entries of revisions `who` may use. None of them at all is refused as
+        generation refuses it (403 naming the adapter): the adapter's existence is no secret
+        from a caller generation already tells, and 404 would send it looking for a typo."""
+        policies = {e.revision: worker.catalog.record(e.revision).policy for e in entries}
+        allowed = [e for e in entries if allows(policies[e.revision], who)]
+        if entries and not allowed:
+            newest = entries[-1].revision
+            check_access(policies[newest], who, newest)
+        return allowed
+
     @app.get("/v1/adapters/{name}")
-    def adapter_status(name: str) -> dict[str, object]:
+    def adapter_status(name: str, who: Principal) -> dict[str, object]:
         check_adapter_name(name)
         entries = worker.entries(name)
         if not entries and not worker.catalog.knows(name):
             raise NotFoundError(f"adapter {name!r} is not registered")
+        if keys and who not in admins:
+            entries = usable(entries, who)
         residency = worker.residency
         pins = {entry.key: entry.pins for entry in residency.slot_table()}
         revisions = []
@@ -491,21 +630,22 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
             revisions.append(entry_json(entry) | {"residency": tiers})
         return {"adapter": name, "revisions": revisions}
 
-    @app.post("/admin/admit", status_code=202)
+    # Admin: a route added to this router is guarded like the others.
+    admin_api = APIRouter(prefix="/admin", dependencies=[Depends(admin)])
+
+    @admin_api.post("/admit", status_code=202)
     def admit(body: AdmitRequest) -> dict[str, object]:
         revision = worker.catalog.record(
             RevisionId(check_adapter_name(body.adapter), body.revision)
         ).id
         return entry_json(worker.admit(revision, Priority[body.priority.upper()]))
 
-    @app.post("/admin/sync", status_code=202)
-    def sync(who: Principal) -> dict[str, object]:
+    @admin_api.post("/sync", status_code=202)
+    def sync() -> dict[str, object]:
         """Catch up with the registry now (activation calls it after moving an alias)."""
-        if keys and who == ANONYMOUS:
-            raise AuthenticationError("POST /admin/sync needs an API key of this worker")
         return {"admitted": [str(r) for r in worker.sync()]}
 
-    @app.get("/admin/events")
+    @admin_api.get("/events")
     def events() -> dict[str, object]:
         """Every readiness change on this worker since it started, oldest first."""
         return {
@@ -515,4 +655,5 @@ def create_app(worker: Worker, api_keys: Mapping[str, str] | None = None) -> Fas
             ]
         }
 
+    app.include_router(admin_api)
     return app

@@ -9,6 +9,11 @@ from mint_core.errors import NotReadyError, ServiceError
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
 
+_ADMIN_KEY_HINT = (
+    "; the pipeline presents MINT_WORKER_API_KEY, which must be a key of the worker whose "
+    "principal is in its MINT_ADMIN_PRINCIPALS"
+)
+
 
 class WorkerClient:
     """One worker, by base URL."""
@@ -18,14 +23,18 @@ class WorkerClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
 
-    def _call(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+    def _call(self, method: str, path: str, key_hint: str = "", **kwargs: object) -> httpx.Response:
+        """The worker's answer (503 included, which callers read); ServiceError for any other
+        error, with `key_hint` added when the key was refused."""
         try:
             response = self._http.request(method, path, **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as e:
             raise ServiceError(f"worker {self.url} did not answer {method} {path}: {e}") from e
         if response.status_code >= 400 and response.status_code != 503:
+            hint = key_hint if response.status_code in (401, 403) else ""
             raise ServiceError(
-                f"worker {self.url} refused {method} {path}: {response.status_code} {response.text}"
+                f"worker {self.url} refused {method} {path}: {response.status_code} "
+                f"{_message(response)}{hint}"
             )
         return response
 
@@ -35,18 +44,21 @@ class WorkerClient:
     def admit(self, revision: RevisionId, priority: str = "normal") -> Readiness:
         """Queue `revision` for prewarm (`priority` "rollback" goes first)."""
         body = {"adapter": revision.adapter, "revision": revision.number, "priority": priority}
-        return Readiness(self._call("POST", "/admin/admit", json=body).json()["state"])
+        return Readiness(
+            self._call("POST", "/admin/admit", _ADMIN_KEY_HINT, json=body).json()["state"]
+        )
 
     def sync(self) -> list[str]:
         """Have the worker catch up with the registry now; the revisions it admitted."""
-        response = self._call("POST", "/admin/sync")
+        response = self._call("POST", "/admin/sync", _ADMIN_KEY_HINT)
         if response.status_code == 503:
             raise ServiceError(f"worker {self.url} cannot sync: {response.json()['error']}")
         return response.json()["admitted"]
 
     def readiness(self, revision: RevisionId) -> tuple[Readiness, str | None]:
         """This worker's state for `revision`, and the reason when it failed."""
-        payload = self._call("GET", f"/v1/adapters/{revision.adapter}").json()
+        path = f"/v1/adapters/{revision.adapter}"
+        payload = self._call("GET", path, _ADMIN_KEY_HINT).json()
         for entry in payload["revisions"]:
             if entry["revision"] == revision.number:
                 return Readiness(entry["state"]), entry.get("reason")
@@ -85,3 +97,12 @@ class WorkerClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _message(response: httpx.Response) -> str:
+    """The worker's error message (its body is `{"error", "error_type"}`), or the body as sent
+    by something else on the way."""
+    try:
+        return str(response.json()["error"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:500]

@@ -41,7 +41,7 @@ pytest_plugins = ["tests.process_leaks"]
 
 quiet_libraries()
 
-API_KEYS = {"key-team-a": "team-a", "key-team-b": "team-b"}
+API_KEYS = {"key-team-a": "team-a", "key-team-b": "team-b", "key-admin": "admin"}
 """The session worker's API keys (tests only; a deployment reads them from its environment)."""
 
 
@@ -76,7 +76,7 @@ def config(mint_home: Path, mlflow_server: ManagedProcess, base: BaseModel) -> M
         home=mint_home,
         tracking_uri=mlflow_server.url,
         api_keys=API_KEYS,
-        worker_api_key="key-team-a",
+        worker_api_key="key-admin",
     )
 
 
