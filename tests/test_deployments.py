@@ -139,28 +139,44 @@ def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path
         stderr=subprocess.STDOUT,
         text=True,
     )  # fmt: skip
-    lines: list[str] = []
-    assert process.stdout is not None
-    for line in process.stdout:
-        lines.append(line)
-        if "Ctrl-C stops everything" in line:
-            break
-    output = "".join(lines)
-    assert process.poll() is None, output
-    urls = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
-            for line in lines if "://" in line}  # fmt: skip
-    assert urls["MLflow UI (registry)"] == f"http://127.0.0.1:{ports[0]}"
-    assert httpx.get(urls["MLflow UI (registry)"] + "/health").status_code == 200
-    assert httpx.get(urls["Prefect UI (flows)"] + "/api/health").status_code == 200
-    assert httpx.get(urls["serving API (worker)"] + "/health").status_code == 200
-    deployment = httpx.get(urls["Prefect UI (flows)"] + "/api/deployments/name/release/release")
-    assert deployment.status_code == 200
+    try:
+        lines: list[str] = []
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        output = "".join(lines)
+        assert process.poll() is None, output
+        urls = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+                for line in lines if "://" in line}  # fmt: skip
+        assert urls["MLflow UI (registry)"] == f"http://127.0.0.1:{ports[0]}"
+        assert httpx.get(urls["MLflow UI (registry)"] + "/health").status_code == 200
+        assert httpx.get(urls["Prefect UI (flows)"] + "/api/health").status_code == 200
+        assert httpx.get(urls["serving API (worker)"] + "/health").status_code == 200
+        deployment = httpx.get(urls["Prefect UI (flows)"] + "/api/deployments/name/release/release")
+        assert deployment.status_code == 200
 
+        process.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        rest, _ = process.communicate(timeout=120)
+        print(f"mint up stopped in {time.monotonic() - start:.1f} s")
+        assert "stopped: flow server, serving worker, prefect server, mlflow server" in rest
+        for url in urls.values():
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url, timeout=2)
+    finally:  # whatever failed above, `mint up` and all it started must not outlive the test
+        stop_mint_up(process)
+
+
+def stop_mint_up(process: subprocess.Popen[str]) -> None:
+    """Ctrl-C, as a user would; killed if that does not stop it within two minutes (what it
+    started is then left to the session's process check, which fails the run)."""
+    if process.poll() is not None:
+        return
     process.send_signal(signal.SIGINT)
-    start = time.monotonic()
-    rest, _ = process.communicate(timeout=120)
-    print(f"mint up stopped in {time.monotonic() - start:.1f} s")
-    assert "stopped: flow server, serving worker, prefect server, mlflow server" in rest
-    for url in urls.values():
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(url, timeout=2)
+    try:
+        process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()

@@ -4,9 +4,11 @@ moved only when both workers are ready, and faults (a killed worker, a corrupt a
 MLflow going away) that cost users nothing."""
 
 import dataclasses
+import os
+import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, NotReadyError
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import RevisionId, RevisionRef
-from mint_core.services import ManagedProcess, start_mlflow
+from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from mint_core.states import Stage
 from serving.client import WorkerClient
 from serving.server import start_worker
@@ -37,6 +39,7 @@ class Fleet:
     config: MintConfig
     mlflow: ManagedProcess
     workers: list[ManagedProcess]
+    worker_configs: list[MintConfig]
     folder: Path
     registered: int = 0
 
@@ -65,16 +68,20 @@ def fleet(
     fleet_config = dataclasses.replace(
         config, tracking_uri=mlflow.url, api_keys={}, worker_api_key="", admission_k=1
     )
-    workers = [
-        start_worker(dataclasses.replace(fleet_config, sync_interval_s=3600)),
-        start_worker(dataclasses.replace(fleet_config, sync_interval_s=0.5)),
+    worker_configs = [
+        dataclasses.replace(fleet_config, sync_interval_s=3600),
+        dataclasses.replace(fleet_config, sync_interval_s=0.5),
     ]
-    fleet_config = dataclasses.replace(
-        fleet_config, sync_interval_s=0.5, worker_urls=tuple(w.url for w in workers)
-    )
-    yield Fleet(fleet_config, mlflow, workers, home / "adapters")
-    for process in [*workers, mlflow]:
-        process.stop()
+    fleet = Fleet(fleet_config, mlflow, [], worker_configs, home / "adapters")
+    try:
+        fleet.workers.extend(start_worker(worker_config) for worker_config in worker_configs)
+        fleet.config = dataclasses.replace(
+            fleet_config, sync_interval_s=0.5, worker_urls=tuple(w.url for w in fleet.workers)
+        )
+        yield fleet
+    finally:
+        # What the fleet holds now: tests restart a worker and the MLflow server.
+        stop_all([*fleet.workers, fleet.mlflow])
 
 
 def release(fleet: Fleet, revision: RevisionId) -> None:
@@ -208,21 +215,27 @@ def test_a_worker_killed_mid_prewarm_converges_after_restart(fleet: Fleet, base:
     victim = fleet.workers[0]  # it syncs when nudged: all five arrive at once
     assert set(WorkerClient(victim.url).sync()) == {str(r) for r in revisions}
 
-    deadline = time.monotonic() + 30
-    while not (caught := current_states(fleet.events(victim)) & PREWARMING):
-        assert time.monotonic() < deadline, "never saw a prewarm in progress"
-    victim.process.kill()
-    victim.process.wait()
-    assert caught
+    caught = poll(lambda: current_states(fleet.events(victim)) & PREWARMING, timeout_s=30)
+    assert caught, "never saw a prewarm in progress"
+    os.killpg(victim.process.pid, signal.SIGKILL)  # the worker and anything it forked, at once
+    victim.stop()  # reaps it
 
     port = int(victim.url.rsplit(":", 1)[1])
-    fleet.workers[0] = start_worker(fleet.config, port=port)
+    fleet.workers[0] = start_worker(fleet.worker_configs[0], port=port)  # as it was before
     # Nobody admits anything again: the restarted worker takes in every candidate by itself.
     client = WorkerClient(fleet.workers[0].url)
     deadline = time.monotonic() + 120
     while {client.readiness(r)[0].value for r in revisions} != {"ready"}:
         assert time.monotonic() < deadline, "the restarted worker did not converge"
         time.sleep(0.2)
+
+
+def poll(probe: Callable[[], set[object]], timeout_s: float) -> set[object]:
+    """`probe()` once it is non-empty, or what it gave when `timeout_s` ran out."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := probe()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return found
 
 
 def current_states(events: list[dict[str, object]]) -> set[object]:

@@ -134,12 +134,15 @@ def test_release_killed_mid_step_leaves_nothing_that_looks_complete(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    deadline = time.monotonic() + 180
-    while not marker.exists():
-        assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, "the release never reached the point to kill it at"
-        time.sleep(0.2)
-    os.killpg(process.pid, signal.SIGKILL)
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert process.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the release never reached the point to kill it at"
+            time.sleep(0.2)
+    finally:  # killed here, or left behind if the release failed or never paused
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
     assert process.wait() == -signal.SIGKILL
 
     registry = Registry(fleet.config.tracking_uri)
