@@ -124,19 +124,24 @@ def test_openai_client_completions_and_chat(
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
-    # A stop sequence is left out of the text, streaming or not (OpenAI's rule).
-    if len(expected) >= 4:
-        stop = expected[2:4]
-        cut = expected[: expected.index(stop)]
-        stopped = client.completions.create(
-            model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[stop]
-        )
-        assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
-        streamed = client.chat.completions.create(
-            model=model, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stop=stop,
-            stream=True,
-        )  # fmt: skip
-        assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut
+    # A stop sequence is left out of the text, streaming or not (OpenAI's rule). It is taken
+    # from the middle of an answer already given without one, so it does occur in it.
+    long_answers = [(n, p, text) for (n, p), text in served.items() if len(text) >= 4]
+    assert long_answers, f"no answer of 4 characters or more to cut a stop sequence from: {served}"
+    name_with_stop, prompt_with_stop, full = long_answers[0]
+    stop = full[2:4]
+    cut = full[: full.index(stop)]
+    stopped = client.completions.create(
+        model=f"{name_with_stop}@production", prompt=prompt_with_stop, max_tokens=NEW_TOKENS,
+        temperature=0, stop=[stop],
+    )  # fmt: skip
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
+    streamed = client.chat.completions.create(
+        model=f"{name_with_stop}@production",
+        messages=[{"role": "user", "content": prompt_with_stop}],
+        max_tokens=NEW_TOKENS, temperature=0, stop=stop, stream=True,
+    )  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == cut
 
     models = {m.id: m for m in client.models.list()}
     assert models[f"{name}:r1"].model_extra["parent"] == base.model_id  # type: ignore[index]
