@@ -25,12 +25,12 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from mint_core.digests import sha256_file, sha256_json
+from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, FrozenAdapter
 
 FORMAT = "mint-packed"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 INDEX = "index.json"
 DEFAULT_SHARD_BYTES = 32 << 20
 
@@ -47,6 +47,11 @@ _DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
 }
+_DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_CORRUPT = (
+    "the artifact is corrupt; export the revision again from its frozen files "
+    "(mint repair --adapter NAME --revision N)"
+)
 
 
 @dataclass(frozen=True)
@@ -141,16 +146,40 @@ def _decode_experts(raw: object) -> tuple[int, ...] | None:
     return tuple(raw)  # type: ignore[arg-type]
 
 
-def content_digest(
-    adapter_config: Mapping[str, object],
-    tensors: Mapping[str, StoredTensor],
-    shards: Iterable[Shard],
-) -> str:
-    """sha256 over the canonical config, the key layout and every shard's sha256."""
-    layout = {name: [t.shard, t.key, t.experts] for name, t in tensors.items()}
-    return sha256_json(
-        {"config": adapter_config, "layout": layout, "shards": [s.sha256 for s in shards]}
-    )
+@dataclass(frozen=True)
+class TensorContent:
+    """One PEFT tensor as the content digest sees it."""
+
+    key: str
+    dtype: str
+    """Its safetensors dtype name, e.g. `BF16`."""
+    shape: tuple[int, ...]
+    sha256: str
+    """Of its bytes, row-major and little-endian, as safetensors stores them."""
+
+
+def content_digest(adapter_config: Mapping[str, object], tensors: Iterable[TensorContent]) -> str:
+    """A revision's identity: sha256 over the canonical adapter config and every PEFT tensor's
+    key, dtype, shape and sha256, in key order. It names what the adapter is, not how it is
+    packed: shard size, stacking and format version leave it unchanged, so any packer can
+    export a revision again under the identity it was registered with."""
+    entries = sorted([t.key, t.dtype, list(t.shape), t.sha256] for t in tensors)
+    return sha256_json({"config": adapter_config, "tensors": entries})
+
+
+def _content(key: str, tensor: torch.Tensor) -> TensorContent:
+    dtype = _DTYPE_NAMES.get(tensor.dtype)
+    if dtype is None:
+        raise ConfigurationError(
+            f"tensor {key!r} has dtype {tensor.dtype}, which the packed format does not hold; "
+            f"save the adapter in one of: {', '.join(map(str, _DTYPES.values()))}"
+        )
+    data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return TensorContent(key, dtype, tuple(tensor.shape), _sha256(data))
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------- input layouts
@@ -236,11 +265,14 @@ def pack_tensors(
     out_dir: Path,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> PackedIndex:
-    """Stack, shard and index `tensors` (PEFT keys) into `out_dir`."""
+    """Stack, shard and index `tensors` (PEFT keys) into `out_dir`, replacing any earlier
+    pack there (its shards would otherwise linger beside these)."""
     if shard_bytes <= 0:
         raise ConfigurationError(f"shard_bytes={shard_bytes} must be > 0")
     check_keys(tensors)
     out_dir.mkdir(parents=True, exist_ok=True)
+    for earlier in [out_dir / INDEX, *out_dir.glob("shard-*.safetensors")]:
+        earlier.unlink(missing_ok=True)
     plan = _stack_plan(tensors)
     stored_tensors: dict[str, StoredTensor] = {}
     shards: list[Shard] = []
@@ -253,8 +285,7 @@ def pack_tensors(
         path = out_dir / name
         save_file(group, path)
         data = path.read_bytes()
-        sha256 = "sha256:" + hashlib.sha256(data).hexdigest()
-        shards.append(Shard(name, len(data), sha256, xxhash.xxh3_128_hexdigest(data)))
+        shards.append(Shard(name, len(data), _sha256(data), xxhash.xxh3_128_hexdigest(data)))
         group, size = {}, 0
 
     for stored in sorted(plan, key=_natural):
@@ -273,11 +304,9 @@ def pack_tensors(
         stored_tensors[stored] = StoredTensor(f"shard-{len(shards):05d}.safetensors", key, experts)
     if group or not shards:
         flush()
+    contents = (_content(key, tensor) for key, tensor in tensors.items())
     index = PackedIndex(
-        adapter_config,
-        stored_tensors,
-        tuple(shards),
-        content_digest(adapter_config, stored_tensors, shards),
+        adapter_config, stored_tensors, tuple(shards), content_digest(adapter_config, contents)
     )
     (out_dir / INDEX).write_text(index.to_json())
     return index
@@ -295,20 +324,69 @@ def pack(
 
 
 def verify(folder: Path) -> PackedIndex:
-    """The index, once every shard exists with its size and sha256; IntegrityError naming the
-    shard otherwise. Cryptographic: for the trust boundary (export, fetch), not every load."""
+    """The index, once every shard exists with its size and sha256 and the tensors they hold
+    give the index's content digest; IntegrityError naming the shard or the digests otherwise.
+    Cryptographic: for the trust boundary (export, fetch), not every load."""
     index = PackedIndex.read(folder)
+    by_shard: dict[str, dict[str, StoredTensor]] = {}
+    for name, stored in index.tensors.items():
+        by_shard.setdefault(stored.shard, {})[name] = stored
+    contents: list[TensorContent] = []
     for shard in index.shards:
         path = _checked_path(folder, shard)
-        actual = sha256_file(path)
-        if actual != shard.sha256:
-            raise IntegrityError(
-                f"shard {shard.name} of {folder} has sha256 {actual}, the index says "
-                f"{shard.sha256}: the artifact is corrupt; export the revision again"
-            )
-    if content_digest(index.adapter_config, index.tensors, index.shards) != index.content_digest:
-        raise IntegrityError(f"index of {folder} does not match its content digest")
+        with (
+            open(path, "rb") as stream,
+            mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+            memoryview(mapped) as data,
+        ):
+            actual = _sha256(data)
+            if actual != shard.sha256:
+                raise IntegrityError(
+                    f"shard {shard.name} of {folder} has sha256 {actual}, the index says "
+                    f"{shard.sha256}: {_CORRUPT}"
+                )
+            contents += _shard_contents(data, shard, by_shard.get(shard.name, {}))
+    actual = content_digest(index.adapter_config, contents)
+    if actual != index.content_digest:
+        raise IntegrityError(
+            f"the tensors of {folder} have content digest {actual}, its index says "
+            f"{index.content_digest}: {_CORRUPT}"
+        )
     return index
+
+
+def _shard_contents(
+    data: memoryview, shard: Shard, stored: Mapping[str, StoredTensor]
+) -> list[TensorContent]:
+    """The content of every PEFT tensor the index puts in this shard, from the shard's bytes: a
+    stack's experts are consecutive equal slices of it."""
+    start, header = _header(data)
+    contents = []
+    for name, tensor in stored.items():
+        meta = header.get(name)
+        if meta is None:
+            raise IntegrityError(f"shard {shard.name} lacks tensor {name}: {_CORRUPT}")
+        begin, end = (start + offset for offset in meta["data_offsets"])
+        shape = tuple(meta["shape"])
+        if tensor.experts is None:
+            contents.append(
+                TensorContent(tensor.key, meta["dtype"], shape, _sha256(data[begin:end]))
+            )
+            continue
+        step = (end - begin) // len(tensor.experts)
+        for position, expert in enumerate(tensor.experts):
+            piece = data[begin + position * step : begin + (position + 1) * step]
+            key = tensor.key.replace(_EXPERT_SLOT, str(expert))
+            contents.append(TensorContent(key, meta["dtype"], shape[1:], _sha256(piece)))
+    return contents
+
+
+def _header(data: memoryview) -> tuple[int, dict[str, dict]]:
+    """A safetensors file's header without its metadata, and where its data area begins."""
+    length = int.from_bytes(bytes(data[:8]), "little")
+    header = orjson.loads(bytes(data[8 : 8 + length]))
+    header.pop("__metadata__", None)
+    return 8 + length, header
 
 
 def _checked_path(folder: Path, shard: Shard) -> Path:
@@ -320,7 +398,7 @@ def _checked_path(folder: Path, shard: Shard) -> Path:
     if size != shard.bytes:
         raise IntegrityError(
             f"shard {shard.name} of {folder} is {size} bytes, the index says {shard.bytes}: "
-            "it is truncated or overwritten; export the revision again"
+            f"it is truncated or overwritten; {_CORRUPT}"
         )
     return path
 
@@ -383,13 +461,10 @@ def _load_shard(folder: Path, shard: Shard, pin_memory: bool) -> dict[str, torch
     if hasher.hexdigest() != shard.xxh3:
         raise IntegrityError(
             f"shard {shard.name} of {folder} does not match its checksum (xxh3 {shard.xxh3}): "
-            "the artifact is corrupt; export the revision again"
+            f"{_CORRUPT}"
         )
-    data = buffer.numpy()
-    header_len = int.from_bytes(data[:8].tobytes(), "little")
-    header = orjson.loads(data[8 : 8 + header_len].tobytes())
-    header.pop("__metadata__", None)
-    return _views(buffer, 8 + header_len, header)
+    start, header = _header(memoryview(buffer.numpy()))
+    return _views(buffer, start, header)
 
 
 def _views(buffer: torch.Tensor, start: int, header: dict[str, dict]) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """The packed format on MoE-shaped adapters: stacking, round trips, input layouts, corruption,
 and serving a packed adapter exactly as its unpacked PEFT form."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,6 @@ SMALL_MOE = MoeLoraShape(layers=3, experts=4, hidden=64, expert_intermediate=32,
 
 
 def write_peft(folder: Path, config: dict[str, object], tensors: dict[str, torch.Tensor]) -> Path:
-    import json
-
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / PEFT_WEIGHTS, metadata={"format": "pt"})
     (folder / PEFT_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -88,6 +87,49 @@ def test_one_file_per_tensor_packs_to_the_same_content(tmp_path: Path) -> None:
         *read_adapter(write_peft(tmp_path / "peft", config, tensors)), tmp_path / "b"
     )
     assert from_files.content_digest == from_peft.content_digest
+
+
+def test_content_digest_names_the_tensors_not_how_they_are_packed(tmp_path: Path) -> None:
+    config, tensors = moe_adapter_config(SMALL_MOE), moe_lora_tensors(SMALL_MOE)
+    one = pack_tensors(config, tensors, tmp_path / "one", shard_bytes=1 << 30)
+    many = pack_tensors(config, tensors, tmp_path / "many", shard_bytes=8 << 10)
+    assert len(one.shards) == 1 < len(many.shards)
+    assert one.content_digest == many.content_digest
+    assert verify(tmp_path / "many") == many
+    # Whatever the adapter is made of is part of it: a value, the config.
+    key = next(iter(tensors))
+    changed = {**tensors, key: tensors[key].clone()}
+    changed[key].view(-1)[0] += 1
+    assert pack_tensors(config, changed, tmp_path / "value").content_digest != one.content_digest
+    other_config = {**config, "lora_alpha": 99}
+    assert (
+        pack_tensors(other_config, tensors, tmp_path / "config").content_digest
+        != one.content_digest
+    )
+
+
+def test_verify_checks_the_tensors_against_the_content_digest(tmp_path: Path) -> None:
+    """Shards that match their index entries but hold other tensors are refused."""
+    config, tensors = moe_adapter_config(SMALL_MOE), moe_lora_tensors(SMALL_MOE)
+    genuine = pack_tensors(config, tensors, tmp_path / "genuine")
+    swapped = {key: tensor.flip(0) for key, tensor in tensors.items()}
+    pack_tensors(config, swapped, tmp_path / "forged")
+    index = tmp_path / "forged" / "index.json"
+    forged = json.loads(index.read_text())
+    forged["content_digest"] = genuine.content_digest
+    index.write_text(json.dumps(forged))
+    with pytest.raises(IntegrityError, match=f"its index says {genuine.content_digest}"):
+        verify(tmp_path / "forged")
+
+
+def test_packing_again_into_a_folder_replaces_what_was_there(tmp_path: Path) -> None:
+    config, tensors = moe_adapter_config(SMALL_MOE), moe_lora_tensors(SMALL_MOE)
+    pack_tensors(config, tensors, tmp_path / "packed", shard_bytes=8 << 10)
+    index = pack_tensors(config, tensors, tmp_path / "packed", shard_bytes=1 << 30)
+    assert sorted(p.name for p in (tmp_path / "packed").iterdir()) == [
+        "index.json",
+        index.shards[0].name,
+    ]
 
 
 def test_fused_experts_layout_of_installed_peft_packs_and_round_trips(tmp_path: Path) -> None:
