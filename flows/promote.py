@@ -9,7 +9,7 @@ import contextlib
 from prefect import flow
 
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError, MintError
+from mint_core.errors import ConfigurationError, MintError, RolloutBusyError
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId, check_adapter_name
 from mint_core.states import Stage
@@ -37,6 +37,8 @@ def roll_out(
             admit_revision(config, revision, rollback=rollback)
             prewarm_revision(config, revision)
             activate_revision(config, revision, actor=actor, reason=reason)
+    except RolloutBusyError:
+        raise  # it only waited: the revision's stage stays as it was
     except Exception as e:
         # The alias has not moved; record why the revision could not be rolled out.
         with contextlib.suppress(MintError):

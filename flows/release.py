@@ -18,7 +18,7 @@ from mint_core.access import EVERYONE
 from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
-from mint_core.errors import MintError
+from mint_core.errors import MintError, RolloutBusyError
 from mint_core.imports import ImportedAdapter
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, check_adapter_name
@@ -124,6 +124,8 @@ def _ship(
             timed("admit", admit_revision, config, revision)
             timed("prewarm", prewarm_revision, config, revision)
             timed("activate", activate_revision, config, revision, actor=actor, reason=reason)
+    except RolloutBusyError:
+        raise  # it only waited: the revision stays registered, and promote can roll it out
     except Exception as e:
         # Record the failure on the revision, but never let recording it hide the cause.
         with contextlib.suppress(MintError):

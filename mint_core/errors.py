@@ -48,3 +48,8 @@ class AuthenticationError(MintError, PermissionError):
 
 class AccessDeniedError(MintError, PermissionError):
     """A principal asked for a revision its policy record does not allow it to use."""
+
+
+class RolloutBusyError(MintError, TimeoutError):
+    """Another roll-out of the same adapter held its roll-out slot for the whole wait: nothing
+    was changed, and the same command can run again once that one has finished."""

@@ -31,12 +31,13 @@ from mint_core.errors import (
     IntegrityError,
     NotFoundError,
     NotReadyError,
+    RolloutBusyError,
     ServiceError,
     TransitionError,
 )
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
 from mint_core.imports import ImportedAdapter, inspect_import
-from mint_core.packing import PackedIndex, pack
+from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
@@ -75,9 +76,11 @@ def freeze_adapter(config: MintConfig, adapter_dir: Path) -> FrozenAdapter:
 
 
 @task(name="pack", cache_policy=NO_CACHE)
-def pack_adapter(config: MintConfig, frozen: FrozenAdapter) -> tuple[Path, PackedIndex]:
+def pack_adapter(
+    config: MintConfig, frozen: FrozenAdapter, shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> tuple[Path, PackedIndex]:
     out_dir = config.work_root / "packed" / frozen.digest.removeprefix("sha256:")
-    return out_dir, pack(frozen, out_dir)
+    return out_dir, pack(frozen, out_dir, shard_bytes)
 
 
 @task(name="export", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
@@ -121,11 +124,13 @@ ROLLOUT_TIMEOUT_S = 900.0
 
 
 @contextmanager
-def rollout_lock(adapter: str, timeout_s: float = ROLLOUT_TIMEOUT_S) -> Iterator[None]:
+def rollout_lock(adapter: str, timeout_s: float | None = None) -> Iterator[None]:
     """Hold `adapter`'s roll-out slot: a strict Prefect global concurrency limit of 1, so no
-    two releases, promotions or rollbacks of one adapter admit and move its alias at once, in
-    any process. The limit is created on first use. A holder that dies frees the slot when its
-    lease (60 s, renewed while it lives) runs out."""
+    two releases, promotions, rollbacks or repairs of one adapter admit and move its alias at
+    once, in any process. The limit is created on first use. A holder that dies frees the slot
+    when its lease (60 s, renewed while it lives) runs out. RolloutBusyError if the slot stays
+    taken for `timeout_s` (default `ROLLOUT_TIMEOUT_S`): the caller has changed nothing yet."""
+    timeout_s = ROLLOUT_TIMEOUT_S if timeout_s is None else timeout_s
     name = f"mint-rollout-{adapter}"
     with get_client(sync_client=True) as client, suppress(ObjectAlreadyExists):
         client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
@@ -135,9 +140,10 @@ def rollout_lock(adapter: str, timeout_s: float = ROLLOUT_TIMEOUT_S) -> Iterator
                 concurrency(name, strict=True, timeout_seconds=timeout_s, lease_duration=60)
             )
         except TimeoutError as e:
-            raise ServiceError(
-                f"another release, promote or rollback of {adapter!r} held its roll-out slot "
-                f"({name}) for {timeout_s:.0f} s; try again once it has finished"
+            raise RolloutBusyError(
+                f"the roll-out slot of {adapter!r} ({name}) was busy for {timeout_s:.0f} s: "
+                "another release, promote, rollback or repair of it is running. Nothing was "
+                "changed; run this again once that one has finished"
             ) from e
         yield
 
@@ -153,6 +159,14 @@ def admit_revision(config: MintConfig, revision: RevisionId, rollback: bool = Fa
             revision, "rollback" if rollback else "normal"
         )
     registry.set_stage(revision, Stage.ADMITTED)
+
+
+@task(name="readmit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def readmit_revision(config: MintConfig, revision: RevisionId) -> None:
+    """Queue `revision` again on every worker, ahead of anything else: one that failed it takes
+    it again, one that has it ready keeps it. Its stage and aliases stay as they are."""
+    for url in config.worker_urls:
+        WorkerClient(url, config.worker_api_key).admit(revision, "rollback")
 
 
 @task(name="prewarm", cache_policy=NO_CACHE)
@@ -218,13 +232,17 @@ def activate_revision(
 
 
 @task(name="ensure-exported", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
-def ensure_exported(config: MintConfig, revision: RevisionId) -> str:
-    """The revision's artifact, intact in the store; re-exported from its frozen files if it
-    is missing or damaged there. Never retrains: with the frozen files gone it fails clearly."""
+def ensure_exported(
+    config: MintConfig, revision: RevisionId, shard_bytes: int = DEFAULT_SHARD_BYTES
+) -> bool:
+    """Make sure the revision's artifact is intact in the store, exporting it again from its
+    frozen files if it is missing or damaged there; whether it had to. Packing may differ from
+    the first export (shard size, a newer packer): the content digest names the tensors, not
+    their packing. Never retrains: with the frozen files gone it fails clearly."""
     registered = Registry(config.tracking_uri).get(revision)
     store = open_store(config)
     if store.holds(registered.artifact_uri):
-        return registered.artifact_uri
+        return False
     frozen_digest = registered.policy.frozen_digest
     frozen_path = config.frozen_root / (frozen_digest or "").removeprefix("sha256:")
     if not frozen_digest or not frozen_path.is_dir():
@@ -235,10 +253,13 @@ def ensure_exported(config: MintConfig, revision: RevisionId) -> str:
             "revision instead"
         )
     frozen = open_frozen(frozen_path)
-    packed_dir, index = pack_adapter.fn(config, frozen)
+    packed_dir, index = pack_adapter.fn(config, frozen, shard_bytes)
     if index.content_digest != registered.policy.content_digest:
         raise IntegrityError(
             f"re-packing {revision} from {frozen_path} gave content {index.content_digest}, "
-            f"the policy record says {registered.policy.content_digest}"
+            f"the policy record says {registered.policy.content_digest}: its frozen files are "
+            "not what was registered; release a new revision instead"
         )
-    return store.put(packed_dir, index.content_digest)
+    log.info("exported %s again from its frozen files (%s)", revision, frozen_path)
+    store.put(packed_dir, index.content_digest)
+    return True

@@ -1,0 +1,49 @@
+"""A roll-out that finds its adapter's roll-out slot taken waits, then gives up saying so and
+changes nothing: the revision keeps its stage and no failure is recorded on it."""
+
+import pytest
+
+import tasks.pipeline
+from flows.promote import promote
+from flows.release import release
+from mint_core.config import MintConfig
+from mint_core.errors import RolloutBusyError
+from mint_core.registry import FAILURE_TAG, Registry
+from mint_core.revisions import RevisionId
+from mint_core.states import Stage
+from tasks.pipeline import rollout_lock
+from tests.helpers import register_step_by_step
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def flow_config(
+    config: MintConfig, prefect_api: str, monkeypatch: pytest.MonkeyPatch
+) -> MintConfig:
+    """Flows read their configuration from the environment; they wait 2 s for the slot."""
+    for name, value in config.to_env().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(tasks.pipeline, "ROLLOUT_TIMEOUT_S", 2.0)
+    return config
+
+
+@pytest.mark.parametrize("flow", ["promote", "release"])
+def test_a_busy_rollout_slot_leaves_the_revision_as_it_was(
+    flow_config: MintConfig, flow: str
+) -> None:
+    name = f"busy-slot-{flow}-bot"
+    registry = Registry(flow_config.tracking_uri)
+    first, _, _ = register_step_by_step(flow_config, name, "upper")
+    waiting = first if flow == "promote" else RevisionId(name, first.number + 1)
+
+    with rollout_lock(name), pytest.raises(RolloutBusyError, match=f"'{name}'.* was busy for 2 s"):
+        if flow == "promote":
+            promote(name, first.number)
+        else:
+            release(name, "upper", steps=5)
+
+    revision = registry.get(waiting)
+    assert revision.stage is Stage.REGISTERED
+    assert FAILURE_TAG not in revision.tags
+    assert registry.stage_history(waiting) == []
