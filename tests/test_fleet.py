@@ -246,7 +246,8 @@ def current_states(events: list[dict[str, object]]) -> set[object]:
 def test_mlflow_down_the_workers_keep_serving_degraded_and_catch_up_after(
     fleet: Fleet, base: BaseModel
 ) -> None:
-    """Last in this module: it stops and restarts the fleet's MLflow server."""
+    """Stops the fleet's MLflow server and starts it again on the same port and data, so the
+    fleet is as it was for any test after this one."""
     release(fleet, fleet.register(base, "steady-bot"))
 
     port = int(fleet.mlflow.url.rsplit(":", 1)[1])
