@@ -1,8 +1,8 @@
 """MinT's flows as Prefect deployments: what `mint flows serve` (and `mint up`) serves.
 
-`release`, `promote`, `rollback` and `retrain` run from the Prefect UI with a parameter form;
-each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>` deployment on its
-cron. Serving needs no work pool, but the serving process must keep running: flow runs start
+`release`, `promote`, `rollback`, `repair` and `retrain` run from the Prefect UI with a
+parameter form; each configured retrain schedule (`MINT_RETRAIN`) adds a
+`retrain-<adapter>` deployment on its cron. Serving needs no work pool, but the serving process must keep running: flow runs start
 as its subprocesses, with its environment (MinT's configuration included).
 """
 
@@ -14,6 +14,7 @@ from prefect.types.entrypoint import EntrypointType
 
 from flows.promote import promote, rollback
 from flows.release import release, retrain
+from flows.repair import repair
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
 from mint_core.revisions import check_adapter_name
@@ -38,6 +39,11 @@ def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
         ),
         retrain.to_deployment(
             name="retrain", description="Retrain an adapter on fresh data, now.", **_BY_MODULE
+        ),
+        repair.to_deployment(
+            name="repair",
+            description="Export a revision again from its frozen files and re-admit it.",
+            **_BY_MODULE,
         ),
     ]
     for schedule in config.retrain:
@@ -64,6 +70,7 @@ def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProces
     """`mint flows serve` in a child process; returns once its deployments are registered."""
     env = config.to_env() | {"PREFECT_API_URL": prefect_api_url}
     names = ["release/release", "promote/promote", "rollback/rollback", "retrain/retrain"]
+    names += ["repair/repair"]
     names += [f"retrain/retrain-{schedule.adapter}" for schedule in config.retrain]
     return start_process(
         "flow server",

@@ -263,15 +263,27 @@ class Registry:
         the move to the revision's stage history (shown by the MLflow UI as a tag)."""
         registered = self.get(revision)
         transition(registered.stage, stage)
+        self._client.set_model_version_tag(
+            revision.adapter, str(revision.number), STAGE_TAG, stage.value
+        )
+        self._append_stage_history(registered, stage, actor, reason)
+
+    def note_stage(self, revision: RevisionId, actor: str, reason: str) -> None:
+        """Add a note to a revision's stage history, its stage staying as it is (from = to):
+        what happened to it, such as a repair, that moved no stage."""
+        registered = self.get(revision)
+        self._append_stage_history(registered, registered.stage, actor, reason)
+
+    def _append_stage_history(
+        self, registered: RegisteredRevision, stage: Stage, actor: str, reason: str
+    ) -> None:
         history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
         history.append(
             {"at": _now(), "from": registered.stage.value, "to": stage.value, "actor": actor,
              "reason": reason[:_REASON_CHARS]}
         )  # fmt: skip
-        version = str(revision.number)
-        self._client.set_model_version_tag(revision.adapter, version, STAGE_TAG, stage.value)
         self._client.set_model_version_tag(
-            revision.adapter, version, STAGE_HISTORY_TAG, json.dumps(history)
+            registered.id.adapter, str(registered.id.number), STAGE_HISTORY_TAG, json.dumps(history)
         )
 
     def stage_history(self, revision: RevisionId) -> list[dict[str, str]]:
