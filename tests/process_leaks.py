@@ -41,15 +41,22 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_sessionfinish(session: pytest.Session) -> Generator[None]:
     # After the yield every other sessionfinish has run, pytest's own fixture teardown included.
-    result = yield
+    try:
+        return (yield)
+    finally:
+        fail_on_leftovers(session)
+
+
+def fail_on_leftovers(session: pytest.Session) -> None:
+    """List and kill the processes this run left running, and make the run fail."""
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if not _PROC.is_dir():
         if reporter is not None:
             reporter.write_line("no /proc: processes left running were not checked", yellow=True)
-        return result
+        return
     left = left_running(session.config.stash[_mark], EXIT_GRACE_S)
     if not left:
-        return result
+        return
     for pid in left:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -63,7 +70,6 @@ def pytest_sessionfinish(session: pytest.Session) -> Generator[None]:
         reporter.write_line("process group: see mint_core.services.ManagedProcess.stop)")
     if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    return result
 
 
 def left_running(mark: str, grace_s: float) -> dict[int, str]:
