@@ -9,6 +9,8 @@ import base64
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
@@ -138,6 +140,19 @@ class S3ArtifactStore:
     def shard_key(self, sha256: str) -> str:
         return self._key("shards", "sha256", _hex(sha256))
 
+    @contextmanager
+    def _service(self, action: str) -> Iterator[None]:
+        """botocore's failures inside the block (the endpoint refuses or times out, the bucket
+        is missing, the credentials are refused) as one ServiceError naming the endpoint, the
+        bucket, the settings that name them, and the cause."""
+        try:
+            yield
+        except (BotoCoreError, ClientError) as e:
+            raise ServiceError(
+                f"S3 artifact store at {self.s3.meta.endpoint_url} (MINT_S3_ENDPOINT_URL), "
+                f"bucket {self.bucket!r} (MINT_S3_BUCKET), could not {action}: {e}"
+            ) from e
+
     def put(self, folder: Path, digest: str) -> str:
         if self._complete(digest):
             return self._uri(digest)
@@ -147,7 +162,7 @@ class S3ArtifactStore:
                 f"packed folder {folder} has content digest {index.content_digest}, export was "
                 f"asked for {digest}"
             )
-        try:
+        with self._service(f"export {digest}"):
             for shard in index.shards:
                 if self._holds(shard.sha256, shard.bytes):
                     continue
@@ -166,20 +181,20 @@ class S3ArtifactStore:
                 Body=(folder / INDEX).read_bytes(),
                 Metadata={"content-digest": digest},
             )
-        except (BotoCoreError, ClientError) as e:
-            raise ServiceError(f"could not export {digest} to s3://{self.bucket}: {e}") from e
         return self._uri(digest)
 
     def stored_index(self, digest: str) -> PackedIndex | None:
         """The revision's index as the bucket holds it; None if it is not there."""
-        try:
-            body = self.s3.get_object(Bucket=self.bucket, Key=self.index_key(digest))["Body"]
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
-                return None
-            raise ServiceError(f"could not read s3://{self.bucket}: {e}") from e
+        key = self.index_key(digest)
+        with self._service(f"read {key}"):
+            try:
+                body = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"].read()
+            except ClientError as e:
+                if _missing(e):
+                    return None
+                raise
         with tempfile.TemporaryDirectory() as scratch:
-            (Path(scratch) / INDEX).write_bytes(body.read())
+            (Path(scratch) / INDEX).write_bytes(body)
             return PackedIndex.read(Path(scratch))
 
     def _complete(self, digest: str) -> bool:
@@ -189,12 +204,14 @@ class S3ArtifactStore:
 
     def _holds(self, sha256: str, size: int) -> bool:
         """Whether the bucket has this shard, uploaded by MinT with these bytes."""
-        try:
-            head = self.s3.head_object(Bucket=self.bucket, Key=self.shard_key(sha256))
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
-                return False
-            raise
+        key = self.shard_key(sha256)
+        with self._service(f"look up {key}"):
+            try:
+                head = self.s3.head_object(Bucket=self.bucket, Key=key)
+            except ClientError as e:
+                if _missing(e):
+                    return False
+                raise
         return head["ContentLength"] == size and head.get("Metadata", {}).get("sha256") == sha256
 
     def _uri(self, digest: str) -> str:
@@ -233,17 +250,21 @@ class S3ArtifactStore:
         return "sha256:" + uri.removeprefix(expected).strip("/")
 
     def _download(self, key: str, path: Path, uri: str) -> None:
-        try:
-            self.s3.download_file(self.bucket, key, str(path))
-        except ClientError as e:
-            if e.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
-                raise NotFoundError(
-                    f"artifact {uri} is not complete in the store (s3://{self.bucket}/{key} is "
-                    "missing); export the revision again"
-                ) from None
-            raise ServiceError(f"could not read s3://{self.bucket}/{key}: {e}") from e
-        except BotoCoreError as e:
-            raise ServiceError(f"could not read s3://{self.bucket}/{key}: {e}") from e
+        with self._service(f"read {key}"):
+            try:
+                self.s3.download_file(self.bucket, key, str(path))
+            except ClientError as e:
+                if _missing(e):
+                    raise NotFoundError(
+                        f"artifact {uri} is not complete in the store (s3://{self.bucket}/{key} "
+                        "is missing); export the revision again"
+                    ) from None
+                raise
+
+
+def _missing(error: ClientError) -> bool:
+    """Whether S3 answered that the object does not exist."""
+    return error.response.get("Error", {}).get("Code") in ("404", "NoSuchKey")
 
 
 def open_store(config: MintConfig) -> ArtifactStore:
