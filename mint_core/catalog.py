@@ -4,18 +4,20 @@ record, and so which revisions the worker should hold.
 The registry (MLflow) is the source of truth; the catalog follows it by `sync`, which asks only
 for adapters changed since the last sync (by the registry's last-updated time). Requests
 resolve aliases here, not in MLflow, so serving neither waits on MLflow nor stops when it is
-down: the catalog keeps the last state it saw and says how old it is.
+down: the catalog keeps the last state it saw and says how old it is. While the last sync
+failed, a name the catalog has not seen is refused at once (RegistryError) instead of being
+asked of a registry that is known not to answer, which would hold the request for as long as
+MLflow's client retries.
 """
 
 import threading
 import time
 from collections.abc import Iterable
 
+from mint_core.errors import RegistryError
 from mint_core.registry import RegisteredRevision, Registry
-from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 
-CANDIDATE = "candidate"
-"""The alias a release sets while the fleet prewarms a revision, before `production` moves."""
 DESIRED_ALIASES = (PRODUCTION, CANDIDATE)
 _OVERLAP_MS = 2000
 """Each sync asks again for this much of the time before the last change it saw: two changes
@@ -33,17 +35,34 @@ class Catalog:
         self._lock = threading.Lock()
         self.last_sync: float | None = None
         """Unix time of the last successful sync."""
+        self.unreachable: str | None = None
+        """Why the last sync failed; None once one succeeds."""
 
     def sync(self) -> list[str]:
         """Catch up with the registry; the adapters that changed. RegistryError if it is down
         (the catalog keeps what it had)."""
-        changed = self.registry.adapters_changed_since(max(0, self._cursor_ms - _OVERLAP_MS))
+        try:
+            changed = self.registry.adapters_changed_since(max(0, self._cursor_ms - _OVERLAP_MS))
+        except RegistryError as e:
+            self.unreachable = str(e)
+            raise
         with self._lock:
             for adapter in changed:
                 self._aliases[adapter.adapter] = dict(adapter.aliases)
                 self._cursor_ms = max(self._cursor_ms, adapter.updated_ms)
             self.last_sync = time.time()
+            self.unreachable = None
         return [adapter.adapter for adapter in changed]
+
+    def _ask_registry(self, name: RevisionRef | RevisionId | str) -> Registry:
+        """The registry, to look up `name`, which this catalog has not seen; RegistryError at
+        once if the last sync found the registry down."""
+        if self.unreachable is not None:
+            raise RegistryError(
+                f"{name} is not in this worker's catalog and the registry cannot be asked now: "
+                f"{self.unreachable}; try again once it answers"
+            )
+        return self.registry
 
     def desired(self) -> set[RevisionId]:
         """What this worker should hold: every adapter's `production` and `candidate`
@@ -68,7 +87,7 @@ class Catalog:
             return self.record(RevisionId(ref.adapter, ref.revision))
         number = self.alias_target(ref.adapter, str(ref.alias))
         if number is None:
-            registered = self.registry.resolve(ref)
+            registered = self._ask_registry(ref).resolve(ref)
             with self._lock:
                 self._records[registered.id] = registered
             return registered
@@ -81,7 +100,7 @@ class Catalog:
             known = self._records.get(revision)
         if known is not None:
             return known
-        registered = self.registry.get(revision)
+        registered = self._ask_registry(revision).get(revision)
         with self._lock:
             self._records[revision] = registered
         return registered
@@ -95,4 +114,4 @@ class Catalog:
         with self._lock:
             if adapter in self._aliases:
                 return True
-        return self.registry.has_adapter(adapter)
+        return self._ask_registry(f"adapter {adapter!r}").has_adapter(adapter)

@@ -16,6 +16,7 @@ from mint_core.errors import ConfigurationError
 
 PRODUCTION = "production"
 CANDIDATE = "candidate"
+"""The alias a release sets while the fleet prewarms a revision, before `production` moves."""
 TAG_PREFIX = "mint."
 POLICY_SCHEMA_VERSION = 1
 

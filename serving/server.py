@@ -36,9 +36,17 @@ def build_worker(config: MintConfig) -> Worker:
 
 
 def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:
-    """Load the base, follow the registry, serve until stopped."""
+    """Load the base, follow the registry, serve until stopped: a worker process's life,
+    however it is started (`mint serve`, `python -m serving`, `start_worker`)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # A worker asks MLflow in the background and must notice quickly when it is down, not
+    # after MLflow's default minutes of retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    transformers_logging.disable_progress_bar()
     worker = build_worker(config)
-    uvicorn.run(create_app(worker, config.api_keys), host=host, port=port, log_level="warning")
+    app = create_app(worker, config.api_keys, config.admin_principals)
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def start_worker(
@@ -65,10 +73,4 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=LOOPBACK)
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # A worker asks MLflow in the background and must notice quickly when it is down, not
-    # after MLflow's default minutes of retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    transformers_logging.disable_progress_bar()
     serve(MintConfig.from_env(), args.host, args.port)
