@@ -1,20 +1,47 @@
 """`mint`: the command line, the outermost layer (it may import flows and serving; nothing
-imports it). Environment variables are read here and at the other edges, never on import."""
+imports it). Environment variables are read here and at the other edges, never on import.
+
+Every command starts quickly (this module imports no torch, transformers, MLflow or Prefect;
+each command imports what it drives), checks its arguments and the services it needs before
+starting anything, and fails with one line, `mint <command>: <what failed>`, its traceback
+going to a log file under MINT_HOME/logs. SIGINT and SIGTERM stop whatever a command started.
+"""
+
+from __future__ import annotations
 
 import argparse
+import contextlib
 import getpass
+import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Sequence
+import traceback
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, TypeVar
 
-from mint_core.config import MintConfig
+from mint_core.datasets import Task
 from mint_core.errors import ConfigurationError, MintError, ServiceError
+from mint_core.revisions import check_adapter_name
+from serving.status import format_stage_times, format_table, status_rows
+
+if TYPE_CHECKING:
+    from mint_core.config import MintConfig
+
+T = TypeVar("T")
+REGISTRY = "registry"
+WORKERS = "workers"
+"""What a command needs running (`needs`), checked before it starts anything."""
 
 
-def _prepare_environment(config: MintConfig) -> None:
+def _prepare_environment(config: MintConfig, loads_models: bool) -> None:
     """Quiet, local defaults for the libraries MinT drives; explicit settings win."""
     defaults = {
         "PREFECT_HOME": str(config.home / "prefect"),
@@ -28,12 +55,12 @@ def _prepare_environment(config: MintConfig) -> None:
     }
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
-    quiet_libraries()
+    if loads_models:
+        quiet_libraries()
 
 
 def quiet_libraries() -> None:
     """Drop progress bars and deprecation chatter that the libraries print on every load."""
-    import logging
     import warnings
 
     from transformers.utils import logging as transformers_logging
@@ -83,6 +110,19 @@ def cmd_rollback(args: argparse.Namespace, config: MintConfig) -> None:
     print(f"{args.adapter}@production is now {served}")
 
 
+def cmd_repair(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.repair import repair
+
+    report = repair(args.adapter, args.revision, actor=args.actor, reason=args.reason)
+    artifact = "exported again from its frozen files" if report.exported_again else "intact"
+    fleet = (
+        f"ready again on {report.workers} worker(s)"
+        if report.workers
+        else "not re-admitted, as no production or candidate alias names it"
+    )
+    print(f"repaired {report.revision}: artifact {artifact}; {fleet}")
+
+
 def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.registry import Registry
 
@@ -105,11 +145,16 @@ def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.services import start_mlflow
 
     server = start_mlflow(config.home, args.port)
-    print(f"MLflow server and UI at {server.url} (state in {config.home}); Ctrl-C stops it")
     try:
+        print(
+            f"MLflow server and UI at {server.url} (state in {config.home}); Ctrl-C stops it",
+            flush=True,
+        )
         server.process.wait()
-    except KeyboardInterrupt:
-        pass
+        raise ServiceError(
+            f"mlflow server stopped (exit {server.process.returncode}); its log "
+            f"({server.log_path}) ends with:\n{server.log_tail()}"
+        )
     finally:
         server.stop()
 
@@ -132,10 +177,6 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from serving.server import start_worker
 
-    # Ctrl-C and SIGTERM stop everything, even where a parent started us with SIGINT ignored
-    # (as shells do for background jobs).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     started: list[ManagedProcess] = []
     try:
         mlflow = start_mlflow(config.home, args.mlflow_port)
@@ -158,8 +199,6 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
             f"{stopped[0].name} stopped (exit {stopped[0].process.returncode}); its log "
             f"({stopped[0].log_path}) ends with:\n{stopped[0].log_tail()}"
         )
-    except KeyboardInterrupt:
-        pass
     finally:
         stop_all(started)
         print("stopped: " + ", ".join(service.name for service in reversed(started)), flush=True)
@@ -169,50 +208,82 @@ def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
     print(format_table(status_rows(config)))
 
 
-def status_rows(config: MintConfig) -> list[list[str]]:
-    """One row per revision: adapter, revision, aliases, stage, readiness on each worker."""
-    from mint_core.registry import Registry
-    from serving.client import WorkerClient
-
-    registry = Registry(config.tracking_uri)
-    workers = [WorkerClient(url) for url in config.worker_urls]
-    rows = [["adapter", "revision", "aliases", "stage", "readiness"]]
-    for adapter in registry.adapters():
-        for revision in registry.revisions(adapter):
-            states = []
-            for worker in workers:
-                try:
-                    state, _ = worker.readiness(revision.id)
-                    states.append(state.value)
-                except MintError:
-                    states.append("unreachable")
-            rows.append(
-                [
-                    adapter,
-                    f"r{revision.id.number}",
-                    ",".join(revision.aliases) or "-",
-                    revision.stage.value,
-                    " ".join(states),
-                ]
-            )
-    return rows
-
-
-def format_table(rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in rows
-    )
-
-
-def format_stage_times(seconds: dict[str, float]) -> str:
-    return "  ".join(f"{stage} {s:.2f}s" for stage, s in seconds.items())
-
-
 def cmd_demo(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_demo import run_demo
 
     run_demo(config, steps=args.steps)
+
+
+# Argument types: a bad value is refused by argparse, as one usage line, before anything starts.
+
+
+def _checked(check: Callable[[str], T], what: str) -> Callable[[str], T]:
+    """An argparse type from one of MinT's checks: its ConfigurationError (which says what is
+    wrong and what to write instead) becomes argparse's error for the argument."""
+
+    def parse(text: str) -> T:
+        try:
+            return check(text)
+        except ConfigurationError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parse.__name__ = what
+    return parse
+
+
+def _number(what: str, minimum: int = 1, maximum: int | None = None) -> Callable[[str], int]:
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or value < minimum or (maximum is not None and value > maximum):
+            bounds = f"from {minimum} to {maximum}" if maximum is not None else f"{minimum} or more"
+            raise ConfigurationError(f"{what} {text!r} is not a whole number {bounds}")
+        return value
+
+    return _checked(check, what)
+
+
+def _revision(text: str) -> int:
+    number = text.removeprefix("r")
+    if not (number.isascii() and number.isdigit()) or int(number) < 1:
+        raise ConfigurationError(f"revision {text!r} is not valid; write N or rN, e.g. 3 or r3")
+    return int(number)
+
+
+def _task(text: str) -> str:
+    return Task.parse(text).value
+
+
+def _folder(text: str) -> Path:
+    path = Path(text)
+    if not path.is_dir():
+        problem = "is not a folder" if path.exists() else "does not exist"
+        raise ConfigurationError(
+            f"{text!r} {problem}; give the folder of a PEFT adapter (adapter_config.json and "
+            "its weights)"
+        )
+    return path
+
+
+def _principal(text: str) -> str:
+    # Principals are what API keys name (MINT_API_KEYS='key=principal,...'), so the same
+    # characters are refused here; `*` is everyone.
+    if not text or text != text.strip() or any(c in text for c in ",= \t"):
+        raise ConfigurationError(
+            f"principal {text!r} is not valid; a principal is a name with no spaces, ',' or '=' "
+            "(as in MINT_API_KEYS), or '*' for everyone"
+        )
+    return text
+
+
+ADAPTER = _checked(check_adapter_name, "adapter")
+TASK = _checked(_task, "task")
+FOLDER = _checked(_folder, "folder")
+PRINCIPAL = _checked(_principal, "principal")
+REVISION = _checked(_revision, "revision")
+PORT = _number("port", 1, 65535)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -220,61 +291,87 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mint",
         description="Release, serve and govern LoRA adapter revisions over one resident base.",
     )
+    # What each command needs running, whether it is a service that runs until stopped (its
+    # own logs go to the terminal), and whether it loads models in this process.
+    parser.set_defaults(needs=(), service=False, loads_models=False)
     commands = parser.add_subparsers(dest="command", required=True)
 
     release = commands.add_parser(
         "release", help="train and release the next revision of an adapter"
     )
-    release.add_argument("--adapter", required=True, help="adapter name, e.g. support-bot")
-    release.add_argument("--task", required=True, help="synthetic task: upper, reverse or echo")
+    release.add_argument(
+        "--adapter", type=ADAPTER, required=True, help="adapter name, e.g. support-bot"
+    )
+    release.add_argument(
+        "--task", type=TASK, required=True, help="synthetic task: upper, reverse or echo"
+    )
     release.add_argument("--steps", type=int, default=200, help="training steps")
-    release.add_argument("--rank", type=int, default=8, help="LoRA rank")
-    release.add_argument("--seed", type=int, default=0)
+    release.add_argument("--rank", type=_number("rank"), default=8, help="LoRA rank")
+    release.add_argument("--seed", type=_number("seed", minimum=0), default=0)
     release.add_argument("--actor", default=getpass.getuser(), help="who releases (recorded)")
     release.add_argument(
-        "--principal", action="append", help="who may use it (repeat; default everyone)"
+        "--principal",
+        type=PRINCIPAL,
+        action="append",
+        help="who may use it (repeat; default everyone)",
     )
-    release.set_defaults(run=cmd_release)
+    release.set_defaults(run=cmd_release, needs=(REGISTRY, WORKERS), loads_models=True)
 
     imports = commands.add_parser(
         "import", help="release a PEFT LoRA adapter trained elsewhere, after checking it fits"
     )
-    imports.add_argument("path", type=Path, help="PEFT adapter folder (adapter_config.json, ...)")
-    imports.add_argument("--adapter", required=True, help="adapter name to release it under")
+    imports.add_argument("path", type=FOLDER, help="PEFT adapter folder (adapter_config.json, ...)")
+    imports.add_argument(
+        "--adapter", type=ADAPTER, required=True, help="adapter name to release it under"
+    )
     imports.add_argument("--actor", default=getpass.getuser(), help="who imports (recorded)")
     imports.add_argument(
-        "--principal", action="append", help="who may use it (repeat; default everyone)"
+        "--principal",
+        type=PRINCIPAL,
+        action="append",
+        help="who may use it (repeat; default everyone)",
     )
-    imports.set_defaults(run=cmd_import)
+    imports.set_defaults(run=cmd_import, needs=(REGISTRY, WORKERS), loads_models=True)
 
     promote = commands.add_parser("promote", help="serve an existing revision as production")
-    promote.add_argument("--adapter", required=True)
-    promote.add_argument("--revision", type=int, required=True, help="N of rN")
+    promote.add_argument("--adapter", type=ADAPTER, required=True)
+    promote.add_argument("--revision", type=REVISION, required=True, help="N or rN")
     promote.add_argument("--actor", default=getpass.getuser())
     promote.add_argument("--reason", default="promote")
-    promote.set_defaults(run=cmd_promote)
+    promote.set_defaults(run=cmd_promote, needs=(REGISTRY, WORKERS))
 
     rollback = commands.add_parser("rollback", help="return production to its previous revision")
-    rollback.add_argument("--adapter", required=True)
+    rollback.add_argument("--adapter", type=ADAPTER, required=True)
     rollback.add_argument(
-        "--to-revision", type=int, default=None, help="N of rN (default: previous)"
+        "--to-revision", type=REVISION, default=None, help="N of rN (default: previous)"
     )
     rollback.add_argument("--actor", default=getpass.getuser())
     rollback.add_argument("--reason", default="rollback")
-    rollback.set_defaults(run=cmd_rollback)
+    rollback.set_defaults(run=cmd_rollback, needs=(REGISTRY, WORKERS))
+
+    repair = commands.add_parser(
+        "repair",
+        help="export a revision again from its frozen files if its artifact is missing or "
+        "damaged, and have every worker take it in again (no alias moves)",
+    )
+    repair.add_argument("--adapter", type=ADAPTER, required=True)
+    repair.add_argument("--revision", type=REVISION, required=True, help="N or rN")
+    repair.add_argument("--actor", default=getpass.getuser())
+    repair.add_argument("--reason", default="repair")
+    repair.set_defaults(run=cmd_repair, needs=(REGISTRY, WORKERS))
 
     history = commands.add_parser("history", help="every alias move of an adapter")
-    history.add_argument("adapter")
-    history.set_defaults(run=cmd_history)
+    history.add_argument("adapter", type=ADAPTER)
+    history.set_defaults(run=cmd_history, needs=(REGISTRY,))
 
     serve = commands.add_parser("serve", help="run a serving worker in the foreground")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.set_defaults(run=cmd_serve)
+    serve.add_argument("--port", type=PORT, default=8000)
+    serve.set_defaults(run=cmd_serve, service=True)
 
     registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
-    registry.add_argument("--port", type=int, default=5000)
-    registry.set_defaults(run=cmd_registry)
+    registry.add_argument("--port", type=PORT, default=5000)
+    registry.set_defaults(run=cmd_registry, service=True)
 
     flows = commands.add_parser("flows", help="Prefect deployments of MinT's flows")
     flow_commands = flows.add_subparsers(dest="flows_command", required=True)
@@ -283,35 +380,145 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve release, promote, rollback and retrain (+ MINT_RETRAIN schedules) to the "
         "Prefect server at PREFECT_API_URL, running their flow runs until stopped",
     )
-    flows_serve.set_defaults(run=cmd_flows_serve)
+    flows_serve.set_defaults(run=cmd_flows_serve, service=True)
 
     up = commands.add_parser(
         "up", help="start MLflow, Prefect, the deployments and a worker; Ctrl-C stops them"
     )
-    up.add_argument("--mlflow-port", type=int, default=5000)
-    up.add_argument("--prefect-port", type=int, default=4200)
-    up.add_argument("--worker-port", type=int, default=8000)
-    up.set_defaults(run=cmd_up)
+    up.add_argument("--mlflow-port", type=PORT, default=5000)
+    up.add_argument("--prefect-port", type=PORT, default=4200)
+    up.add_argument("--worker-port", type=PORT, default=8000)
+    up.set_defaults(run=cmd_up, service=True)
 
     status = commands.add_parser("status", help="every revision with aliases, stage, readiness")
-    status.set_defaults(run=cmd_status)
+    status.set_defaults(run=cmd_status, needs=(REGISTRY,))
 
     demo = commands.add_parser("demo", help="start everything, release two adapters, compare")
     demo.add_argument("--steps", type=int, default=200, help="training steps per adapter")
-    demo.set_defaults(run=cmd_demo)
+    demo.set_defaults(run=cmd_demo, loads_models=True)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        config = MintConfig.from_env()
-        _prepare_environment(config)
-        args.run(args, config)
-    except MintError as e:
-        print(f"mint {args.command}: {e}", file=sys.stderr)
-        return 1
+    command = args.command + (f" {args.flows_command}" if args.command == "flows" else "")
+    log_path: Path | None = None
+    with _signals_stop_the_command():
+        try:
+            from mint_core.config import MintConfig
+
+            config = MintConfig.from_env()
+            log_path = config.home / "logs" / f"mint-{command.replace(' ', '-')}.log"
+            _prepare_environment(config, args.loads_models)
+            # A service's own logs belong on its terminal; a command's go to its log file.
+            logs = contextlib.nullcontext() if args.service else _logging_to(log_path)
+            with logs:
+                _check_reachable(config, args.needs)
+                args.run(args, config)
+        except KeyboardInterrupt:
+            if args.service:
+                return 0  # stopping is how a service ends; what it started is stopped
+            print(f"mint {command}: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:
+            print(_failure_line(command, e, log_path), file=sys.stderr)
+            return 1
     return 0
+
+
+@contextlib.contextmanager
+def _signals_stop_the_command() -> Iterator[None]:
+    """SIGINT and SIGTERM both raise KeyboardInterrupt, so a command's cleanup (its `finally`)
+    stops whatever it started, however it is stopped, even where a parent started `mint` with
+    SIGINT ignored (as shells do for background jobs). Once one arrives, more are ignored: a
+    second Ctrl-C must not cut that cleanup short. (uvicorn, under `mint serve`, and Prefect's
+    runner, under `mint flows serve`, take SIGTERM over while they run and shut down cleanly.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set handlers; its caller's handlers stay
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _logging_to(path: Path) -> Iterator[None]:
+    """Log records and warnings go to `path` rather than the terminal, Prefect's flow and task
+    run logs included: added before Prefect is imported, a handler on the root logger keeps
+    Prefect from putting its console handler there. Flow-run logs still reach the Prefect API
+    (its UI); the terminal gets the command's own output and, on failure, one line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)
+        handler.close()
+
+
+def _check_reachable(config: MintConfig, needs: Sequence[str]) -> None:
+    """Refuse at once when a service the command needs does not answer, naming it, its address
+    and the setting that names it, rather than after training or minutes of client retries."""
+    services = []
+    if REGISTRY in needs:
+        services.append(("MLflow", config.tracking_uri, "MLFLOW_TRACKING_URI", "mint registry"))
+    if WORKERS in needs:
+        services += [
+            ("serving worker", url, "MINT_WORKER_URLS", "mint serve") for url in config.worker_urls
+        ]
+    for name, url, setting, starter in services:
+        if (cause := _unreachable(url + "/health")) is not None:
+            raise ServiceError(
+                f"{name} at {url} ({setting}) does not answer: {cause}; start it (`{starter}`, "
+                f"or `mint up` for everything) or point {setting} at it"
+            )
+
+
+def _unreachable(url: str) -> str | None:
+    """Why nothing answers at `url` (refused, timed out, unknown host); None when something
+    does, whatever its answer."""
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return None
+    except urllib.error.HTTPError:
+        return None
+    except urllib.error.URLError as e:
+        return str(e.reason)
+    except OSError as e:  # e.g. a timeout while reading the answer
+        return str(e) or type(e).__name__
+
+
+def _failure_line(command: str, error: Exception, log_path: Path | None) -> str:
+    """The one line the terminal gets when `command` fails: what failed, and where the
+    traceback went (appended to `log_path`)."""
+    lines = str(error).strip().splitlines()
+    what = lines[0].rstrip(":") if lines else ""
+    if not isinstance(error, MintError):
+        what = f"unexpected {type(error).__name__}" + (f": {what}" if what else "")
+    if log_path is None:
+        return f"mint {command}: {what}"
+    try:
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("a") as log:
+            log.write(f"{datetime.now(UTC).isoformat()} mint {command} failed:\n")
+            traceback.print_exception(error, file=log)
+    except OSError:
+        return f"mint {command}: {what}"
+    return f"mint {command}: {what} (details in {log_path})"
 
 
 if __name__ == "__main__":

@@ -9,13 +9,13 @@ import dataclasses
 import os
 import time
 
-from mint_cli import format_stage_times, format_table, status_rows
 from mint_core.base_model import load_base
 from mint_core.config import MintConfig
 from mint_core.datasets import Task, held_out_words, prompt_for
 from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.client import WorkerClient
 from serving.server import start_worker
+from serving.status import format_stage_times, format_table, status_rows
 
 ADAPTERS = {"upper-bot": Task.UPPER, "reverse-bot": Task.REVERSE}
 SHOWN_WORDS = 6

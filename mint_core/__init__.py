@@ -13,27 +13,35 @@ A revision's life, one module per step:
    rollbacks first), prewarm it into their `residency` tiers (host cache, then a device slot)
    and report it ready (`states.Readiness`); once all do, the `production` alias moves to it
    and users get it. `states.Stage` tracks each step.
+
+The names below are imported on first use, not with the package: `mint_core.base_model` brings
+torch and transformers and `mint_core.registry` brings MLflow (seconds), which a command such as
+`mint --help` that needs neither should not wait for.
 """
 
-from mint_core.base_model import BaseModel, BaseModelSpec, load_base
-from mint_core.config import MintConfig
-from mint_core.errors import MintError
-from mint_core.registry import RegisteredRevision, Registry
-from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
-from mint_core.states import Readiness, Stage, transition
+import importlib
 
-__all__ = [
-    "BaseModel",
-    "BaseModelSpec",
-    "MintConfig",
-    "MintError",
-    "PolicyRecord",
-    "Readiness",
-    "RegisteredRevision",
-    "Registry",
-    "RevisionId",
-    "RevisionRef",
-    "Stage",
-    "load_base",
-    "transition",
-]
+_MODULE_OF = {
+    "BaseModel": "base_model",
+    "BaseModelSpec": "base_model",
+    "load_base": "base_model",
+    "MintConfig": "config",
+    "MintError": "errors",
+    "RegisteredRevision": "registry",
+    "Registry": "registry",
+    "PolicyRecord": "revisions",
+    "RevisionId": "revisions",
+    "RevisionRef": "revisions",
+    "Readiness": "states",
+    "Stage": "states",
+    "transition": "states",
+}
+"""Each public name -> the module of `mint_core` that defines it."""
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'mint_core' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"mint_core.{_MODULE_OF[name]}"), name)

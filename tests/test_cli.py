@@ -1,0 +1,349 @@
+"""The `mint` command as a user meets it, run as a subprocess: it starts without importing the
+heavy libraries, refuses bad arguments and unreachable services at once in one line, reports a
+service failing mid-flight in one line naming the service, its address and its setting (the
+traceback goes to a log file), and SIGTERM or SIGINT stop everything a command started."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import suppress
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from mint_core.base_model import BaseModel
+from mint_core.config import MintConfig
+from mint_core.errors import RegistryError
+from mint_core.registry import Registry
+from mint_core.services import ManagedProcess, free_port, start_mlflow
+
+MINT = str(Path(sys.executable).with_name("mint"))
+"""The console script, as the README runs it."""
+HEAVY = ("torch", "transformers", "mlflow", "prefect")
+"""Libraries that take seconds to import; `mint --help` needs none of them."""
+
+
+def mint_env(**settings: str) -> dict[str, str]:
+    """This environment without MinT's, MLflow's and Prefect's settings, plus `settings`."""
+    own = ("MINT_", "MLFLOW_", "PREFECT_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(own)} | settings
+
+
+def run_mint(
+    *args: str, env: dict[str, str], timeout_s: float = 300
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    done = subprocess.run(
+        [MINT, *args], env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    )
+    return done, time.monotonic() - start
+
+
+def imported_by(*code_or_args: str, env: dict[str, str]) -> set[str]:
+    """Top-level modules a Python run imports (`python -X importtime ...`)."""
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", *code_or_args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    names = re.findall(r"^import time:\s+\d+ \|\s+\d+ \|\s*([\w.]+)$", done.stderr, re.M)
+    assert names, done.stderr[-2000:]
+    return {name.split(".")[0] for name in names}
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on: connections to it are refused."""
+    return free_port()
+
+
+# Starting.
+
+
+def test_the_cli_imports_no_heavy_library(tmp_path: Path) -> None:
+    env = mint_env(MINT_HOME=str(tmp_path))
+    assert not set(HEAVY) & imported_by("-c", "import mint_cli", env=env)
+    assert not set(HEAVY) & imported_by("-m", "mint_cli", "--help", env=env)
+
+
+def test_mint_demo_and_mint_cli_do_not_import_each_other(tmp_path: Path) -> None:
+    assert "mint_cli" not in imported_by("-c", "import mint_demo", env=mint_env())
+
+
+# Arguments, checked before anything starts.
+
+BAD_ARGUMENTS = [
+    (["release", "--adapter", "../x", "--task", "upper"], "argument --adapter: adapter name"),
+    (["release", "--adapter", "ok-bot", "--task", "poetry"], "argument --task: unknown task"),
+    (
+        ["release", "--adapter", "ok-bot", "--task", "upper", "--principal", "a,b"],
+        "argument --principal: principal 'a,b' is not valid",
+    ),
+    (["release", "--adapter", "ok-bot", "--task", "upper", "--rank", "0"], "argument --rank"),
+    (["import", "/nonexistent/adapter", "--adapter", "ok-bot"], "argument path: "),
+    (["promote", "--adapter", "ok-bot", "--revision", "two"], "argument --revision"),
+    (["rollback", "--adapter", "ok-bot", "--to-revision", "0"], "argument --to-revision"),
+    (["history", "Bad/Name"], "argument adapter: adapter name"),
+    (["serve", "--port", "70000"], "argument --port"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_ARGUMENTS, ids=lambda a: " ".join(a))
+def test_a_bad_argument_is_refused_at_once_in_one_line(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    done, seconds = run_mint(*args, env=mint_env(MINT_HOME=str(tmp_path)), timeout_s=60)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    errors = [line for line in done.stderr.splitlines() if not line.startswith(("usage", " "))]
+    assert len(errors) == 1, done.stderr
+    assert errors[0].startswith(f"mint {args[0]}: error: {message}"), errors[0]
+    assert seconds < 2, f"answered after {seconds:.1f} s"
+    assert not (tmp_path / "prefect").exists()  # no Prefect server was started
+
+
+# Services that do not answer, and services that fail mid-flight.
+
+
+def failure_line(done: subprocess.CompletedProcess[str], command: str) -> str:
+    """The one line a failed `mint <command>` printed; no traceback on the terminal."""
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith(f"mint {command}: "), lines[0]
+    return lines[0]
+
+
+def test_a_registry_that_does_not_answer_is_named_before_anything_starts(
+    tmp_path: Path,
+) -> None:
+    registry = f"http://127.0.0.1:{closed_port()}"
+    env = mint_env(MINT_HOME=str(tmp_path), MLFLOW_TRACKING_URI=registry)
+    for args in (["status"], ["release", "--adapter", "ok-bot", "--task", "upper"]):
+        done, seconds = run_mint(*args, env=env, timeout_s=60)
+        line = failure_line(done, args[0])
+        assert f"MLflow at {registry} (MLFLOW_TRACKING_URI) does not answer" in line
+        assert "Connection refused" in line
+        assert seconds < 5, f"answered after {seconds:.1f} s"
+    assert not (tmp_path / "prefect").exists()
+
+
+def test_a_worker_that_does_not_answer_is_named(
+    tmp_path: Path, mlflow_server: ManagedProcess
+) -> None:
+    worker = f"http://127.0.0.1:{closed_port()}"
+    env = mint_env(
+        MINT_HOME=str(tmp_path), MLFLOW_TRACKING_URI=mlflow_server.url, MINT_WORKER_URLS=worker
+    )
+    done, _ = run_mint("promote", "--adapter", "ok-bot", "--revision", "1", env=env, timeout_s=60)
+    assert f"serving worker at {worker} (MINT_WORKER_URLS) does not answer" in failure_line(
+        done, "promote"
+    )
+
+
+def test_registry_calls_to_a_server_that_does_not_answer_name_it_and_its_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    uri = f"http://127.0.0.1:{closed_port()}"
+    registry = Registry(uri)
+    for call in (registry.adapters, lambda: registry.adapters_changed_since(0)):
+        with pytest.raises(RegistryError) as raised:
+            call()
+        message = str(raised.value)
+        assert message.startswith(f"MLflow at {uri} (MLFLOW_TRACKING_URI) did not answer")
+        assert "Connection refused" in message
+
+
+@pytest.mark.slow
+def test_an_artifact_store_that_refuses_fails_a_release_in_one_line(
+    mint_home: Path, fleet_config: MintConfig
+) -> None:
+    """The release trains, then cannot export: one line naming the store, its address and
+    setting, the traceback in the log file, and nothing registered."""
+    endpoint = f"http://127.0.0.1:{closed_port()}"
+    env = mint_env(
+        MINT_HOME=str(mint_home),
+        MLFLOW_TRACKING_URI=fleet_config.tracking_uri,
+        MINT_WORKER_URLS=fleet_config.worker_urls[0],
+        MINT_ARTIFACT_STORE="s3",
+        MINT_S3_BUCKET="unreachable-bucket",
+        MINT_S3_ENDPOINT_URL=endpoint,
+    )
+    adapter = "unexported-bot"
+    done, _ = run_mint("release", "--adapter", adapter, "--task", "upper", "--steps", "2", env=env)
+    line = failure_line(done, "release")
+    assert f"S3 artifact store at {endpoint} (MINT_S3_ENDPOINT_URL)" in line
+    assert "bucket 'unreachable-bucket' (MINT_S3_BUCKET)" in line
+    log = Path(line.rpartition("(details in ")[2].rstrip(")"))
+    assert "EndpointConnectionError" in log.read_text()
+    assert "Traceback" in log.read_text()
+    assert not Registry(fleet_config.tracking_uri).has_adapter(adapter)
+
+
+# A worker started with `mint serve` notices that MLflow is down.
+
+
+@pytest.fixture
+def own_mlflow(tmp_path: Path) -> Iterator[ManagedProcess]:
+    """An MLflow server this test may stop (the session's must stay up)."""
+    server = start_mlflow(tmp_path / "registry")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`mint` processes a test starts, each in a process group of its own; whatever is left of
+    them (children included) is killed afterwards, so a failing test leaks nothing."""
+    processes: list[subprocess.Popen[bytes]] = []
+    yield processes
+    for process in processes:
+        with suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                with suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.pid, signal.SIGKILL)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def start_mint(
+    started: list[subprocess.Popen[bytes]], args: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [MINT, *args],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    started.append(process)
+    return process
+
+
+def wait_for(
+    check: Callable[[], bool], process: subprocess.Popen[bytes], log: Path, timeout_s: float
+) -> None:
+    """Wait until `check()` holds; fail, showing the log, if `process` exits first or it times
+    out."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def health(url: str) -> dict[str, object] | None:
+    try:
+        return httpx.get(url + "/health", timeout=2).json()
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.slow
+def test_mint_serve_notices_the_registry_is_down_and_answers_unknown_adapters_at_once(
+    base: BaseModel,
+    mint_home: Path,
+    own_mlflow: ManagedProcess,
+    started: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    env = mint_env(MINT_HOME=str(mint_home), MLFLOW_TRACKING_URI=own_mlflow.url)
+    log = tmp_path / "serve.log"
+    worker = start_mint(started, ["serve", "--port", url.rsplit(":", 1)[1]], env, log)
+    wait_for(lambda: (health(url) or {}).get("status") == "ok", worker, log, timeout_s=300)
+    unknown = {"inputs": "abc=", "parameters": {"adapter_id": "nobody-bot"}}
+    assert httpx.post(url + "/generate", json=unknown, timeout=30).status_code == 404
+
+    own_mlflow.stop()
+    stopped = time.monotonic()
+    deadline = stopped + 10
+    while (health(url) or {}).get("status") != "degraded" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    status = health(url) or {}
+    assert status.get("status") == "degraded", status
+    print(f"degraded {time.monotonic() - stopped:.1f} s after MLflow stopped")
+
+    for method, path, body in (
+        ("POST", "/generate", unknown),
+        ("GET", "/v1/adapters/nobody-bot", None),
+    ):
+        start = time.monotonic()
+        answer = httpx.request(method, url + path, json=body, timeout=30)
+        seconds = time.monotonic() - start
+        assert answer.status_code == 503, answer.text
+        assert answer.json()["error_type"] == "registry_unavailable", answer.text
+        assert f"MLflow at {own_mlflow.url} (MLFLOW_TRACKING_URI)" in answer.json()["error"]
+        assert seconds < 2, f"{method} {path} answered after {seconds:.1f} s"
+
+    worker.send_signal(signal.SIGTERM)
+    assert worker.wait(30) == 0, log.read_text()[-3000:]
+
+
+# SIGTERM and SIGINT stop everything a command started.
+
+
+def stop_and_check(
+    process: subprocess.Popen[bytes], sig: signal.Signals, urls: list[str], log: Path
+) -> None:
+    """Send `sig` to `process` alone (not its group, as `kill PID` does); it exits cleanly
+    within a minute, and none of its descendants or services outlives it."""
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    assert descendants, "the command started nothing"
+    process.send_signal(sig)
+    assert process.wait(60) == 0, log.read_text()[-3000:]
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    for url in urls:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url, timeout=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name)
+def test_a_signal_to_mint_registry_stops_mlflow(
+    sig: signal.Signals, started: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    port = free_port()
+    log = tmp_path / "registry.log"
+    registry = start_mint(
+        started, ["registry", "--port", str(port)], mint_env(MINT_HOME=str(tmp_path)), log
+    )
+    wait_for(lambda: "Ctrl-C stops it" in log.read_text(), registry, log, timeout_s=120)
+    assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    stop_and_check(registry, sig, [f"http://127.0.0.1:{port}/health"], log)
+
+
+@pytest.mark.slow
+def test_sigterm_to_mint_up_stops_everything(
+    base: BaseModel, started: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    home = tmp_path / "home"
+    # The session's pretrained base, so `mint up` does not pretrain it again.
+    (home / "base").mkdir(parents=True)
+    os.symlink(base.path, home / "base" / base.path.name)
+    ports = [str(free_port()) for _ in range(3)]
+    log = tmp_path / "up.log"
+    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2]]
+    up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
+    wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
+    urls = [
+        f"http://127.0.0.1:{ports[0]}/health",
+        f"http://127.0.0.1:{ports[1]}/api/health",
+        f"http://127.0.0.1:{ports[2]}/health",
+    ]
+    stop_and_check(up, signal.SIGTERM, urls, log)
+    assert "stopped: flow server, serving worker, prefect server, mlflow server" in log.read_text()
