@@ -30,7 +30,11 @@ def roll_out(
     registry = Registry(config.tracking_uri)
     current = registry.get(revision)
     if current.stage is Stage.ACTIVE and PRODUCTION in current.aliases:
-        raise ConfigurationError(f"{revision} is already {revision.adapter}@{PRODUCTION}")
+        raise ConfigurationError(
+            f"{revision} is already {revision.adapter}@{PRODUCTION}; if workers cannot load it "
+            f"(a damaged artifact), repair it: mint repair --adapter {revision.adapter} "
+            f"--revision {revision.number}"
+        )
     ensure_exported(config, revision)
     try:
         with rollout_lock(revision.adapter):

@@ -77,11 +77,12 @@ class _MoveRecord:
         return cls(AliasMove(**fields), done)
 
 
-def moves_made(records: Sequence[_MoveRecord], aliases: Mapping[str, int]) -> list[AliasMove]:
+def _moves_made(records: Sequence[_MoveRecord], aliases: Mapping[str, int]) -> list[AliasMove]:
     """The moves that happened, in order, from every history record (in order) and where the
-    aliases point now. A record marked done happened. One still an intent happened if its alias
-    was next seen at its target: the next move of that alias started from there or, if none came
-    after, the alias points there now. Otherwise its mover stopped before moving the alias."""
+    aliases point now. A record marked done happened, whatever moved the alias since (the MLflow
+    UI can). One still an intent happened if its alias was next seen at its target: the next
+    move of that alias started from there or, if none came after, the alias points there now.
+    Otherwise its mover stopped before moving the alias."""
     made = []
     for position, record in enumerate(records):
         move = record.move
@@ -307,7 +308,7 @@ class Registry:
         marked done. A mover killed anywhere leaves history and alias agreeing, with nothing to
         repair: killed before the record, nothing happened; killed after the record but before
         the alias moved, the record stays an intent that readers skip, since the alias was next
-        seen elsewhere (`moves_made`); killed after the alias moved, readers count the intent,
+        seen elsewhere (`_moves_made`); killed after the alias moved, readers count the intent,
         since the alias was next seen at its target. Moves of one adapter are serialized by its
         roll-out lock, which keeps their numbers unique."""
         model = self._registered_model(revision.adapter)
@@ -421,7 +422,7 @@ class Registry:
         if model is None:
             raise NotFoundError(f"adapter {adapter!r} is not registered")
         aliases = {alias: int(version) for alias, version in (model.aliases or {}).items()}
-        return aliases, moves_made(self._move_records(adapter), aliases)
+        return aliases, _moves_made(self._move_records(adapter), aliases)
 
     def _move_records(self, adapter: str) -> list[_MoveRecord]:
         """Every alias-move record of `adapter`, in order: one search, paged."""

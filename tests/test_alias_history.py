@@ -12,11 +12,11 @@ from mlflow.tracking import MlflowClient
 
 from mint_core.digests import sha256_json
 from mint_core.errors import RegistryError
-from mint_core.registry import AliasMove, Registry
-from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
+from mint_core.registry import AliasMove, Registry, _MoveRecord, _moves_made
+from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
+from tests.helpers import make_policy
 
-BASE_DIGEST = sha256_json("alias-history-base")
 REGISTERED_MODEL_TAG_LIMIT = 5000
 """MLflow's schema declares registered-model tag values `String(5000)`: PostgreSQL and MySQL
 enforce it, sqlite does not, so the tests check it themselves."""
@@ -40,22 +40,9 @@ def register(registry: Registry, adapter: str, count: int) -> list[RevisionId]:
     """`count` revisions of `adapter` (metadata only: nothing is served)."""
     revisions = []
     for number in range(1, count + 1):
-        policy = PolicyRecord(
-            adapter=adapter,
-            content_digest=sha256_json([adapter, number]),
-            base_model_id="mint-tiny",
-            base_digest=BASE_DIGEST,
-            task="upper",
-            training_steps=1,
-            dataset_digest=sha256_json("data"),
-            lora_rank=1,
-            lora_alpha=2,
-            target_modules=("q_proj",),
-            created_by="tests",
-            created_at="2026-01-01T00:00:00+00:00",
-        )
+        policy = make_policy(adapter=adapter, content_digest=sha256_json([adapter, number]))
         uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-        revisions.append(registry.register(policy, uri, BASE_DIGEST).id)
+        revisions.append(registry.register(policy, uri, policy.base_digest).id)
     return revisions
 
 
@@ -172,6 +159,30 @@ def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
         (PRODUCTION, 3, 1),
     ]
     assert registry.previous(adapter) == r3
+
+
+def test_history_keeps_done_moves_and_the_intents_the_alias_followed() -> None:
+    def record(number: int, before: int | None, to: int, done: bool) -> _MoveRecord:
+        return _MoveRecord(AliasMove(number, "", PRODUCTION, before, to, "", ""), done)
+
+    records = [
+        record(1, None, 1, done=True),
+        record(2, 1, 2, done=True),
+        record(3, 2, 3, done=False),  # killed before the alias moved: next seen at r2
+        record(4, 2, 3, done=False),  # killed after it moved: next seen at r3
+        record(5, 3, 1, done=True),
+        # Someone moved it to r5 in the MLflow UI: the done move to r1 still happened.
+        record(6, 5, 2, done=True),
+        record(7, 2, 4, done=False),  # killed before the alias moved: it is at r2 now
+    ]
+    made = _moves_made(records, {PRODUCTION: 2})
+    assert [(m.number, m.from_revision, m.to_revision) for m in made] == [
+        (1, None, 1),
+        (2, 1, 2),
+        (4, 2, 3),
+        (5, 3, 1),
+        (6, 5, 2),
+    ]
 
 
 @pytest.mark.slow

@@ -9,10 +9,12 @@ import time
 import pytest
 import torch
 
+from flows.promote import promote
 from flows.release import release
 from flows.repair import RepairReport, repair
 from mint_core.artifact_store import LocalArtifactStore, open_store
 from mint_core.config import MintConfig
+from mint_core.errors import ConfigurationError
 from mint_core.packing import load, verify
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
@@ -75,6 +77,9 @@ def test_repair_serves_a_damaged_production_revision_again_without_moving_it(
         reason = wait_for(client, revision, Readiness.FAILED)
         assert shard in str(reason)
         assert "mint repair --adapter" in str(reason)
+        # Promote cannot help with what production already is; it names the command that can.
+        with pytest.raises(ConfigurationError, match=f"mint repair --adapter {name} --revision 1"):
+            promote(name, 1)
 
         monkeypatch.setenv("MINT_WORKER_URLS", f"{fleet.worker.url},{fresh.url}")
         report = repair(name, 1, actor="oncall")
