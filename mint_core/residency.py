@@ -2,7 +2,9 @@
 
 1. **catalog**: every registered revision is addressable (the registry); holding nothing.
 2. **host cache**: verified weights in host memory, least recently used evicted first, bounded
-   in bytes. A revision is ready on a worker only while it is here.
+   in bytes. A revision is ready on a worker only while it is here. The plan holds the weights
+   themselves (opaque values to it), so what the table says is what the worker holds: a revision
+   that does not fit is never half taken in.
 3. **device slots**: a fixed number of slots beside the resident base. A request pins the slot
    of its adapter while it runs; a load takes a free slot, else the least recently used
    unpinned one. When every slot is pinned, the request waits; it never fails for it.
@@ -10,17 +12,21 @@
 The tiers are inclusive: a device slot only holds a revision the host cache holds, and
 evicting a revision from the host frees its (unpinned) slot too.
 
-This module only decides. `Residency` answers what to load, where, and what that evicts; the
-worker carries that out (copies tensors, clears slots). Keys are opaque strings (revision ids).
-Thread-safe: the prewarm thread, the scheduler and the HTTP handlers share one plan.
+This module decides and keeps the host tier. `Residency` answers what to load, where, and what
+that evicts; the worker carries that out (copies tensors into slots, clears them). Keys are
+opaque strings (revision ids). Thread-safe: the prewarm threads, the scheduler and the HTTP
+handlers share one plan.
 """
 
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Generic, TypeVar
 
 from mint_core.errors import ConfigurationError, NotReadyError
+
+Weights = TypeVar("Weights")
 
 
 class Tier(StrEnum):
@@ -75,14 +81,21 @@ class _Slot:
     pins: int = 0
 
 
+@dataclass(frozen=True)
+class _Held(Generic[Weights]):
+    weights: Weights
+    nbytes: int
+
+
 @dataclass
-class Residency:
-    """The host cache and device slot tables, and the decisions that change them."""
+class Residency(Generic[Weights]):
+    """The host cache (its contents and table) and device slot table, and the decisions that
+    change them."""
 
     host_capacity_bytes: int
     device_slots: int
-    _host: OrderedDict[str, int] = field(default_factory=OrderedDict, init=False)
-    """key -> bytes, least recently used first."""
+    _host: OrderedDict[str, _Held[Weights]] = field(default_factory=OrderedDict, init=False)
+    """key -> weights and their size, least recently used first."""
     _slots: dict[int, _Slot] = field(default_factory=dict, init=False)
     _slot_use: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
     """Occupied slots, least recently used first."""
@@ -101,22 +114,23 @@ class Residency:
 
     # Host tier.
 
-    def put_host(self, key: str, nbytes: int) -> list[str]:
-        """Take `key` into the host cache, evicting least recently used revisions that are not
-        in a pinned slot until it fits; returns the evicted keys (their slots are freed too).
-        ConfigurationError if it cannot fit even then; nothing is evicted in that case."""
+    def put_host(self, key: str, weights: Weights, nbytes: int) -> list[str]:
+        """Take `key`'s `weights` (`nbytes` of host memory) into the host cache, evicting least
+        recently used revisions that are not in a pinned slot until it fits; returns the evicted
+        keys (their slots are freed too). ConfigurationError if it cannot fit even then; nothing
+        is evicted or kept in that case. A key already held keeps its weights."""
         with self._lock:
             if key in self._host:
                 self._host.move_to_end(key)
                 return []
             victims: list[str] = []
-            free = self.host_capacity_bytes - sum(self._host.values())
-            for candidate, size in self._host.items():
+            free = self.host_capacity_bytes - self._bytes()
+            for candidate, held in self._host.items():
                 if free >= nbytes:
                     break
                 if self._pins(candidate) == 0:
                     victims.append(candidate)
-                    free += size
+                    free += held.nbytes
             if free < nbytes:
                 raise ConfigurationError(
                     f"{key} needs {nbytes} bytes of host cache; {free} can be freed of "
@@ -126,7 +140,7 @@ class Residency:
             for victim in victims:
                 self._drop(victim)
                 self.counters[Tier.HOST].evictions += 1
-            self._host[key] = nbytes
+            self._host[key] = _Held(weights, nbytes)
             self.counters[Tier.HOST].loads += 1
             return victims
 
@@ -141,6 +155,15 @@ class Residency:
     def in_host(self, key: str) -> bool:
         with self._lock:
             return key in self._host
+
+    def host_weights(self, key: str) -> Weights:
+        """The weights the host cache holds for `key` (to copy into the slot `acquire` pinned:
+        a pinned revision stays in the host cache). NotReadyError if it holds none."""
+        with self._lock:
+            held = self._host.get(key)
+            if held is None:
+                raise NotReadyError(f"{key} is not in this worker's host cache")
+            return held.weights
 
     # Device tier.
 
@@ -188,7 +211,7 @@ class Residency:
     def host_table(self) -> list[HostEntry]:
         """Host cache, least recently used first."""
         with self._lock:
-            return [HostEntry(key, nbytes) for key, nbytes in self._host.items()]
+            return [HostEntry(key, held.nbytes) for key, held in self._host.items()]
 
     def slot_table(self) -> list[SlotEntry]:
         """Occupied device slots, by slot number."""
@@ -198,9 +221,12 @@ class Residency:
     @property
     def host_bytes(self) -> int:
         with self._lock:
-            return sum(self._host.values())
+            return self._bytes()
 
     # Internals; the caller holds the lock.
+
+    def _bytes(self) -> int:
+        return sum(held.nbytes for held in self._host.values())
 
     def _slot_of(self, key: str) -> int | None:
         return next((s for s, e in self._slots.items() if e.key == key), None)

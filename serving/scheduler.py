@@ -3,8 +3,8 @@ batch at any step and leave it as soon as they finish.
 
 Each step of the loop:
 
-1. **retire** rows that finished (or whose client went away), unpinning their device slots and
-   cutting their rows out of the key/value cache;
+1. **retire** rows that finished, failed or whose client went away, unpinning their device
+   slots and cutting their rows out of the key/value cache;
 2. **join** waiting requests while the batch has room: each needs its adapter in a device slot,
    pinned for the request's life (a hit, or one copy from the host cache: at most one copy per
    step, so a load never holds up the running rows for longer than that). A request whose
@@ -15,6 +15,10 @@ Each step of the loop:
 Every row keeps its own key/value cache, as rows of the batch's cache left-padded to one width;
 positions count from each row's first real token and padding is masked, so a row computes what
 it would alone.
+
+A row whose logits are not finite (an adapter's weights gone bad) fails its own request and no
+other: rows never mix. Whatever a step raises, every request in it, running or joining, gets
+the error as its answer and its slot is unpinned; the loop goes on with the next step.
 """
 
 import logging
@@ -22,14 +26,20 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from mint_core.errors import ConfigurationError, MintError, NotReadyError, ServiceError
-from mint_core.residency import Residency
+from mint_core.errors import (
+    ConfigurationError,
+    IntegrityError,
+    MintError,
+    NotReadyError,
+    ServiceError,
+)
+from mint_core.residency import Residency, SlotGrant
 from mint_core.textgen import FinishReason, Generation, pad_left
 from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.metrics import WorkerMetrics
@@ -51,11 +61,15 @@ class TokenEvent:
 class Request:
     """One generation in flight. The scheduler thread writes it; the client reads its events."""
 
-    def __init__(self, prompt_ids: list[int], key: str, params: SamplingParams) -> None:
+    def __init__(
+        self, prompt_ids: list[int], key: str, params: SamplingParams, warm_up: bool = False
+    ) -> None:
         self.prompt_ids = prompt_ids
         self.key = key
         """Engine key of the adapter serving it (BASE for the base)."""
         self.params = params
+        self.warm_up = warm_up
+        """A worker's own warm-up generation during prewarm, not a user's request."""
         self.sampler = RowSampler(params)
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -130,8 +144,7 @@ class Scheduler:
     def __init__(
         self,
         engine: TorchEngine,
-        residency: Residency,
-        weights: Callable[[str], AdapterWeights],
+        residency: Residency[AdapterWeights],
         metrics: WorkerMetrics,
         max_batch: int = DEFAULT_MAX_BATCH,
     ) -> None:
@@ -139,22 +152,30 @@ class Scheduler:
             raise ConfigurationError(f"max_batch={max_batch} must be at least 1")
         self.engine = engine
         self.residency = residency
-        self._weights = weights
+        """The tiers; its host cache holds the weights a slot copy reads."""
         self.metrics = metrics
         self.max_batch = max_batch
         self._waiting: deque[Request] = deque()
         self._wake = threading.Condition()
         self._running: list[Request] = []
+        self._joining: list[Request] = []
+        """Requests taken from the queue for the next prefill (each pinning its slot)."""
         self._cache: KVCache | None = None
         self._mask: torch.Tensor | None = None
         self._stopped = False
         self.steps = 0
         """Forward passes run so far (prefills and decode steps)."""
+        self.request_path_loads = 0
+        """Adapters copied into a device slot for a user's request (not a warm-up): the request
+        waited for the copy. Happens when more adapters are in use than there are slots."""
         self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids: list[int], key: str, params: SamplingParams) -> Request:
-        """Queue a generation; its adapter must be in the host cache (ready) or BASE."""
+    def submit(
+        self, prompt_ids: list[int], key: str, params: SamplingParams, warm_up: bool = False
+    ) -> Request:
+        """Queue a generation; its adapter must be in the host cache (ready) or BASE. `warm_up`
+        marks a worker's own prewarm generation."""
         limit = self.engine.base.spec.max_positions
         if len(prompt_ids) + params.max_new_tokens > limit:
             raise ConfigurationError(
@@ -162,7 +183,7 @@ class Scheduler:
                 f" exceeds the base model's {limit} positions; shorten the prompt or ask for "
                 "fewer tokens"
             )
-        request = Request(prompt_ids, key, params)
+        request = Request(prompt_ids, key, params, warm_up)
         with self._wake:
             if self._stopped:
                 raise ServiceError("the scheduler is stopped")
@@ -203,13 +224,21 @@ class Scheduler:
                     # none is running, so nothing changes until something new arrives.
                     time.sleep(0.001)
             except Exception as e:  # the loop must outlive any one bad step
-                log.exception("scheduler step failed; failing the running requests")
-                error = ServiceError(f"the engine failed a step: {type(e).__name__}: {e}")
-                for request in self._running:
-                    request.fail(error)
-                self._retire()
-        for request in [*self._running, *self._waiting]:
+                log.exception("scheduler step failed; failing its requests")
+                self._fail_step(ServiceError(f"the engine failed a step: {type(e).__name__}: {e}"))
+        for request in [*self._running, *self._joining, *self._waiting]:
             request.fail(ServiceError("the worker is shutting down"))
+
+    def _fail_step(self, error: MintError) -> None:
+        """Answer every request of a failed step, running or joining, with `error`, and drop
+        them all (with the batch's cache, which the step may have left half updated)."""
+        # Joiners pin slots too: retiring unpins them (a failed merge may have added them).
+        self._running += [r for r in self._joining if r not in self._running]
+        self._joining = []
+        for request in self._running:
+            if not request.done:
+                request.fail(error)
+        self._retire()
 
     def _retire(self) -> None:
         keep = [i for i, r in enumerate(self._running) if not r.done]
@@ -244,7 +273,7 @@ class Scheduler:
         self.metrics.request_latency.observe(time.perf_counter() - request.submitted)
 
     def _join(self) -> None:
-        joining: list[Request] = []
+        joining = self._joining
         copied = False
         with self._wake:
             candidates = list(self._waiting)
@@ -254,6 +283,7 @@ class Scheduler:
             if request.done:
                 self._unqueue(request)
                 continue
+            grant: SlotGrant | None = None
             if request.key != BASE:
                 if copied and self.residency.slot_of(request.key) is None:
                     continue  # one copy per step
@@ -265,17 +295,19 @@ class Scheduler:
                     continue
                 if grant is None:
                     continue  # every slot pinned: wait for one to be released
-                if grant.load:
-                    try:
-                        self.engine.load(self._weights(request.key), grant.slot)
-                    except MintError as e:
-                        self.residency.release(request.key)
-                        self._unqueue(request)
-                        request.fail(NotReadyError(f"{request.key} could not be loaded: {e}"))
-                        continue
-                    copied = True
             self._unqueue(request)
-            joining.append(request)
+            joining.append(request)  # from here a failed step answers it and unpins its slot
+            if grant is not None and grant.load:
+                try:
+                    self.engine.load(self.residency.host_weights(request.key), grant.slot)
+                except MintError as e:
+                    joining.remove(request)
+                    self.residency.release(request.key)
+                    request.fail(NotReadyError(f"{request.key} could not be loaded: {e}"))
+                    continue
+                copied = True
+                if not request.warm_up:
+                    self.request_path_loads += 1
         if not joining:
             return
         input_ids, mask = pad_left([r.prompt_ids for r in joining], self.engine.tokenizer.pad_id)
@@ -288,6 +320,7 @@ class Scheduler:
             self.metrics.time_to_first_token.observe(now - request.submitted)
         self._sample(joining, logits)
         self._merge(joining, cache, mask)
+        self._joining = []
 
     def _unqueue(self, request: Request) -> None:
         with self._wake:
@@ -331,8 +364,18 @@ class Scheduler:
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
         tokenizer = self.engine.tokenizer
-        for request, row in zip(requests, logits, strict=True):
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        for request, row, row_is_finite in zip(requests, logits, finite, strict=True):
             if request.done:
+                continue
+            if not row_is_finite:
+                request.fail(
+                    IntegrityError(
+                        f"{request.key} produced non-finite logits (NaN or infinity): its "
+                        "weights on this worker are damaged, so no token was sampled; admit the "
+                        "revision again to reload it from its artifact"
+                    )
+                )
                 continue
             token, logprob = request.sampler.pick(row)
             request.push(token, logprob, tokenizer.token_text(token), tokenizer.eos_id)

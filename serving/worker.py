@@ -9,7 +9,13 @@ revision's readiness on this worker.
   the host cache (`fetching`), then load it into a device slot and run a warm-up generation
   through the scheduler (`warming`); only then is it `ready`.
 - **Readiness gate**: the request path never fetches anything: `route` answers with the engine
-  key of a ready revision or raises `RevisionNotReady` at once.
+  key of a ready revision or raises `RevisionNotReady` at once. `request_path_loads` counts
+  what a user's request waited for all the same: fetches from the artifact store made outside
+  prewarm (the gate keeps them at zero) and adapter copies into a device slot made for a user's
+  request (by design when more adapters are in use than there are slots; the tier counters
+  break loads down further).
+- **Tiers**: the residency plan holds the host cache's weights itself: there is no second copy
+  to keep in step with it.
 
 Every readiness change is kept in an event log (`events`), which is how tests and operators
 see what happened and when.
@@ -50,7 +56,6 @@ WARMUP_TIMEOUT_S = 120.0
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 DEFAULT_SYNC_INTERVAL_S = 1.0
 PREWARM_NICENESS = 10
-_PREWARM_THREAD = "prewarm"
 
 
 @dataclass(frozen=True)
@@ -87,30 +92,30 @@ class Worker:
         self.engine = engine
         self.catalog = catalog
         self.store = store
-        self.residency = Residency(host_cache_bytes, engine.slots)
+        self.residency: Residency[AdapterWeights] = Residency(host_cache_bytes, engine.slots)
         self.metrics = WorkerMetrics(self.residency)
-        self._host: dict[str, AdapterWeights] = {}
-        """The host cache's contents (the residency plan says what belongs here)."""
-        self.scheduler = Scheduler(
-            engine, self.residency, self._host.__getitem__, self.metrics, max_batch
-        )
+        self.scheduler = Scheduler(engine, self.residency, self.metrics, max_batch)
         self._table: dict[RevisionId, ReadinessEntry] = {}
         self._policies: dict[RevisionId, PolicyRecord] = {}
         self._events: list[ReadinessEntry] = []
         """Every readiness change, oldest first."""
         self._admission: AdmissionQueue[RevisionId] = AdmissionQueue(admission_k)
         self._lock = threading.Condition()
-        self.request_path_loads = 0
-        """Artifact fetches outside the prewarm threads: the readiness gate keeps it at zero."""
+        self._request_path_fetches = 0
+        self._prewarming = threading.local()
+        """`active` is set on prewarm threads: their fetches are not on the request path."""
         self.degraded: str | None = None
         """Why the last sync with the registry failed; None while it succeeds."""
         self.sync_interval_s = sync_interval_s
         self._nudge = threading.Event()
-        for number in range(admission_k):
-            threading.Thread(
-                target=self._prewarm_loop, name=f"{_PREWARM_THREAD}-{number}", daemon=True
-            ).start()
-        threading.Thread(target=self._watch, name="watcher", daemon=True).start()
+        self._closed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._prewarm_loop, name=f"prewarm-{number}", daemon=True)
+            for number in range(admission_k)
+        ]
+        self._threads.append(threading.Thread(target=self._watch, name="watcher", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     # Readiness.
 
@@ -207,7 +212,7 @@ class Worker:
         return Priority.ROLLBACK if newer else Priority.NORMAL
 
     def _watch(self) -> None:
-        while True:
+        while not self._closed.is_set():
             try:
                 self.sync()
             except RegistryError:
@@ -236,12 +241,31 @@ class Worker:
             raise RevisionNotReady(entry)
         return revision, str(revision)
 
-    def generate(self, prompt: str, key: str, params: SamplingParams) -> Request:
-        """Queue a generation for a routed engine key; iterate the request for its tokens."""
-        return self.scheduler.submit(self.engine.tokenizer.encode(prompt), key, params)
+    def generate(
+        self, prompt: str, key: str, params: SamplingParams, warm_up: bool = False
+    ) -> Request:
+        """Queue a generation for a routed engine key; iterate the request for its tokens.
+        `warm_up` marks prewarm's own generation."""
+        return self.scheduler.submit(self.engine.tokenizer.encode(prompt), key, params, warm_up)
+
+    @property
+    def request_path_loads(self) -> int:
+        """Loads a user's request waited for: fetches from the artifact store outside prewarm,
+        and adapter copies into a device slot for a user's request."""
+        with self._lock:
+            fetches = self._request_path_fetches
+        return fetches + self.scheduler.request_path_loads
 
     def close(self) -> None:
+        """Stop following the registry, prewarming and serving (waiting requests are
+        answered with an error)."""
+        self._closed.set()
+        self._nudge.set()
+        with self._lock:
+            self._lock.notify_all()
         self.scheduler.stop()
+        for thread in self._threads:
+            thread.join(timeout=10)
 
     # Prewarm.
 
@@ -249,10 +273,16 @@ class Worker:
         # Prewarming is background work: on a busy machine the running batch goes first.
         with contextlib.suppress(AttributeError, OSError):  # per-thread nice: Linux only
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREWARM_NICENESS)
+        self._prewarming.active = True
         while True:
+            revision = None
             with self._lock:
-                while (revision := self._admission.start_next()) is None:
+                while (
+                    not self._closed.is_set() and (revision := self._admission.start_next()) is None
+                ):
                     self._lock.wait()
+            if revision is None:
+                return  # closed
             try:
                 self._prewarm(revision)
             except MintError as e:
@@ -269,7 +299,6 @@ class Worker:
     def _fail(self, revision: RevisionId, reason: str) -> None:
         key = str(revision)
         if self.residency.drop_host(key):
-            self._host.pop(key, None)
             self.engine.unload(key)
         with self._lock:
             self._set(revision, Readiness.FAILED, reason=reason)
@@ -292,26 +321,25 @@ class Worker:
             )
         key = str(revision)
         weights = self.engine.prepare(key, index.adapter_config, adapter.peft_state_dict())
-        self._host[key] = weights
-        for evicted in self.residency.put_host(key, weights.nbytes):
+        for evicted in self.residency.put_host(key, weights, weights.nbytes):
             self._evicted(evicted)
 
         with self._lock:
             self._policies[revision] = registered.policy
             self._set(revision, Readiness.WARMING)
         warm_up = SamplingParams(max_new_tokens=2)
-        self.generate(WARMUP_PROMPT, key, warm_up).result(timeout_s=WARMUP_TIMEOUT_S)
+        self.generate(WARMUP_PROMPT, key, warm_up, warm_up=True).result(timeout_s=WARMUP_TIMEOUT_S)
         with self._lock:
             self._set(revision, Readiness.READY)
 
     def _fetch(self, uri: str) -> Path:
-        if not threading.current_thread().name.startswith(_PREWARM_THREAD):
-            self.request_path_loads += 1
+        if not getattr(self._prewarming, "active", False):
+            with self._lock:
+                self._request_path_fetches += 1
         return self.store.fetch(uri)
 
     def _evicted(self, key: str) -> None:
         """`key` left the host cache: it no longer serves here until admitted again."""
-        self._host.pop(key, None)
         self.engine.unload(key)
         with self._lock:
             for revision, entry in self._table.items():

@@ -16,10 +16,15 @@ def slots(*entries: tuple[int, str, int]) -> list[SlotEntry]:
     return [SlotEntry(slot, key, pins) for slot, key, pins in entries]
 
 
+def weights(key: str) -> str:
+    """Stand-in weights: the plan holds whatever the worker gives it."""
+    return f"weights of {key}"
+
+
 def test_load_hit_evict_pin_unpin_step_by_step() -> None:
-    plan = Residency(host_capacity_bytes=10 * MB, device_slots=2)
+    plan: Residency[str] = Residency(host_capacity_bytes=10 * MB, device_slots=2)
     for key in ("a", "b", "c"):
-        assert plan.put_host(key, 3 * MB) == []
+        assert plan.put_host(key, weights(key), 3 * MB) == []
     assert plan.host_table() == host(("a", 3), ("b", 3), ("c", 3))
 
     # Load: a free slot for each of a and b.
@@ -47,11 +52,11 @@ def test_load_hit_evict_pin_unpin_step_by_step() -> None:
     plan.release("a")
     plan.release("c")
     assert plan.slot_table() == slots((1, "a", 0), (2, "c", 0))
-    assert plan.put_host("d", 3 * MB) == ["b"]
+    assert plan.put_host("d", weights("d"), 3 * MB) == ["b"]
     assert plan.host_table() == host(("a", 3), ("c", 3), ("d", 3))
 
     # Evicting from the host frees the revision's slot too (the tiers are inclusive).
-    assert plan.put_host("e", 4 * MB) == ["a"]
+    assert plan.put_host("e", weights("e"), 4 * MB) == ["a"]
     assert plan.host_table() == host(("c", 3), ("d", 3), ("e", 4))
     assert plan.slot_table() == slots((2, "c", 0))
     with pytest.raises(NotReadyError, match="a is not in this worker's host cache"):
@@ -64,13 +69,13 @@ def test_load_hit_evict_pin_unpin_step_by_step() -> None:
 
 
 def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
-    plan = Residency(host_capacity_bytes=6 * MB, device_slots=1)
-    plan.put_host("busy", 3 * MB)
-    plan.put_host("idle", 3 * MB)
+    plan: Residency[str] = Residency(host_capacity_bytes=6 * MB, device_slots=1)
+    plan.put_host("busy", weights("busy"), 3 * MB)
+    plan.put_host("idle", weights("idle"), 3 * MB)
     assert plan.acquire("busy") == SlotGrant("busy", 1, load=True)
 
     # busy is the least recently used, but pinned: idle leaves instead.
-    assert plan.put_host("new", 3 * MB) == ["idle"]
+    assert plan.put_host("new", weights("new"), 3 * MB) == ["idle"]
     assert plan.host_table() == host(("busy", 3), ("new", 3))
     assert plan.acquire("new") is None
     assert plan.slot_table() == slots((1, "busy", 1))
@@ -78,7 +83,7 @@ def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
 
     # Nothing unpinned is left to evict: the new revision is refused and nothing moves.
     with pytest.raises(ConfigurationError, match="raise the host cache capacity"):
-        plan.put_host("huge", 5 * MB)
+        plan.put_host("huge", weights("huge"), 5 * MB)
     assert plan.host_table() == host(("busy", 3), ("new", 3))
 
     plan.release("busy")
@@ -86,6 +91,30 @@ def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
     assert plan.slot_table() == slots((1, "new", 1))
     with pytest.raises(ConfigurationError, match="busy holds no pinned device slot"):
         plan.release("busy")
+
+
+def test_the_host_cache_holds_weights_exactly_as_long_as_its_table_lists_them() -> None:
+    plan: Residency[str] = Residency(host_capacity_bytes=4 * MB, device_slots=1)
+    plan.put_host("a", weights("a"), 3 * MB)
+    assert plan.host_weights("a") == weights("a")
+    assert plan.put_host("a", "other weights", 3 * MB) == []  # held already: kept as it was
+    assert plan.host_weights("a") == weights("a")
+
+    # Too big even with a evicted: refused, and nothing of it is kept.
+    with pytest.raises(ConfigurationError, match="big needs 5242880 bytes of host cache"):
+        plan.put_host("big", weights("big"), 5 * MB)
+    assert plan.host_table() == host(("a", 3))
+    with pytest.raises(NotReadyError, match="big is not in this worker's host cache"):
+        plan.host_weights("big")
+
+    # Evicted and dropped weights leave with their entries.
+    assert plan.put_host("b", weights("b"), 4 * MB) == ["a"]
+    with pytest.raises(NotReadyError, match="a is not in this worker's host cache"):
+        plan.host_weights("a")
+    assert plan.drop_host("b") is True
+    assert plan.host_table() == []
+    with pytest.raises(NotReadyError, match="b is not in this worker's host cache"):
+        plan.host_weights("b")
 
 
 @pytest.mark.parametrize(

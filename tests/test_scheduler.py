@@ -1,13 +1,17 @@
 """Continuous batching: requests join and leave a running batch, each row computing what it
-would alone, sampling per request, and more adapters in flight than device slots."""
+would alone, sampling per request, and more adapters in flight than device slots; a row whose
+adapter gives NaN, or a step that raises, answers every request it holds and unpins its slot."""
 
+import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from mint_core.base_model import load_base
-from mint_core.errors import ConfigurationError
+from mint_core.errors import ConfigurationError, MintError
 from mint_core.residency import Residency, Tier
 from mint_core.textgen import FinishReason
 from serving.engine import BASE, AdapterWeights, TorchEngine
@@ -50,11 +54,10 @@ def scheduler_for(
     adapters: dict[str, AdapterWeights], home: Path, slots: int
 ) -> Iterator[Scheduler]:
     engine = TorchEngine(load_base(SPEC, home), slots=slots)
-    host = dict(adapters)
-    residency = Residency(host_capacity_bytes=1 << 30, device_slots=slots)
-    for weights in host.values():
-        residency.put_host(weights.key, weights.nbytes)
-    scheduler = Scheduler(engine, residency, host.__getitem__, WorkerMetrics(residency))
+    residency: Residency[AdapterWeights] = Residency(1 << 30, device_slots=slots)
+    for weights in adapters.values():
+        residency.put_host(weights.key, weights, weights.nbytes)
+    scheduler = Scheduler(engine, residency, WorkerMetrics(residency))
     yield scheduler
     scheduler.stop()
 
@@ -64,9 +67,9 @@ def scheduler(adapters: dict[str, AdapterWeights], home: Path) -> Iterator[Sched
     yield from scheduler_for(adapters, home, slots=ADAPTERS)
 
 
-def submit(scheduler: Scheduler, prompt: str, key: str, **params: object) -> Request:
+def submit(scheduler: Scheduler, prompt: str, key: str, **params: Any) -> Request:
     ids = scheduler.engine.tokenizer.encode(prompt)
-    return scheduler.submit(ids, key, SamplingParams(**params))  # type: ignore[arg-type]
+    return scheduler.submit(ids, key, SamplingParams(**params))
 
 
 def alone(reference: TorchEngine, prompt: str, key: str, tokens: int) -> tuple[int, ...]:
@@ -77,12 +80,7 @@ def test_requests_join_a_running_batch_and_leave_it_each_as_if_alone(
     scheduler: Scheduler, reference: TorchEngine
 ) -> None:
     # The long request must not end early (end-of-sequence) for the overlap to show.
-    long_key, long_prompt = next(
-        (key, prompt)
-        for key in ["a0", "a1", "a2", "a3", "a4", BASE]
-        for prompt in PROMPTS
-        if len(alone(reference, prompt, key, 40)) == 40
-    )
+    long_key, long_prompt = long_running(reference)
     first = submit(scheduler, long_prompt, long_key, max_new_tokens=40)
     events = first.events()
     for _ in range(3):  # it is running: three tokens are out
@@ -154,3 +152,113 @@ def test_a_request_longer_than_the_base_allows_is_refused(scheduler: Scheduler) 
         submit(scheduler, "x" * 60, BASE, max_new_tokens=10)
     with pytest.raises(ConfigurationError, match=r"top_p=1\.5"):
         SamplingParams(top_p=1.5)
+
+
+def long_running(
+    reference: TorchEngine, keys: tuple[str, ...] = ("a0", "a1", "a2", "a3", "a4", BASE)
+) -> tuple[str, str]:
+    """One of `keys` and a prompt whose answer does not end (end-of-sequence) before 40 tokens."""
+    return next(
+        (key, prompt)
+        for key in keys
+        for prompt in PROMPTS
+        if len(alone(reference, prompt, key, 40)) == 40
+    )
+
+
+def settle(scheduler: Scheduler) -> None:
+    """Run one more request through the loop: every request that ended before it has been
+    retired (its slot unpinned) once it answers."""
+    submit(scheduler, PROMPTS[0], BASE, max_new_tokens=1).result(timeout_s=60)
+
+
+def with_nan(weights: AdapterWeights, key: str) -> AdapterWeights:
+    """`weights` under another key with one NaN in one tensor: a bit flipped in memory after
+    every check."""
+    module, (a, b, scaling) = next(iter(weights.pairs.items()))
+    a = a.clone()
+    a[0, 0] = float("nan")
+    return AdapterWeights(key, {**weights.pairs, module: (a, b, scaling)})
+
+
+def test_a_nan_adapter_fails_its_own_requests_and_no_one_elses(
+    adapters: dict[str, AdapterWeights], reference: TorchEngine, home: Path
+) -> None:
+    host = {**adapters, "bad": with_nan(adapters["a1"], "bad")}
+    for scheduler in scheduler_for(host, home, slots=len(host)):
+        # Every adapter in a slot first, so that the mix below joins in one step (a step copies
+        # at most one adapter into a slot).
+        for key in host:
+            with contextlib.suppress(MintError):
+                submit(scheduler, PROMPTS[0], key, max_new_tokens=1).result(timeout_s=60)
+        greedy = {"max_new_tokens": 8}
+        sampled = {"max_new_tokens": 8, "temperature": 1.0, "top_k": 20, "seed": 5}
+        mix = [("a0", greedy), ("bad", sampled), (BASE, sampled), ("bad", greedy),
+               ("a2", sampled), ("a3", greedy), ("bad", sampled), (BASE, greedy)]  # fmt: skip
+        # While the engine is busy with a first request, the mix queues up behind it.
+        with scheduler.engine.lock:
+            submit(scheduler, PROMPTS[1], BASE, max_new_tokens=1)
+            deadline = time.monotonic() + 30
+            while scheduler.queue_depth:  # until the first request has left the queue
+                assert time.monotonic() < deadline, "the scheduler did not take the request"
+                time.sleep(0.001)
+            requests = [
+                submit(scheduler, PROMPTS[n], key, **params) for n, (key, params) in enumerate(mix)
+            ]
+        for n, ((key, params), request) in enumerate(zip(mix, requests, strict=True)):
+            if key == "bad":
+                with pytest.raises(MintError, match="bad produced non-finite logits"):
+                    request.result(timeout_s=30)
+                continue
+            expected = submit(scheduler, PROMPTS[n], key, **params).result(timeout_s=30)
+            assert request.result(timeout_s=30).token_ids == expected.token_ids, key
+            if params is greedy:
+                assert expected.token_ids == alone(reference, PROMPTS[n], key, 8)
+        assert len({r.joined_step for r in requests}) == 1
+        settle(scheduler)
+        assert [entry.pins for entry in scheduler.residency.slot_table()] == [0] * len(host)
+
+
+def test_whatever_a_step_raises_every_request_in_it_answers_and_unpins(
+    scheduler: Scheduler, reference: TorchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = scheduler.engine
+    step = engine.step
+
+    def prefill_of_a3_breaks(*args: Any) -> Any:
+        if args[3] is None and engine.adapters >= {"a3"} and engine.slot_of("a3") in args[2]:
+            raise RuntimeError("simulated kernel failure")
+        return step(*args)
+
+    monkeypatch.setattr(engine, "step", prefill_of_a3_breaks)
+    key, prompt = long_running(reference, keys=("a0", "a1", "a2", "a4", BASE))
+    running = submit(scheduler, prompt, key, max_new_tokens=40)
+    events = running.events(timeout_s=30)
+    assert isinstance(next(events), TokenEvent)  # it is running
+    joining = [submit(scheduler, PROMPTS[0], "a3", max_new_tokens=4),
+               submit(scheduler, PROMPTS[1], "a3", temperature=1.0, max_new_tokens=4)]  # fmt: skip
+    for request in joining:
+        with pytest.raises(MintError, match="simulated kernel failure"):
+            request.result(timeout_s=30)
+    with pytest.raises(MintError, match="simulated kernel failure"):
+        list(events)
+    settle(scheduler)
+    assert all(entry.pins == 0 for entry in scheduler.residency.slot_table())
+    # The scheduler goes on serving.
+    monkeypatch.setattr(engine, "step", step)
+    answer = submit(scheduler, PROMPTS[0], "a3", max_new_tokens=4).result(timeout_s=30)
+    assert answer.token_ids == alone(reference, PROMPTS[0], "a3", 4)
+
+
+def test_a_slot_copy_for_a_users_request_counts_as_a_request_path_load(
+    adapters: dict[str, AdapterWeights], reference: TorchEngine, home: Path
+) -> None:
+    for scheduler in scheduler_for(adapters, home, slots=1):
+        warm_up = scheduler.submit([1, 2, 3], "a0", SamplingParams(max_new_tokens=1), warm_up=True)
+        warm_up.result(timeout_s=60)
+        assert (scheduler.residency.slot_table()[0].key, scheduler.request_path_loads) == ("a0", 0)
+        # a0 is in the slot: a hit. a1 must be copied in, then a0 again: two loads.
+        for key, loads in [("a0", 0), ("a1", 1), ("a1", 1), ("a0", 2), (BASE, 2)]:
+            answer = submit(scheduler, PROMPTS[0], key, max_new_tokens=3).result(timeout_s=60)
+            assert answer.token_ids == alone(reference, PROMPTS[0], key, 3)
+            assert scheduler.request_path_loads == loads, key
