@@ -2,7 +2,8 @@
 
 After this step a revision's bytes never change. The frozen folder is named by its digest (over
 the manifest of file digests), made read-only, and written atomically, so freezing the same
-bytes twice yields the same folder and a crash never leaves half of one.
+bytes twice yields the same folder and a crash never leaves half of one. Weights that are not
+finite (NaN or infinity) are refused: one such value makes every answer of the adapter garbage.
 """
 
 import json
@@ -10,6 +11,9 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from safetensors import safe_open
 
 from mint_core.digests import sha256_file, sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError
@@ -42,6 +46,7 @@ def freeze(adapter_dir: Path, frozen_root: Path) -> FrozenAdapter:
             f"{adapter_dir} is not a PEFT adapter directory: missing {missing}; pass the folder "
             "that PeftModel.save_pretrained wrote"
         )
+    check_finite_file(adapter_dir / PEFT_WEIGHTS)
     files = {p.name: sha256_file(p) for p in sources}
     digest = sha256_json(files)
     target = frozen_root / digest.removeprefix("sha256:")
@@ -66,3 +71,24 @@ def open_frozen(path: Path) -> FrozenAdapter:
                 "frozen copy is damaged: freeze the adapter again from its training output"
             )
     return FrozenAdapter(path=path, digest=sha256_json(files), files=files)
+
+
+def check_finite(name: str, tensor: torch.Tensor, source: object) -> None:
+    """ConfigurationError naming tensor `name` of `source` if it holds NaN or infinity."""
+    finite = torch.isfinite(tensor)
+    if bool(finite.all()):
+        return
+    nan = int(torch.isnan(tensor).sum())
+    raise ConfigurationError(
+        f"{source}: tensor {name!r} holds {nan} NaN and {int((~finite).sum()) - nan} infinite "
+        f"values (of {tensor.numel()}); MinT refuses adapters whose weights are not finite: "
+        "retrain the adapter (a lower learning rate if its training diverged) or repair its "
+        "weights"
+    )
+
+
+def check_finite_file(path: Path) -> None:
+    """`check_finite` for every tensor of the safetensors file `path`, one at a time."""
+    with safe_open(path, framework="pt") as weights:
+        for name in list(weights.keys()):  # safe_open is not iterable
+            check_finite(name, weights.get_tensor(name), path)

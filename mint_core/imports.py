@@ -3,8 +3,8 @@ enters the release pipeline at `freeze`.
 
 Any rank and alpha, rsLoRA or not, per-module rank and alpha patterns, any subset of the base's
 linear projections. Refused, naming what is wrong: non-LoRA adapters, DoRA, extra trained
-modules (`modules_to_save`, biases, embeddings), and any LoRA pair whose module is not in the
-base or whose shapes do not fit it.
+modules (`modules_to_save`, biases, embeddings), any LoRA pair whose module is not in the base
+or whose shapes do not fit it, and any tensor holding NaN or infinity.
 """
 
 import json
@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from mint_core.base_model import BaseModel
 from mint_core.errors import BaseMismatchError, ConfigurationError
-from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS
+from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, check_finite
 from mint_core.packing import check_keys
 from mint_core.training import ALL_PROJECTIONS
 
@@ -96,6 +96,7 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
                     "this adapter was made for another model"
                 )
             ranks.setdefault(module_name, {})[side[0]] = shape[1 - fixed_axis]
+            check_finite(key, weights.get_tensor(key), weights_path)
     for module_name, sides in ranks.items():
         if sides.keys() != {"A", "B"} or sides["A"] != sides["B"]:
             raise ConfigurationError(

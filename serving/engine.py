@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicCache
 
 from mint_core.base_model import BaseModel
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
+from mint_core.freezing import check_finite
 from mint_core.textgen import Generation, greedy_generate, left_padded
 from mint_core.tokenizer import CharTokenizer
 from mint_core.training import ALL_PROJECTIONS
@@ -79,10 +80,13 @@ class TorchEngine:
         self, key: str, adapter_config: Mapping[str, object], tensors: Mapping[str, torch.Tensor]
     ) -> AdapterWeights:
         """Check adapter `key` (PEFT config and tensors) against the base: IntegrityError for
-        tensors that do not fit, ConfigurationError for what is not plain LoRA."""
+        tensors that do not fit, ConfigurationError for what is not plain LoRA or a tensor that
+        is not finite (named: a bad value here would spoil every answer of the adapter)."""
         config = get_peft_config(dict(adapter_config))
         if not isinstance(config, LoraConfig) or config.use_dora:
             raise ConfigurationError(f"adapter {key} is not a plain LoRA adapter: {config}")
+        for name, tensor in tensors.items():
+            check_finite(name, tensor, f"adapter {key}")
         return AdapterWeights(key, self._pairs(key, config, tensors))
 
     def load(self, weights: AdapterWeights, slot: int | None = None) -> int:

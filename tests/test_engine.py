@@ -2,6 +2,7 @@
 adapter gives alone, what PEFT's own PeftModel gives, and the base bit for bit where the
 adapter is zero."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from peft import PeftModel
 
 from mint_core.base_model import BaseModel, BaseModelSpec, load_base
-from mint_core.errors import IntegrityError, ServiceError
+from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
 from mint_core.textgen import greedy_generate, left_padded
 from mint_core.tokenizer import CharTokenizer
 from serving.engine import BASE, TorchEngine
@@ -92,3 +93,21 @@ def test_adapters_that_do_not_fit_or_exceed_the_slots_are_refused(home: Path) ->
     engine.unload("two")
     with pytest.raises(IntegrityError, match="does not fit the base"):
         engine.load(engine.prepare("alien", config_of(lora), weights_of(model)))
+
+
+@pytest.mark.parametrize(
+    ("bad", "counts"), [(float("nan"), "1 NaN and 0"), (float("inf"), "0 NaN and 1")]
+)
+def test_an_adapter_with_a_weight_that_is_not_finite_is_refused_naming_the_tensor(
+    home: Path, bad: float, counts: str
+) -> None:
+    engine = TorchEngine(fresh_base(home))
+    lora, model = random_adapter(fresh_base(home), rank=2, seed=0)
+    tensors = weights_of(model)
+    name = sorted(tensors)[3]
+    tensors[name][1, 0] = bad
+    with pytest.raises(
+        ConfigurationError, match=rf"adapter spoiled: tensor {re.escape(repr(name))} holds {counts}"
+    ):
+        engine.prepare("spoiled", config_of(lora), tensors)
+    assert engine.adapters == frozenset()
