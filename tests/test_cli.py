@@ -38,11 +38,26 @@ def mint_env(**settings: str) -> dict[str, str]:
 def run_mint(
     *args: str, env: dict[str, str], timeout_s: float = 300
 ) -> tuple[subprocess.CompletedProcess[str], float]:
+    """`mint *args` to its end, and how long it took. Past `timeout_s` its whole process group
+    is killed (whatever it started too) and the test fails."""
     start = time.monotonic()
-    done = subprocess.run(
-        [MINT, *args], env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+    process = subprocess.Popen(
+        [MINT, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
     )
-    return done, time.monotonic() - start
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        pytest.fail(f"mint {' '.join(args)} still ran after {timeout_s} s")
+    seconds = time.monotonic() - start
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr), seconds
 
 
 def imported_by(*code_or_args: str, env: dict[str, str]) -> set[str]:
@@ -96,7 +111,9 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.parametrize(("args", "message"), BAD_ARGUMENTS, ids=lambda a: " ".join(a))
+@pytest.mark.parametrize(
+    ("args", "message"), BAD_ARGUMENTS, ids=[" ".join(args) for args, _ in BAD_ARGUMENTS]
+)
 def test_a_bad_argument_is_refused_at_once_in_one_line(
     tmp_path: Path, args: list[str], message: str
 ) -> None:
