@@ -50,6 +50,7 @@ class AccessDeniedError(MintError, PermissionError):
     """A principal asked for a revision its policy record does not allow it to use."""
 
 
-class RolloutBusyError(MintError, TimeoutError):
+class RolloutBusyError(MintError):
     """Another roll-out of the same adapter held its roll-out slot for the whole wait: nothing
-    was changed, and the same command can run again once that one has finished."""
+    was changed, and the same command can run again once that one has finished. (Not a
+    TimeoutError: Prefect would report the flow run itself as timed out.)"""
