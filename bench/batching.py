@@ -28,12 +28,11 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mint_core.base_model import BaseModel, BaseModelSpec
+from mint_core.base_model import ALL_PROJECTIONS, BaseModel, BaseModelSpec
 from mint_core.datasets import held_out_words
 from mint_core.residency import Residency
 from mint_core.textgen import greedy_generate, seeded
-from mint_core.training import ALL_PROJECTIONS
-from serving.engine import BASE, TorchEngine
+from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.metrics import WorkerMetrics
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
@@ -105,12 +104,12 @@ def main() -> None:
     host = {
         name: engine.prepare(name, config, state) for name, state in zip(names, states, strict=True)
     }
-    residency = Residency(sum(w.nbytes for w in host.values()), device_slots=args.adapters)
-    for weights in host.values():
-        residency.put_host(weights.key, weights.nbytes)
-    scheduler = Scheduler(
-        engine, residency, host.__getitem__, WorkerMetrics(residency), max_batch=len(prompts)
+    residency: Residency[AdapterWeights] = Residency(
+        sum(w.nbytes for w in host.values()), device_slots=args.adapters
     )
+    for weights in host.values():
+        residency.put_host(weights.key, weights, weights.nbytes)
+    scheduler = Scheduler(engine, residency, WorkerMetrics(residency), max_batch=len(prompts))
     sampling = SamplingParams(max_new_tokens=args.new_tokens)
 
     def mint(keys: list[str]) -> list[tuple[int, ...]]:

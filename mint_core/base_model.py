@@ -22,6 +22,8 @@ from mint_core.textgen import batch_examples, seeded
 from mint_core.tokenizer import CharTokenizer
 
 _WEIGHTS_FILE = "model.safetensors"
+ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of a decoder layer that a LoRA may adapt."""
 
 
 @dataclass(frozen=True)

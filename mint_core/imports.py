@@ -14,11 +14,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mint_core.base_model import BaseModel
+from mint_core.base_model import ALL_PROJECTIONS, BaseModel
 from mint_core.errors import BaseMismatchError, ConfigurationError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, check_finite
 from mint_core.packing import check_keys
-from mint_core.training import ALL_PROJECTIONS
 
 _PREFIX = "base_model.model."
 

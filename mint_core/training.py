@@ -11,13 +11,11 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
-from mint_core.base_model import BaseModel
+from mint_core.base_model import ALL_PROJECTIONS, BaseModel
 from mint_core.datasets import Task, dataset_digest, held_out_words, prompt_for, training_stream
 from mint_core.errors import ConfigurationError
 from mint_core.textgen import batch_examples, greedy_generate, seeded
 from mint_core.tokenizer import CharTokenizer
-
-ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,11 @@ from peft import LoraConfig, get_peft_config
 from peft.utils.other import get_pattern_key
 from transformers.cache_utils import DynamicCache
 
-from mint_core.base_model import BaseModel
+from mint_core.base_model import ALL_PROJECTIONS, BaseModel
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
 from mint_core.freezing import check_finite
 from mint_core.textgen import Generation, greedy_generate, left_padded
 from mint_core.tokenizer import CharTokenizer
-from mint_core.training import ALL_PROJECTIONS
 from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_projections
 
 BASE = "__base__"
