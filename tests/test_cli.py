@@ -89,6 +89,14 @@ def test_the_cli_imports_no_heavy_library(tmp_path: Path) -> None:
     assert not set(HEAVY) & imported_by("-m", "mint_cli", "--help", env=env)
 
 
+def test_mint_status_loads_no_model_library(tmp_path: Path, mlflow_server: ManagedProcess) -> None:
+    """`mint status` needs MLflow's client (about a second to import), and nothing else heavy."""
+    env = mint_env(MINT_HOME=str(tmp_path), MLFLOW_TRACKING_URI=mlflow_server.url)
+    modules = imported_by("-m", "mint_cli", "status", env=env)
+    assert "mlflow" in modules  # it did read the registry
+    assert not {"torch", "transformers", "prefect"} & modules
+
+
 def test_mint_demo_and_mint_cli_do_not_import_each_other(tmp_path: Path) -> None:
     assert "mint_cli" not in imported_by("-c", "import mint_demo", env=mint_env())
 
