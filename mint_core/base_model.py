@@ -6,20 +6,24 @@ character the adapters' tasks need) and cached under `MINT_HOME/base/<spec key>/
 digest, the sha256 of its weights file, is what every adapter's policy record is checked against.
 """
 
+from __future__ import annotations
+
 import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from typing import TYPE_CHECKING
 
 from mint_core.datasets import Task, training_stream
 from mint_core.digests import sha256_file
 from mint_core.errors import ConfigurationError
 from mint_core.folders import publish_folder
-from mint_core.textgen import batch_examples, seeded
 from mint_core.tokenizer import CharTokenizer
+
+# torch and transformers (seconds to import) are imported where a model is built or loaded:
+# every command reads the spec through MintConfig, and `mint status` needs no model.
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 _WEIGHTS_FILE = "model.safetensors"
 ALL_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -70,6 +74,8 @@ class BaseModelSpec:
         return f"mint-tiny-llama-{self.key}"
 
     def llama_config(self) -> LlamaConfig:
+        from transformers import LlamaConfig
+
         tokenizer = CharTokenizer()
         return LlamaConfig(
             vocab_size=tokenizer.vocab_size,
@@ -116,6 +122,9 @@ def base_digest(spec: BaseModelSpec, home: Path) -> str:
 
 def load_base(spec: BaseModelSpec, home: Path) -> BaseModel:
     """The base model for `spec`, from the cache under `home`, built and pretrained if missing."""
+    import torch
+    from transformers import LlamaForCausalLM
+
     folder = _cached(spec, home)
     model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
     model.eval()
@@ -132,6 +141,11 @@ def _build_into(spec: BaseModelSpec, folder: Path) -> None:
 
 
 def _pretrain(spec: BaseModelSpec) -> LlamaForCausalLM:
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from mint_core.textgen import batch_examples, seeded
+
     with seeded(spec.seed):
         model = LlamaForCausalLM(spec.llama_config())
     if spec.pretrain_steps == 0:
