@@ -29,12 +29,15 @@ class WorkerClient:
         try:
             response = self._http.request(method, path, **kwargs)  # type: ignore[arg-type]
         except httpx.HTTPError as e:
-            raise ServiceError(f"worker {self.url} did not answer {method} {path}: {e}") from e
+            raise ServiceError(
+                f"serving worker at {self.url} (MINT_WORKER_URLS) did not answer {method} "
+                f"{path}: {e}"
+            ) from e
         if response.status_code >= 400 and response.status_code != 503:
             hint = key_hint if response.status_code in (401, 403) else ""
             raise ServiceError(
-                f"worker {self.url} refused {method} {path}: {response.status_code} "
-                f"{_message(response)}{hint}"
+                f"serving worker at {self.url} (MINT_WORKER_URLS) refused {method} {path}: "
+                f"{response.status_code} {_message(response)}{hint}"
             )
         return response
 
