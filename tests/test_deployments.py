@@ -22,7 +22,7 @@ from flows.deployments import start_flow_server
 from flows.release import release
 from mint_core.base_model import BaseModel
 from mint_core.config import MintConfig, RetrainSchedule
-from mint_core.errors import ConfigurationError, ServiceError
+from mint_core.errors import ConfigurationError, RolloutBusyError
 from mint_core.services import ManagedProcess, free_port
 from mint_core.training import TrainingConfig
 from tasks.pipeline import rollout_lock, train_adapter
@@ -94,7 +94,7 @@ def test_an_adapter_rolls_out_one_release_at_a_time(prefect_api: str) -> None:
     assert waited and waited[0] >= 2.0
     with (
         rollout_lock("lock-bot"),
-        pytest.raises(ServiceError, match="held its roll-out slot"),
+        pytest.raises(RolloutBusyError, match=r"slot of 'lock-bot' .* was busy for 1 s"),
         rollout_lock("lock-bot", timeout_s=1),
     ):
         pass
