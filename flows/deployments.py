@@ -1,9 +1,9 @@
 """MinT's flows as Prefect deployments: what `mint flows serve` (and `mint up`) serves.
 
 `release`, `promote`, `rollback`, `repair` and `retrain` run from the Prefect UI with a
-parameter form; each configured retrain schedule (`MINT_RETRAIN`) adds a
-`retrain-<adapter>` deployment on its cron. Serving needs no work pool, but the serving process must keep running: flow runs start
-as its subprocesses, with its environment (MinT's configuration included).
+parameter form; each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>`
+deployment on its cron. Serving needs no work pool, but the serving process must keep running:
+flow runs start as its subprocesses, with its environment (MinT's configuration included).
 """
 
 import sys
