@@ -100,7 +100,9 @@ class LocalArtifactStore:
             )
         path = self.location(f"{parsed.netloc}:{parsed.path.strip('/')}")
         if not path.is_dir():
-            raise NotFoundError(f"artifact {uri} is not in the store; export the revision again")
+            raise NotFoundError(
+                f"artifact {uri} is not in the store; re-export its revision (mint repair)"
+            )
         return path
 
 
@@ -257,7 +259,7 @@ class S3ArtifactStore:
                 if _missing(e):
                     raise NotFoundError(
                         f"artifact {uri} is not complete in the store (s3://{self.bucket}/{key} "
-                        "is missing); export the revision again"
+                        "is missing); re-export its revision (mint repair)"
                     ) from None
                 raise
 

@@ -90,7 +90,8 @@ class PolicyRecord:
 
     adapter: str
     content_digest: str
-    """sha256 over the packed artifact's canonical config and shard digests."""
+    """sha256 over the adapter config and every tensor's key, dtype, shape and byte digest:
+    the adapter's content, whatever packer wrote it."""
     base_model_id: str
     base_digest: str
     """The base model's weights digest; the serving base must match it."""

@@ -37,6 +37,7 @@ from mint_core.errors import (
     BaseMismatchError,
     IntegrityError,
     MintError,
+    NotFoundError,
     NotReadyError,
     RegistryError,
 )
@@ -312,7 +313,12 @@ class Worker:
                 f"{revision} was trained on base {registered.policy.base_digest}; this worker "
                 f"serves {self.engine.base.digest}"
             )
-        adapter = load_packed(self._fetch(registered.artifact_uri))
+        try:
+            adapter = load_packed(self._fetch(registered.artifact_uri))
+        except (IntegrityError, NotFoundError) as e:
+            # The operator's fix is one command: name it with this revision filled in.
+            repair = f"mint repair --adapter {revision.adapter} --revision {revision.number}"
+            raise type(e)(f"{e}; to re-export {revision}: {repair}") from e
         index = adapter.index
         if index.content_digest != registered.policy.content_digest:
             raise IntegrityError(

@@ -131,7 +131,7 @@ def test_corrupt_source_never_lands_in_an_empty_store(
     (tmp_path / "packed" / index.shards[0].name).write_bytes(b"garbage")
     with pytest.raises(IntegrityError, match=index.shards[0].name):
         store.put(tmp_path / "packed", index.content_digest)
-    with pytest.raises(NotFoundError, match="export the revision again"):
+    with pytest.raises(NotFoundError, match=r"re-export its revision \(mint repair\)"):
         store.fetch(uri_of(store, index.content_digest))
 
 

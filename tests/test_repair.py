@@ -76,7 +76,7 @@ def test_repair_serves_a_damaged_production_revision_again_without_moving_it(
         client = WorkerClient(fresh.url, fleet.config.worker_api_key)
         reason = wait_for(client, revision, Readiness.FAILED)
         assert shard in str(reason)
-        assert "mint repair --adapter" in str(reason)
+        assert f"mint repair --adapter {name} --revision 1" in str(reason)
         # Promote cannot help with what production already is; it names the command that can.
         with pytest.raises(ConfigurationError, match=f"mint repair --adapter {name} --revision 1"):
             promote(name, 1)
