@@ -24,7 +24,6 @@ from prefect.exceptions import ObjectAlreadyExists
 from mint_core.access import EVERYONE
 from mint_core.artifact_store import open_store
 from mint_core.base_model import BaseModelSpec, base_digest, load_base
-from mint_core.catalog import CANDIDATE
 from mint_core.config import MintConfig
 from mint_core.datasets import Task
 from mint_core.errors import (
@@ -39,7 +38,7 @@ from mint_core.freezing import FrozenAdapter, freeze, open_frozen
 from mint_core.imports import ImportedAdapter, inspect_import
 from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
 from mint_core.registry import Registry
-from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
+from mint_core.revisions import CANDIDATE, PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
 from mint_core.training import TrainedAdapter, TrainingConfig, train_lora
 from serving.client import WorkerClient
