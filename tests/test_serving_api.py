@@ -225,6 +225,8 @@ def ask(http: httpx.Client, route: str, model: str, prompt: str) -> str:
         return response.json()["generated_text"]
     with http.stream("POST", "/generate_stream", json=body) as stream:
         stream.raise_for_status()
-        final = [line for line in stream.iter_lines() if '"generated_text": "' in line]
-    assert len(final) == 1, final
-    return json.loads(final[0].removeprefix("data: "))["generated_text"]
+        events = [json.loads(line.removeprefix("data:")) for line in stream.iter_lines()
+                  if line.startswith("data:")]  # fmt: skip
+    final = [event for event in events if event.get("generated_text") is not None]
+    assert len(final) == 1, events
+    return final[0]["generated_text"]
