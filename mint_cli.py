@@ -73,10 +73,12 @@ def quiet_libraries() -> None:
 def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import release
 
+    # Unset, the training recipe's own default applies (defined once, in TrainingConfig).
+    steps = {} if args.steps is None else {"steps": args.steps}
     report = release(
         args.adapter,
         args.task,
-        steps=args.steps,
+        **steps,
         rank=args.rank,
         seed=args.seed,
         actor=args.actor,
@@ -305,7 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     release.add_argument(
         "--task", type=TASK, required=True, help="synthetic task: upper, reverse or echo"
     )
-    release.add_argument("--steps", type=int, default=200, help="training steps")
+    release.add_argument(
+        "--steps", type=_number("steps"), default=None, help="training steps (default: recipe's)"
+    )
     release.add_argument("--rank", type=_number("rank"), default=8, help="LoRA rank")
     release.add_argument("--seed", type=_number("seed", minimum=0), default=0)
     release.add_argument("--actor", default=getpass.getuser(), help="who releases (recorded)")
@@ -394,7 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=cmd_status, needs=(REGISTRY,))
 
     demo = commands.add_parser("demo", help="start everything, release two adapters, compare")
-    demo.add_argument("--steps", type=int, default=200, help="training steps per adapter")
+    demo.add_argument(
+        "--steps",
+        type=_number("steps"),
+        default=None,
+        help="training steps per adapter (default: the recipe's)",
+    )
     demo.set_defaults(run=cmd_demo, loads_models=True)
     return parser
 

@@ -21,7 +21,7 @@ ADAPTERS = {"upper-bot": Task.UPPER, "reverse-bot": Task.REVERSE}
 SHOWN_WORDS = 6
 
 
-def run_demo(config: MintConfig, steps: int) -> None:
+def run_demo(config: MintConfig, steps: int | None = None) -> None:
     print(f"MinT demo; state in {config.home}")
     started: list[ManagedProcess] = []
     try:
@@ -48,9 +48,11 @@ def run_demo(config: MintConfig, steps: int) -> None:
         print("stopped the worker and the MLflow server")
 
 
-def _release_and_compare(config: MintConfig, steps: int) -> None:
+def _release_and_compare(config: MintConfig, steps: int | None) -> None:
     from flows.release import release
+    from mint_core.training import TrainingConfig
 
+    steps = steps or TrainingConfig.steps
     reports = {}
     for adapter, task in ADAPTERS.items():
         print(f"\nreleasing {adapter} ({task} task, {steps} training steps) ...")
