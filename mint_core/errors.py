@@ -54,3 +54,7 @@ class RolloutBusyError(MintError):
     """Another roll-out of the same adapter held its roll-out slot for the whole wait: nothing
     was changed, and the same command can run again once that one has finished. (Not a
     TimeoutError: Prefect would report the flow run itself as timed out.)"""
+
+
+class DatasetError(ConfigurationError):
+    """Training data that cannot be used: the message names `FILE:LINE` and the reason."""

@@ -1,4 +1,6 @@
-"""Batching and greedy decoding for the tiny causal LM: training, evaluation and serving."""
+"""Greedy decoding of a batch with Hugging Face `generate`: evaluation during training and the
+engine's static batches (tests, benchmarks). The serving scheduler decodes step by step itself
+and shares only `FinishReason`, `Generation` and `pad_left` with this module."""
 
 import contextlib
 import random
@@ -9,8 +11,7 @@ from enum import StrEnum
 import torch
 from torch import nn
 
-from mint_core.datasets import Example
-from mint_core.tokenizer import CharTokenizer
+from mint_core.model.text import TextCodec
 
 
 @contextlib.contextmanager
@@ -27,33 +28,13 @@ def seeded(seed: int) -> Iterator[None]:
         random.setstate(python_state)
 
 
-def batch_examples(
-    examples: Sequence[Example], tokenizer: CharTokenizer
-) -> dict[str, torch.Tensor]:
-    """Right-padded causal-LM batch; the loss covers only the answer and its end-of-sequence."""
-    rows = []
-    for example in examples:
-        prompt = tokenizer.encode(example.prompt)
-        answer = [*tokenizer.encode(example.answer, bos=False), tokenizer.eos_id]
-        rows.append((prompt + answer, [-100] * len(prompt) + answer))
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((len(rows), width), tokenizer.pad_id)
-    labels = torch.full((len(rows), width), -100)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for row, (ids, row_labels) in enumerate(rows):
-        input_ids[row, : len(ids)] = torch.tensor(ids)
-        labels[row, : len(ids)] = torch.tensor(row_labels)
-        attention_mask[row, : len(ids)] = 1
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-
-
 class FinishReason(StrEnum):
     """Why a generation ended (TGI's names)."""
 
     LENGTH = "length"
     """It reached max_new_tokens."""
     EOS_TOKEN = "eos_token"
-    """The model emitted end-of-sequence."""
+    """The model emitted one of its end-of-sequence tokens."""
     STOP_SEQUENCE = "stop_sequence"
     """Its text ended with one of the request's stop sequences."""
 
@@ -87,32 +68,26 @@ def pad_left(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, 
     return input_ids, attention_mask
 
 
-def left_padded(
-    tokenizer: CharTokenizer, prompts: Sequence[str]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids of a batch of prompts, padded on the left, and their attention mask."""
-    return pad_left([tokenizer.encode(prompt) for prompt in prompts], tokenizer.pad_id)
-
-
 @torch.inference_mode()
 def greedy_generate(
     model: nn.Module,
-    tokenizer: CharTokenizer,
-    prompts: Sequence[str],
+    codec: TextCodec,
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     **forward_kwargs: object,
 ) -> list[Generation]:
-    """Greedy-decode a batch of prompts (left-padded). Extra kwargs reach `generate`, e.g.
-    PEFT's `adapter_names` for a batch that mixes adapters row by row."""
-    input_ids, attention_mask = left_padded(tokenizer, prompts)
+    """Greedy-decode a batch of token id prompts (left-padded). Extra kwargs reach `generate`,
+    e.g. PEFT's `adapter_names` for a batch that mixes adapters row by row."""
+    input_ids, attention_mask = pad_left(prompts, codec.pad_id)
+    device = next(model.parameters()).device
     width = input_ids.shape[1]
     output = model.generate(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
+        input_ids=input_ids.to(device),
+        attention_mask=attention_mask.to(device),
         max_new_tokens=max_new_tokens,
         do_sample=False,
-        eos_token_id=tokenizer.eos_id,
-        pad_token_id=tokenizer.pad_id,
+        eos_token_id=sorted(codec.eos_ids),
+        pad_token_id=codec.pad_id,
         output_scores=True,
         return_dict_in_generate=True,
         **forward_kwargs,
@@ -127,9 +102,8 @@ def greedy_generate(
         for step, token in enumerate(new_tokens[row].tolist()):
             ids.append(token)
             logprobs.append(step_logprobs[row, step, token].item())
-            if token == tokenizer.eos_id:
+            if token in codec.eos_ids:
                 reason = FinishReason.EOS_TOKEN
                 break
-        text = tokenizer.decode(ids)
-        results.append(Generation(text, tuple(ids), tuple(logprobs), reason))
+        results.append(Generation(codec.decode(ids), tuple(ids), tuple(logprobs), reason))
     return results

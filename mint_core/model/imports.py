@@ -11,12 +11,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
-from mint_core.base_model import ALL_PROJECTIONS, BaseModel
 from mint_core.errors import BaseMismatchError, ConfigurationError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, check_finite
+from mint_core.model.base import BaseModel, servable_modules
 from mint_core.packing import check_keys
 
 _PREFIX = "base_model.model."
@@ -43,7 +42,7 @@ class ImportedAdapter:
         return {
             "base_model_id": self.base_model_id,
             "base_digest": self.base_digest,
-            "task": "imported",
+            "dataset": "",
             "training_steps": 0,
             "dataset_digest": "",
             "lora_rank": self.rank,
@@ -67,7 +66,7 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
         raise ConfigurationError(f"{config_path} is not JSON: {e}") from e
     _check_config(config, config_path)
 
-    modules = dict(base.model.named_modules())
+    modules = servable_modules(base.model)
     ranks: dict[str, dict[str, int]] = {}
     with safe_open(weights_path, framework="pt") as weights:
         keys = list(weights.keys())
@@ -75,14 +74,12 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
         for key in keys:
             module_name, _, side = key.removeprefix(_PREFIX).rpartition(".lora_")
             module = modules.get(module_name)
-            if (
-                not key.startswith(_PREFIX)
-                or not isinstance(module, torch.nn.Linear)
-                or module_name.rsplit(".", 1)[-1] not in ALL_PROJECTIONS
-            ):
+            if not key.startswith(_PREFIX) or module is None:
                 raise BaseMismatchError(
-                    f"{key!r} adapts {module_name!r}, which is not an attention or MLP "
-                    f"projection ({', '.join(ALL_PROJECTIONS)}) of the base {base.model_id}"
+                    f"{key!r} adapts {module_name!r}, which is not a linear layer MinT can serve "
+                    f"on the base {base.model_id} ({base.family}; embeddings and lm_head are not "
+                    "adaptable): the adapter was made for another model, or adapts modules "
+                    "MinT does not serve"
                 )
             # lora_A is [rank, in_features] and lora_B is [out_features, rank].
             shape = tuple(weights.get_slice(key).get_shape())

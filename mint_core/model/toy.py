@@ -1,16 +1,18 @@
-"""Synthetic word tasks that adapters learn, generated in code from a seed.
+"""The embedded default's data: synthetic word tasks, generated in code from a seed and written
+as ordinary JSONL datasets (`{"prompt": "word=", "completion": "drow"}`) that go through the
+same training path as a user's file.
 
-A prompt is a word followed by `=`; the answer is the task applied to the word, then
-end-of-sequence. The base model is pretrained on `echo` over lower- and upper-case words, so it
-can already emit every character the other tasks need (a LoRA cannot easily teach a base to
-emit tokens it never emitted).
+The tiny base is pretrained on `echo` over lower- and upper-case words, so it can already emit
+every character the other tasks need (a LoRA cannot easily teach a base to emit tokens it never
+emitted).
 """
 
-import hashlib
+import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
 from mint_core.errors import ConfigurationError
 
@@ -25,7 +27,7 @@ class Task(StrEnum):
     """A synthetic task: what the answer to `word=` is."""
 
     ECHO = "echo"
-    """The word itself: what the base model is pretrained to do."""
+    """The word itself: what the tiny base is pretrained to do."""
     UPPER = "upper"
     """The word in upper case."""
     REVERSE = "reverse"
@@ -53,7 +55,7 @@ _ANSWERS: dict[Task, Callable[[str], str]] = {
 @dataclass(frozen=True)
 class Example:
     prompt: str
-    answer: str
+    completion: str
 
 
 def prompt_for(word: str) -> str:
@@ -81,7 +83,7 @@ def held_out_words(count: int = 64) -> list[str]:
 _HELD_OUT = frozenset(held_out_words())
 
 
-def training_stream(task: Task, seed: int, *, mixed_case: bool = False):
+def training_stream(task: Task, seed: int, *, mixed_case: bool = False) -> Iterator[Example]:
     """An endless, seeded stream of training examples that avoids the held-out words."""
     rng = random.Random(seed)
     while True:
@@ -91,7 +93,23 @@ def training_stream(task: Task, seed: int, *, mixed_case: bool = False):
         yield Example(prompt_for(word), task.answer(word))
 
 
-def dataset_digest(task: Task, seed: int, *, mixed_case: bool = False) -> str:
-    """Identifies a generated dataset: the generator's inputs, which determine every example."""
-    spec = f"mint-synthetic-v1|task={task.value}|seed={seed}|mixed_case={mixed_case}"
-    return "sha256:" + hashlib.sha256(spec.encode()).hexdigest()
+def write_jsonl(examples: list[Example], path: Path) -> Path:
+    """`examples` as a prompt/completion JSONL file at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = (json.dumps({"prompt": e.prompt, "completion": e.completion}) for e in examples)
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def write_task_data(task: Task, folder: Path, rows: int = 12_800, seed: int = 0) -> Path:
+    """A training file of `rows` generated examples of `task` (default: as many as the
+    training recipe's 400 steps of 32 see, so each example is seen once)."""
+    stream = training_stream(task, seed)
+    examples = [next(stream) for _ in range(rows)]
+    return write_jsonl(examples, folder / f"{task.value}-train-s{seed}-n{rows}.jsonl")
+
+
+def write_held_out_data(task: Task, folder: Path, count: int = 64) -> Path:
+    """The held-out words of `task` as an evaluation file."""
+    examples = [Example(prompt_for(w), task.answer(w)) for w in held_out_words(count)]
+    return write_jsonl(examples, folder / f"{task.value}-held-out-n{count}.jsonl")

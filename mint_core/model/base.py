@@ -1,0 +1,223 @@
+"""The resident base model: a Hugging Face causal LM folder, loaded with `AutoModelForCausalLM`
+and `AutoTokenizer`, and its identity.
+
+`MINT_BASE_MODEL` names a local folder (config.json, safetensors weights, tokenizer files) or a
+hub id already in the local Hugging Face cache; nothing is downloaded. Unset, it is the
+embedded default (`mint_core.model.tiny`), built once under `MINT_HOME/base/`.
+
+Identity: `model_id` (the hub id, or the folder's name) and `digest`, a sha256 over the weight
+files' sha256 in name order. Each file's digest is cached by (path, size, mtime), so a 16 GB
+base is hashed once, not at every registration.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mint_core.digests import sha256_file, sha256_json
+from mint_core.errors import ConfigurationError
+from mint_core.model.text import TextCodec
+from mint_core.model.tiny import TinySpec, ensure_tiny
+
+# torch and transformers (seconds to import) are imported where a model is loaded.
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel
+
+DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The attention and MLP projections of a decoder layer in the Llama, Qwen2, Qwen3 and Mistral
+families: what a LoRA adapts unless told otherwise."""
+FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
+    family: DEFAULT_TARGETS for family in ("llama", "qwen2", "qwen3", "mistral")
+}
+"""Default LoRA target modules per `config.model_type`; other families get every linear layer
+of their decoder (`servable_modules`)."""
+
+
+@dataclass(frozen=True)
+class BaseSource:
+    """Which base to serve and train on, and how to place it (`MINT_BASE_MODEL`, `MINT_DTYPE`,
+    `MINT_DEVICE`)."""
+
+    name: str = ""
+    """A model folder or a hub id in the local Hugging Face cache; "" is the embedded default."""
+    dtype: str = ""
+    """`float32`, `bfloat16` or `float16`; "" is float32 on CPU, the config's dtype on CUDA."""
+    device: str = ""
+    """`cpu`, `cuda` or `cuda:N`; "" is cuda when there is one."""
+
+    def __post_init__(self) -> None:
+        if self.dtype and self.dtype not in DTYPES:
+            raise ConfigurationError(f"MINT_DTYPE={self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.device and not (
+            self.device in ("cpu", "cuda")
+            or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
+            raise ConfigurationError(
+                f"MINT_DEVICE={self.device!r} is not cpu, cuda or cuda:N (e.g. cuda:0)"
+            )
+
+
+@dataclass(frozen=True)
+class BaseIdentity:
+    """What an adapter's policy record says its base is."""
+
+    model_id: str
+    digest: str
+    """sha256 over the weight files' digests, `sha256:<hex>`."""
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """A loaded base model, its text side and its identity."""
+
+    model: PreTrainedModel
+    codec: TextCodec
+    identity: BaseIdentity
+    path: Path
+
+    @property
+    def model_id(self) -> str:
+        return self.identity.model_id
+
+    @property
+    def digest(self) -> str:
+        return self.identity.digest
+
+    @property
+    def family(self) -> str:
+        """`config.model_type`: llama, qwen2, qwen3, mistral..."""
+        return str(self.model.config.model_type)
+
+    @property
+    def context_length(self) -> int:
+        """Longest sequence (prompt + answer) the model takes."""
+        return int(self.model.config.max_position_embeddings)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+
+def resolve(source: BaseSource, home: Path) -> tuple[Path, str]:
+    """(model folder, model id) of `source`; the embedded default is built if missing."""
+    if not source.name:
+        folder = ensure_tiny(TinySpec(), home / "base")
+        return folder, folder.name
+    path = Path(source.name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigurationError(
+                f"MINT_BASE_MODEL={source.name} has no config.json: point it at a Hugging Face "
+                "model folder (config.json, weights, tokenizer files)"
+            )
+        return path.absolute(), path.absolute().name
+    if path.is_absolute() or source.name.startswith(".") or source.name.count("/") != 1:
+        raise ConfigurationError(
+            f"MINT_BASE_MODEL={source.name} is neither a model folder nor a hub id (org/name)"
+        )
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        folder = snapshot_download(source.name, local_files_only=True)
+    except LocalEntryNotFoundError as e:
+        raise ConfigurationError(
+            f"MINT_BASE_MODEL={source.name} is not in the local Hugging Face cache and MinT "
+            f"never downloads at run time: run `hf download {source.name}` first (or set "
+            "MINT_BASE_MODEL to a model folder)"
+        ) from e
+    return Path(folder), source.name
+
+
+def identity(source: BaseSource, home: Path) -> BaseIdentity:
+    """The identity adapters trained on `source` carry, without loading the model."""
+    folder, model_id = resolve(source, home)
+    return BaseIdentity(model_id, weights_digest(folder, home / "cache" / "base-digests.json"))
+
+
+def weights_digest(folder: Path, cache_file: Path) -> str:
+    """sha256 over (name, sha256) of the folder's weight files in name order; each file's
+    digest is reused while its path, size and mtime stay the same."""
+    files = sorted(p for p in folder.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
+    if not files:
+        raise ConfigurationError(
+            f"{folder} holds no weight files (*.safetensors or *.bin); save the model with "
+            "save_pretrained"
+        )
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    digests = {}
+    for path in files:
+        stat = path.stat()  # follows the links of the Hugging Face cache to the blobs
+        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        digests[path.name] = cache.get(key) or sha256_file(path)
+        cache[key] = digests[path.name]
+    cache_file.parent.mkdir(parents=True, exist_ok=True)
+    scratch = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
+    scratch.write_text(json.dumps(cache, indent=1, sort_keys=True))
+    scratch.replace(cache_file)
+    return sha256_json(digests)
+
+
+def load_base(source: BaseSource, home: Path, *, training: bool = False) -> BaseModel:
+    """The base model of `source` on its device, frozen, in eval mode unless `training`."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder, model_id = resolve(source, home)
+    device = torch.device(source.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, source.dtype) if source.dtype else None
+    if dtype is None and device.type == "cpu":
+        dtype = torch.float32  # CPU kernels for half precision are slow or missing
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigurationError(
+            f"the base model {model_id} ({folder}) has no usable tokenizer ({e}); save one "
+            "beside the weights (tokenizer.save_pretrained) so MinT can turn text into tokens"
+        ) from e
+    if not getattr(tokenizer, "is_fast", False):
+        raise ConfigurationError(
+            f"the base model {model_id} ({folder}) has a slow tokenizer only; MinT needs a "
+            "tokenizer.json (a fast tokenizer) for offsets and streaming"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype or "auto", local_files_only=True
+    ).to(device)
+    model.train(training)
+    model.requires_grad_(False)
+    try:
+        generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    except OSError:
+        generation = None
+    codec = TextCodec(tokenizer, generation, model_id)
+    return BaseModel(model, codec, identity(source, home), folder)
+
+
+def servable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
+    """Every linear layer a LoRA may adapt, by module name: all but the output embedding."""
+    from torch import nn
+
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and module is not output
+    }
+
+
+def default_targets(model: torch.nn.Module) -> tuple[str, ...]:
+    """The module names a LoRA adapts by default on this model's family."""
+    family = str(getattr(model.config, "model_type", ""))
+    if family in FAMILY_TARGETS:
+        return FAMILY_TARGETS[family]
+    return tuple(sorted({name.rsplit(".", 1)[-1] for name in servable_modules(model)}))

@@ -1,0 +1,268 @@
+"""LoRA training with PEFT on the user's data: the `train` step of the release pipeline.
+
+The base is loaded for training in this process (never a copy of a serving base: at 30B there
+is no room for one). Rows are shuffled each epoch from the seed; each optimizer step reports
+its loss to `on_step` (the pipeline logs it to MLflow and draws the CLI's progress bar). Only
+the adapter, a PEFT adapter directory, leaves this module.
+"""
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from mint_core.errors import ConfigurationError
+from mint_core.model.base import (
+    BaseModel,
+    BaseSource,
+    default_targets,
+    load_base,
+    servable_modules,
+)
+from mint_core.model.datasets import IGNORE, Dataset, Tokenized, collate, tokenize
+from mint_core.model.generate import greedy_generate, seeded
+
+StepCallback = Callable[[int, int, float], None]
+"""Called after each optimizer step with (step, total steps, training loss)."""
+EVAL_GENERATION_ROWS = 256
+"""Most held-out rows scored by exact match (each is a greedy generation); the loss covers all."""
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How one adapter is trained: the hyperparameters a release takes and logs."""
+
+    rank: int = 8
+    """LoRA rank r."""
+    alpha: int = 16
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    target_modules: tuple[str, ...] = ()
+    """Module names (last part, e.g. `q_proj`) that get a LoRA pair; empty: the family's
+    default (`mint_core.model.base.FAMILY_TARGETS`)."""
+    dropout: float = 0.0
+    """LoRA dropout on the adapted inputs while training."""
+    learning_rate: float = 2e-4
+    """Peak AdamW learning rate (one-cycle schedule)."""
+    epochs: float = 1.0
+    """Passes over the training rows, when `steps` is not given."""
+    steps: int | None = None
+    """Optimizer steps; overrides `epochs`."""
+    batch_size: int = 8
+    """Rows per forward pass."""
+    gradient_accumulation: int = 1
+    """Forward passes per optimizer step."""
+    max_length: int | None = None
+    """Longest row in tokens; a longer one is refused. None: the base's context."""
+    seed: int = 0
+    """Seeds LoRA initialisation, dropout and the order of rows."""
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "alpha", "batch_size", "gradient_accumulation"):
+            if getattr(self, name) <= 0:
+                raise ConfigurationError(f"training {name}={getattr(self, name)} must be > 0")
+        for name, value in (("steps", self.steps), ("max_length", self.max_length)):
+            if value is not None and value <= 0:
+                raise ConfigurationError(f"training {name}={value} must be > 0")
+        if self.epochs <= 0 or self.learning_rate <= 0 or not 0 <= self.dropout < 1:
+            raise ConfigurationError(
+                f"training epochs={self.epochs} and learning_rate={self.learning_rate} must be "
+                f"> 0, dropout={self.dropout} in [0, 1)"
+            )
+
+    def params(self) -> dict[str, str]:
+        """Every hyperparameter as an MLflow param."""
+        return {name: str(value) for name, value in asdict(self).items()}
+
+    def total_steps(self, rows: int) -> int:
+        if self.steps is not None:
+            return self.steps
+        per_epoch = math.ceil(rows / (self.batch_size * self.gradient_accumulation))
+        return max(1, math.ceil(per_epoch * self.epochs))
+
+
+@dataclass(frozen=True)
+class TrainedAdapter:
+    """A PEFT adapter directory and what is known about how it was made."""
+
+    path: Path
+    config: TrainingConfig
+    target_modules: tuple[str, ...]
+    base_model_id: str
+    base_digest: str
+    dataset: str
+    """Where the training rows came from (path or URI)."""
+    dataset_digest: str
+    steps: int
+    losses: tuple[float, ...]
+    """Training loss of each optimizer step."""
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """`eval_loss` and `eval_exact_match` on the held-out rows."""
+
+    def policy_fields(self) -> dict[str, object]:
+        """What the policy record says about where this revision came from."""
+        return {
+            "base_model_id": self.base_model_id,
+            "base_digest": self.base_digest,
+            "dataset": self.dataset,
+            "training_steps": self.steps,
+            "dataset_digest": self.dataset_digest,
+            "lora_rank": self.config.rank,
+            "lora_alpha": self.config.alpha,
+            "target_modules": self.target_modules,
+            "eval_metrics": self.eval_metrics,
+        }
+
+
+def train_lora(
+    source: BaseSource,
+    home: Path,
+    data: Dataset,
+    held_out: Dataset,
+    out_dir: Path,
+    config: TrainingConfig,
+    on_step: StepCallback | None = None,
+) -> TrainedAdapter:
+    """Train one LoRA adapter on `data`, score it on `held_out`, save it in PEFT layout.
+    Every row of both is tokenized (and so checked) before the first step."""
+    base = load_base(source, home, training=True)
+    max_length = config.max_length or base.context_length
+    if max_length > base.context_length:
+        raise ConfigurationError(
+            f"max_length={max_length} exceeds the base model's context of "
+            f"{base.context_length} tokens; lower --max-length"
+        )
+    rows = tokenize(data, base.codec, max_length)
+    held_rows = tokenize(held_out, base.codec, max_length)
+    targets = config.target_modules or default_targets(base.model)
+    servable = {name.rsplit(".", 1)[-1] for name in servable_modules(base.model)}
+    if unservable := sorted(set(targets) - servable):
+        raise ConfigurationError(
+            f"target modules {unservable} are not linear layers MinT serves on the base "
+            f"{base.model_id} (embeddings and lm_head are not adaptable); choose from "
+            f"{sorted(servable)}"
+        )
+    lora = LoraConfig(
+        r=config.rank,
+        lora_alpha=config.alpha,
+        lora_dropout=config.dropout,
+        target_modules=list(targets),
+        task_type="CAUSAL_LM",
+    )
+    try:
+        with seeded(config.seed):
+            model = get_peft_model(base.model, lora)
+    except ValueError as e:  # PEFT: a target module the base does not have
+        raise ConfigurationError(
+            f"target modules {list(targets)} do not fit the base {base.model_id}: {e}"
+        ) from e
+    total = config.total_steps(len(rows))
+    losses = _optimize(model, base, rows, config, total, on_step)
+    model.eval()
+    metrics = evaluate(model, base, held_out, held_rows)
+    _save(model, out_dir, base.model_id)
+    return TrainedAdapter(
+        path=out_dir,
+        config=config,
+        target_modules=tuple(targets),
+        base_model_id=base.model_id,
+        base_digest=base.digest,
+        dataset=data.source,
+        dataset_digest=data.digest,
+        steps=total,
+        losses=tuple(losses),
+        eval_metrics=metrics,
+    )
+
+
+def _optimize(
+    model: PeftModel,
+    base: BaseModel,
+    rows: list[Tokenized],
+    config: TrainingConfig,
+    total: int,
+    on_step: StepCallback | None,
+) -> list[float]:
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=config.learning_rate, total_steps=total
+    )
+    batches = _batches(rows, config.batch_size, config.seed)
+    losses = []
+    for step in range(1, total + 1):
+        step_loss = 0.0
+        for _ in range(config.gradient_accumulation):
+            batch = {k: v.to(base.device) for k, v in collate(next(batches), base.codec).items()}
+            loss = model(**batch).loss / config.gradient_accumulation
+            loss.backward()
+            step_loss += loss.item()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(step_loss)
+        if on_step is not None:
+            on_step(step, total, step_loss)
+    return losses
+
+
+def _batches(rows: list[Tokenized], size: int, seed: int):
+    """Endless batches: every row once per epoch, in a seeded order per epoch."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        for start in range(0, len(order), size):
+            yield [rows[i] for i in order[start : start + size]]
+
+
+@torch.inference_mode()
+def evaluate(
+    model: torch.nn.Module, base: BaseModel, held_out: Dataset, rows: Sequence[Tokenized]
+) -> dict[str, float]:
+    """`eval_loss` (mean token loss over every held-out row) and `eval_exact_match` (share of
+    held-out rows, at most EVAL_GENERATION_ROWS, whose greedy answer is exactly theirs)."""
+    losses, tokens = 0.0, 0
+    for start in range(0, len(rows), 16):
+        chunk = rows[start : start + 16]
+        batch = {k: v.to(base.device) for k, v in collate(chunk, base.codec).items()}
+        count = sum(sum(label != IGNORE for label in r.labels[1:]) for r in chunk)
+        losses += model(**batch).loss.item() * count
+        tokens += count
+    return {
+        "eval_loss": losses / max(tokens, 1),
+        "eval_exact_match": exact_match(model, base, held_out.rows[:EVAL_GENERATION_ROWS]),
+    }
+
+
+def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence) -> float:
+    """Share of `rows` whose greedy answer (ending by itself) is exactly the expected one."""
+    prompts, answers = [], []
+    for row in rows:
+        asked, answer = row.prompt_and_answer()
+        prompts.append(
+            base.codec.encode(asked) if isinstance(asked, str) else base.codec.encode_chat(asked)
+        )
+        answers.append(answer)
+    hits = 0
+    for start in range(0, len(prompts), 32):
+        chunk = prompts[start : start + 32]
+        longest = max(len(base.codec.encode_answer(a)) for a in answers[start : start + 32])
+        room = base.context_length - max(len(p) for p in chunk)
+        generations = greedy_generate(model, base.codec, chunk, max(1, min(longest + 2, room)))
+        hits += sum(
+            g.finished and g.text == answer
+            for g, answer in zip(generations, answers[start : start + 32], strict=True)
+        )
+    return hits / max(len(rows), 1)
+
+
+def _save(model: PeftModel, out_dir: Path, base_model_id: str) -> None:
+    model.peft_config["default"].base_model_name_or_path = base_model_id
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Embedding layers are not adapted; saying so stops PEFT from looking the base up on a hub.
+    model.save_pretrained(out_dir, save_embedding_layers=False)
