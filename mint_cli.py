@@ -27,7 +27,6 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
-from mint_core.datasets import Task
 from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.revisions import check_adapter_name
 from serving.status import format_stage_times, format_table, status_rows
@@ -36,6 +35,11 @@ if TYPE_CHECKING:
     from mint_core.config import MintConfig
 
 T = TypeVar("T")
+TRAINING_OPTIONS = (
+    "eval_fraction", "rank", "alpha", "target_modules", "dropout", "learning_rate", "epochs",
+    "steps", "batch_size", "gradient_accumulation", "max_length", "seed",
+)  # fmt: skip
+"""`mint release` options passed to the release flow as they are, when given."""
 REGISTRY = "registry"
 WORKERS = "workers"
 """What a command needs running (`needs`), checked before it starts anything."""
@@ -73,18 +77,20 @@ def quiet_libraries() -> None:
 def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import release
 
-    # Unset, the training recipe's own default applies (defined once, in TrainingConfig).
-    steps = {} if args.steps is None else {"steps": args.steps}
+    training = {name: getattr(args, name) for name in TRAINING_OPTIONS if hasattr(args, name)}
     report = release(
         args.adapter,
-        args.task,
-        **steps,
-        rank=args.rank,
-        seed=args.seed,
+        args.data,
+        eval_data=args.eval_data,
         actor=args.actor,
         principals=args.principal or None,
+        **training,
     )
-    print(f"released {report.revision} (held-out accuracy {report.eval_accuracy:.0%})")
+    metrics = report.eval_metrics
+    print(
+        f"released {report.revision} (held-out exact match {metrics['eval_exact_match']:.0%}, "
+        f"eval loss {metrics['eval_loss']:.4f})"
+    )
     print(format_stage_times(report.stage_seconds))
 
 
@@ -254,8 +260,36 @@ def _revision(text: str) -> int:
     return int(number)
 
 
-def _task(text: str) -> str:
-    return Task.parse(text).value
+def _real(
+    what: str, low: float, high: float | None = None, closed_low: bool = False
+) -> Callable[[str], float]:
+    """An argparse type for a number above `low` (or from it, `closed_low`) and below `high`."""
+
+    def check(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = None
+        too_low = value is not None and (value < low if closed_low else value <= low)
+        if value is None or too_low or (high is not None and not value < high):
+            bounds = f"from {low}" if closed_low else f"above {low}"
+            bounds += f" and below {high}" if high is not None else ""
+            raise ConfigurationError(f"{what} {text!r} is not a number {bounds}")
+        return value
+
+    return _checked(check, what)
+
+
+def _data(text: str) -> str:
+    if text.startswith("s3://"):
+        return text
+    path = Path(text).expanduser()
+    if not path.is_file():
+        problem = "is a folder" if path.is_dir() else "does not exist"
+        raise ConfigurationError(
+            f"data file {text!r} {problem}; give a JSONL file (a path or an s3:// URI)"
+        )
+    return str(path.absolute())
 
 
 def _folder(text: str) -> Path:
@@ -281,7 +315,7 @@ def _principal(text: str) -> str:
 
 
 ADAPTER = _checked(check_adapter_name, "adapter")
-TASK = _checked(_task, "task")
+DATA = _checked(_data, "data file")
 FOLDER = _checked(_folder, "folder")
 PRINCIPAL = _checked(_principal, "principal")
 REVISION = _checked(_revision, "revision")
@@ -305,13 +339,50 @@ def build_parser() -> argparse.ArgumentParser:
         "--adapter", type=ADAPTER, required=True, help="adapter name, e.g. support-bot"
     )
     release.add_argument(
-        "--task", type=TASK, required=True, help="synthetic task: upper, reverse or echo"
+        "--data",
+        type=DATA,
+        required=True,
+        help="training rows: a JSONL file (path or s3:// URI) of {prompt, completion} or "
+        "{messages} rows",
     )
     release.add_argument(
-        "--steps", type=_number("steps"), default=None, help="training steps (default: recipe's)"
+        "--eval-data", type=DATA, default=None, help="held-out rows (default: --eval-fraction)"
     )
-    release.add_argument("--rank", type=_number("rank"), default=8, help="LoRA rank")
-    release.add_argument("--seed", type=_number("seed", minimum=0), default=0)
+    # Hyperparameters left out take the release flow's defaults (TrainingConfig's), so they
+    # are defined once; only those given are passed on.
+    hyper = release.add_argument_group("training (defaults: the release flow's)")
+    unset = argparse.SUPPRESS
+    hyper.add_argument(
+        "--eval-fraction",
+        type=_real("eval fraction", 0, 1),
+        default=unset,
+        help="share of --data held out when --eval-data is not given",
+    )
+    hyper.add_argument("--rank", type=_number("rank"), default=unset, help="LoRA rank")
+    hyper.add_argument("--alpha", type=_number("alpha"), default=unset, help="LoRA alpha")
+    hyper.add_argument(
+        "--target-modules",
+        nargs="+",
+        default=unset,
+        help="module names to adapt (default: the base family's attention and MLP projections)",
+    )
+    hyper.add_argument("--dropout", type=_real("dropout", 0, 1, closed_low=True), default=unset)
+    hyper.add_argument("--learning-rate", type=_real("learning rate", 0), default=unset)
+    hyper.add_argument("--epochs", type=_real("epochs", 0), default=unset)
+    hyper.add_argument(
+        "--steps", type=_number("steps"), default=unset, help="optimizer steps (overrides --epochs)"
+    )
+    hyper.add_argument("--batch-size", type=_number("batch size"), default=unset)
+    hyper.add_argument(
+        "--gradient-accumulation", type=_number("gradient accumulation"), default=unset
+    )
+    hyper.add_argument(
+        "--max-length",
+        type=_number("max length"),
+        default=unset,
+        help="longest row in tokens (default: the base's context); longer rows are refused",
+    )
+    hyper.add_argument("--seed", type=_number("seed", minimum=0), default=unset)
     release.add_argument("--actor", default=getpass.getuser(), help="who releases (recorded)")
     release.add_argument(
         "--principal",

@@ -1,17 +1,25 @@
 """`mint demo`: the whole release path on the embedded default, start to finish.
 
-Starts an MLflow server and a serving worker on loopback, releases two adapters through the
-Prefect release flow, asks the worker for held-out words with each adapter and with the base
-alone, prints the answers side by side with each stage's time, and stops what it started.
+Starts an MLflow server and a serving worker on loopback, writes two generated JSONL datasets
+and releases an adapter from each through the Prefect release flow (the path a user's file
+takes), asks the worker for held-out words with each adapter and with the base alone, prints
+the answers side by side with each stage's time, and stops what it started.
 """
 
 import dataclasses
 import os
 import time
 
-from mint_core.base_model import load_base
 from mint_core.config import MintConfig
-from mint_core.datasets import Task, held_out_words, prompt_for
+from mint_core.model.base import load_base
+from mint_core.model.toy import (
+    RECIPE,
+    Task,
+    held_out_words,
+    prompt_for,
+    write_held_out_data,
+    write_task_data,
+)
 from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.client import WorkerClient
 from serving.server import start_worker
@@ -50,14 +58,17 @@ def run_demo(config: MintConfig, steps: int | None = None) -> None:
 
 def _release_and_compare(config: MintConfig, steps: int | None) -> None:
     from flows.release import release
-    from mint_core.training import TrainingConfig
 
-    steps = steps or TrainingConfig.steps
     reports = {}
+    data = config.home / "data"
     for adapter, task in ADAPTERS.items():
-        print(f"\nreleasing {adapter} ({task} task, {steps} training steps) ...")
-        reports[adapter] = release(adapter, task.value, steps=steps)
-        print(f"  -> {reports[adapter].revision}")
+        train, held_out = write_task_data(task, data), write_held_out_data(task, data)
+        length = f"{steps} steps" if steps else "one epoch"
+        print(f"\nreleasing {adapter} from {train} ({length}) ...")
+        options = RECIPE | ({"steps": steps} if steps else {})
+        reports[adapter] = release(adapter, str(train), eval_data=str(held_out), **options)
+        exact = reports[adapter].eval_metrics["eval_exact_match"]
+        print(f"  -> {reports[adapter].revision} (held-out exact match {exact:.0%})")
 
     client = WorkerClient(config.worker_urls[0])
     words = held_out_words()

@@ -16,7 +16,6 @@ from flows.promote import promote, rollback
 from flows.release import release, retrain
 from flows.repair import repair
 from mint_core.config import MintConfig
-from mint_core.datasets import Task
 from mint_core.revisions import check_adapter_name
 from mint_core.services import ManagedProcess, answers, start_process
 
@@ -38,7 +37,9 @@ def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
             **_BY_MODULE,
         ),
         retrain.to_deployment(
-            name="retrain", description="Retrain an adapter on fresh data, now.", **_BY_MODULE
+            name="retrain",
+            description="Retrain an adapter on its data file as it is now.",
+            **_BY_MODULE,
         ),
         repair.to_deployment(
             name="repair",
@@ -48,13 +49,12 @@ def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
     ]
     for schedule in config.retrain:
         check_adapter_name(schedule.adapter)
-        Task.parse(schedule.task)
         deployments.append(
             retrain.to_deployment(
                 name=f"retrain-{schedule.adapter}",
-                description=f"Retrain {schedule.adapter} on {schedule.task}, on schedule.",
+                description=f"Retrain {schedule.adapter} on {schedule.data}, on schedule.",
                 cron=schedule.cron,
-                parameters={"adapter": schedule.adapter, "task": schedule.task},
+                parameters={"adapter": schedule.adapter, "data": schedule.data},
                 **_BY_MODULE,
             )
         )

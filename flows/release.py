@@ -15,20 +15,19 @@ import prefect.runtime
 from prefect import flow
 
 from mint_core.access import EVERYONE
-from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
-from mint_core.datasets import Task
-from mint_core.errors import MintError, RolloutBusyError
-from mint_core.imports import ImportedAdapter
+from mint_core.errors import ConfigurationError, MintError, RolloutBusyError
+from mint_core.model.imports import ImportedAdapter
+from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, check_adapter_name
-from mint_core.training import TrainedAdapter, TrainingConfig
 from tasks.pipeline import (
     activate_revision,
     admit_revision,
     check_import,
     export_adapter,
     freeze_adapter,
+    load_data,
     pack_adapter,
     prewarm_revision,
     register_revision,
@@ -45,8 +44,9 @@ class ReleaseReport:
     """What a release produced and how long each stage took."""
 
     revision: str
-    eval_accuracy: float | None
-    """Held-out accuracy of a trained revision; None for an imported one."""
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    """Held-out `eval_loss` and `eval_exact_match` of a trained revision; empty for an
+    imported one."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
@@ -66,26 +66,52 @@ class _StageClock:
 @flow(name="release")
 def release(
     adapter: str,
-    task: str,
-    steps: int = TrainingConfig.steps,
+    data: str,
+    eval_data: str | None = None,
+    eval_fraction: float = 0.1,
     rank: int = TrainingConfig.rank,
+    alpha: int = TrainingConfig.alpha,
+    target_modules: list[str] | None = None,
+    dropout: float = TrainingConfig.dropout,
+    learning_rate: float = TrainingConfig.learning_rate,
+    epochs: float = TrainingConfig.epochs,
+    steps: int | None = None,
+    batch_size: int = TrainingConfig.batch_size,
+    gradient_accumulation: int = TrainingConfig.gradient_accumulation,
+    max_length: int | None = None,
     seed: int = 0,
-    base: BaseModelSpec | None = None,
     actor: str = "mint",
     principals: list[str] | None = None,
 ) -> ReleaseReport:
-    """Train a LoRA for `task` and release it as the next revision of `adapter`.
+    """Train a LoRA on the JSONL rows at `data` (a path or an s3:// URI) and release it as the
+    next revision of `adapter`.
 
-    `base` is the base model to train on; it defaults to the serving base (the register step
-    refuses anything else). `principals` may use the revision; default everyone."""
+    Held-out rows come from `eval_data`, or else are a seeded `eval_fraction` of `data`.
+    `target_modules` default to the base family's projections; `steps` overrides `epochs`;
+    `max_length` defaults to the base's context. `principals` may use the revision; default
+    everyone."""
     config = MintConfig.from_env()
     check_adapter_name(adapter)
-    Task.parse(task)
-    training = TrainingConfig(steps=steps, rank=rank, seed=seed)
+    training = TrainingConfig(
+        rank=rank,
+        alpha=alpha,
+        target_modules=tuple(target_modules or ()),
+        dropout=dropout,
+        learning_rate=learning_rate,
+        epochs=epochs,
+        steps=steps,
+        batch_size=batch_size,
+        gradient_accumulation=gradient_accumulation,
+        max_length=max_length,
+        seed=seed,
+    )
+    if not 0 < eval_fraction < 1:
+        raise ConfigurationError(f"eval_fraction={eval_fraction} must be between 0 and 1")
     timed = _StageClock()
-    trained = timed("train", train_adapter, config, adapter, task, training, base or config.base)
+    rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, seed)
+    trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
     revision = _ship(config, adapter, trained, actor, principals, timed, "release")
-    return ReleaseReport(str(revision), trained.eval_accuracy, timed.seconds)
+    return ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds)
 
 
 @flow(name="import")
@@ -99,7 +125,7 @@ def import_adapter(
     timed = _StageClock()
     imported = timed("check", check_import, config, Path(path))
     revision = _ship(config, adapter, imported, actor, principals, timed, "import")
-    return ReleaseReport(str(revision), None, timed.seconds)
+    return ReleaseReport(str(revision), {}, timed.seconds)
 
 
 def _ship(
@@ -135,15 +161,10 @@ def _ship(
 
 
 @flow(name="retrain")
-def retrain(
-    adapter: str,
-    task: str,
-    steps: int = TrainingConfig.steps,
-    rank: int = TrainingConfig.rank,
-) -> ReleaseReport:
-    """Train `adapter` again on freshly generated `task` examples and release the result as its
-    next revision. The data seed is the run's scheduled time: each scheduled run sees new
-    examples, and a rerun of one run sees the same ones."""
+def retrain(adapter: str, data: str, steps: int | None = None) -> ReleaseReport:
+    """Train `adapter` again on the rows at `data` as they are now (the file is read afresh)
+    and release the result as its next revision. The seed is the run's scheduled time: each
+    scheduled run shuffles and initialises anew, and a rerun of one run does the same again."""
     scheduled = prefect.runtime.flow_run.scheduled_start_time
     seed = int(scheduled.timestamp()) if scheduled else int(time.time())
-    return release(adapter, task, steps=steps, rank=rank, seed=seed, actor="retrain")
+    return release(adapter, data, steps=steps, seed=seed, actor="retrain")

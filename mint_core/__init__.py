@@ -2,8 +2,9 @@
 
 A revision's life, one module per step:
 
-1. `training`: a PEFT LoRA is trained on a private copy of the resident base (`base_model`),
-   or `imports` checks one trained elsewhere against that base, tensor by tensor.
+1. `model`: the base is the user's Hugging Face model folder (`model.base`); a PEFT LoRA is
+   trained on it from the user's JSONL rows (`model.datasets`, `model.training`), or
+   `model.imports` checks one trained elsewhere against it, tensor by tensor.
 2. `freezing`: its files are copied read-only under their digest; the bytes never change again.
 3. `packing`: its tensors go into safetensors shards plus an index with per-shard digests.
 4. `artifact_store`: the packed artifact is exported, content-addressed (a local folder or S3).
@@ -14,7 +15,7 @@ A revision's life, one module per step:
    and report it ready (`states.Readiness`); once all do, the `production` alias moves to it
    and users get it. `states.Stage` tracks each step.
 
-The names below are imported on first use, not with the package: `mint_core.base_model` brings
+The names below are imported on first use, not with the package: `mint_core.model` brings
 torch and transformers and `mint_core.registry` brings MLflow (seconds), which a command such as
 `mint --help` that needs neither should not wait for.
 """
@@ -22,9 +23,9 @@ torch and transformers and `mint_core.registry` brings MLflow (seconds), which a
 import importlib
 
 _MODULE_OF = {
-    "BaseModel": "base_model",
-    "BaseModelSpec": "base_model",
-    "load_base": "base_model",
+    "BaseModel": "model.base",
+    "BaseSource": "model.base",
+    "load_base": "model.base",
     "MintConfig": "config",
     "MintError": "errors",
     "RegisteredRevision": "registry",

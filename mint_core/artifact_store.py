@@ -280,3 +280,25 @@ def open_store(config: MintConfig) -> ArtifactStore:
     raise ConfigurationError(
         f"unknown artifact store {config.artifact_store!r}; known stores: local, s3"
     )
+
+
+def read_data(config: MintConfig, location: str) -> bytes:
+    """The bytes of a data file: a local path, or an `s3://bucket/key` URI read with the
+    artifact store's endpoint and credentials (`MINT_S3_ENDPOINT_URL`, boto3's usual chain)."""
+    if not location.startswith("s3://"):
+        path = Path(location).expanduser()
+        if not path.is_file():
+            raise NotFoundError(f"data file {location} does not exist; give a JSONL file's path")
+        return path.read_bytes()
+    bucket, _, key = location.removeprefix("s3://").partition("/")
+    if not bucket or not key:
+        raise ConfigurationError(f"{location!r} is not an s3://bucket/key URI")
+    s3 = boto3.client("s3", endpoint_url=config.s3_endpoint_url)
+    try:
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+    except ClientError as e:
+        if _missing(e):
+            raise NotFoundError(f"data file {location} does not exist in S3") from None
+        raise ServiceError(f"could not read {location} (MINT_S3_ENDPOINT_URL): {e}") from e
+    except BotoCoreError as e:
+        raise ServiceError(f"could not read {location} (MINT_S3_ENDPOINT_URL): {e}") from e

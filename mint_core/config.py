@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mint_core.access import ADMIN, parse_api_keys
-from mint_core.base_model import BaseModelSpec
 from mint_core.errors import ConfigurationError
+from mint_core.model.base import BaseSource
 from mint_core.revisions import RevisionId, RevisionRef
 
 DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
@@ -18,26 +18,29 @@ DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
 
 @dataclass(frozen=True)
 class RetrainSchedule:
-    """Retrain `adapter` on `task` on a cron schedule (a Prefect deployment serves it)."""
+    """Retrain `adapter` on the data at `data` (a path or s3:// URI, read afresh at each run) on
+    a cron schedule (a Prefect deployment serves it)."""
 
     adapter: str
-    task: str
+    data: str
     cron: str
+
+    def __str__(self) -> str:
+        return f"{self.adapter}|{self.data}|{self.cron}"
 
     @classmethod
     def parse_all(cls, text: str) -> tuple["RetrainSchedule", ...]:
-        """`adapter:task:cron` entries separated by `;`, e.g.
-        `upper-bot:upper:0 3 * * *;reverse-bot:reverse:30 3 * * 1`."""
+        """`adapter|data|cron` entries separated by `;`, e.g.
+        `support-bot|s3://team/support.jsonl|0 3 * * *;faq-bot|/data/faq.jsonl|30 3 * * 1`."""
         schedules = []
         for entry in filter(None, (part.strip() for part in text.split(";"))):
-            adapter, _, rest = entry.partition(":")
-            task, _, cron = rest.partition(":")
-            if not adapter or not task or len(cron.split()) != 5:
+            parts = [part.strip() for part in entry.split("|")]
+            if len(parts) != 3 or not all(parts) or len(parts[2].split()) != 5:
                 raise ConfigurationError(
-                    f"retrain schedule {entry!r} is not 'adapter:task:<cron with 5 fields>', "
-                    "e.g. 'upper-bot:upper:0 3 * * *'"
+                    f"retrain schedule {entry!r} is not 'adapter|data file|<cron with 5 "
+                    "fields>', e.g. 'support-bot|/data/support.jsonl|0 3 * * *'"
                 )
-            schedules.append(cls(adapter.strip(), task.strip(), cron.strip()))
+            schedules.append(cls(*parts))
         return tuple(schedules)
 
 
@@ -61,8 +64,10 @@ class MintConfig:
     """Key prefix in the bucket (`MINT_S3_PREFIX`)."""
     s3_endpoint_url: str | None = None
     """S3 API endpoint for non-AWS stores such as MinIO (`MINT_S3_ENDPOINT_URL`)."""
-    base: BaseModelSpec = field(default_factory=BaseModelSpec)
-    """The resident base model every adapter is trained on and served over."""
+    base: BaseSource = field(default_factory=BaseSource)
+    """The resident base model every adapter is trained on and served over (`MINT_BASE_MODEL`:
+    a model folder or a hub id in the local Hugging Face cache, unset for the embedded default;
+    `MINT_DTYPE`, `MINT_DEVICE`)."""
     retrain: tuple[RetrainSchedule, ...] = ()
     """Scheduled retraining, served as Prefect deployments (`MINT_RETRAIN`, see
     `RetrainSchedule.parse_all`)."""
@@ -138,6 +143,11 @@ class MintConfig:
             s3_bucket=env.get("MINT_S3_BUCKET", ""),
             s3_prefix=env.get("MINT_S3_PREFIX", "mint"),
             s3_endpoint_url=env.get("MINT_S3_ENDPOINT_URL") or None,
+            base=BaseSource(
+                env.get("MINT_BASE_MODEL", ""),
+                env.get("MINT_DTYPE", ""),
+                env.get("MINT_DEVICE", ""),
+            ),
             retrain=RetrainSchedule.parse_all(env.get("MINT_RETRAIN", "")),
             api_keys=_api_keys(env),
             device_slots=_integer(env, "MINT_DEVICE_SLOTS", 64),
@@ -161,7 +171,10 @@ class MintConfig:
             "MINT_S3_BUCKET": self.s3_bucket,
             "MINT_S3_PREFIX": self.s3_prefix,
             "MINT_S3_ENDPOINT_URL": self.s3_endpoint_url or "",
-            "MINT_RETRAIN": ";".join(f"{r.adapter}:{r.task}:{r.cron}" for r in self.retrain),
+            "MINT_BASE_MODEL": self.base.name,
+            "MINT_DTYPE": self.base.dtype,
+            "MINT_DEVICE": self.base.device,
+            "MINT_RETRAIN": ";".join(str(r) for r in self.retrain),
             "MINT_API_KEYS": ",".join(f"{key}={who}" for key, who in self.api_keys.items()),
             "MINT_DEVICE_SLOTS": str(self.device_slots),
             "MINT_HOST_CACHE_MB": str(self.host_cache_mb),

@@ -11,8 +11,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import requests
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
 from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
@@ -38,6 +40,31 @@ _REASON_CHARS = 1000
 _ADAPTER_KIND = "adapter"
 _EXPERIMENT = "mint-releases"
 _POLICY_ARTIFACT = "policy.json"
+
+
+@dataclass(frozen=True)
+class DatasetLog:
+    """A training dataset as an MLflow run records it."""
+
+    source: str
+    """Its path or URI."""
+    digest: str
+    """sha256 of its bytes."""
+    rows: int
+    local_path: Path | None = None
+    """The file, when it is local: logged as an artifact of the run."""
+
+    def input(self) -> DatasetInput:
+        name = self.source.rstrip("/").rsplit("/", 1)[-1]
+        source_type = "s3" if self.source.startswith("s3://") else "local"
+        dataset = Dataset(
+            name=name,
+            digest=self.digest.removeprefix("sha256:")[:36],
+            source_type=source_type,
+            source=json.dumps({"uri": self.source}),
+            profile=json.dumps({"num_rows": self.rows, "sha256": self.digest}),
+        )
+        return DatasetInput(dataset, [InputTag("mlflow.data.context", "training")])
 
 
 @dataclass(frozen=True)
@@ -181,10 +208,16 @@ class Registry:
         self._client: MlflowClient = _Answering(tracking_uri)  # type: ignore[assignment]
 
     def register(
-        self, policy: PolicyRecord, artifact_uri: str, serving_base_digest: str
+        self,
+        policy: PolicyRecord,
+        artifact_uri: str,
+        serving_base_digest: str,
+        run_id: str | None = None,
     ) -> RegisteredRevision:
-        """Create the next revision of `policy.adapter`. Nothing is written unless the policy's
-        base matches the serving base and, if the adapter exists, the adapter's base."""
+        """Create the next revision of `policy.adapter`, linked to its training run `run_id`
+        (`start_training_run`; a run is made for an imported adapter). Nothing is written
+        unless the policy's base matches the serving base and, if the adapter exists, the
+        adapter's base."""
         if policy.base_digest != serving_base_digest:
             raise BaseMismatchError(
                 f"adapter {policy.adapter!r} was trained on base {policy.base_digest} but the "
@@ -199,7 +232,7 @@ class Registry:
                     f"revision was trained on {policy.base_digest}"
                 )
         try:
-            run_id = self._log_release_run(policy)
+            run_id = self._log_release_run(policy, run_id)
             if existing is None:
                 self._client.create_registered_model(
                     policy.adapter,
@@ -211,30 +244,70 @@ class Registry:
                 source=artifact_uri,
                 run_id=run_id,
                 tags={**policy.to_tags(), STAGE_TAG: Stage.REGISTERED.value},
-                description=f"{policy.task} adapter, content {policy.content_digest}",
+                description=(
+                    f"trained on {policy.dataset or 'data from elsewhere (imported)'}, "
+                    f"content {policy.content_digest}"
+                ),
             )
         except MlflowException as e:
             raise RegistryError(f"MLflow refused to register {policy.adapter!r}: {e}") from e
         return self._revision(version, aliases=())
 
-    def _log_release_run(self, policy: PolicyRecord) -> str:
-        """An MLflow run holding the policy record as a JSON artifact, linked from the version."""
+    def _experiment_id(self) -> str:
         experiment = self._client.get_experiment_by_name(_EXPERIMENT)
-        experiment_id = (
-            experiment.experiment_id
-            if experiment is not None
-            else self._client.create_experiment(_EXPERIMENT)
-        )
-        run = self._client.create_run(
-            experiment_id,
-            run_name=f"{policy.adapter}-{policy.content_digest[7:19]}",
-            tags={TAG_PREFIX + "adapter": policy.adapter},
-        )
-        run_id = run.info.run_id
+        if experiment is not None:
+            return experiment.experiment_id
+        return self._client.create_experiment(_EXPERIMENT)
+
+    def start_training_run(
+        self, adapter: str, params: Mapping[str, str], dataset: DatasetLog
+    ) -> str:
+        """An MLflow run for training a revision of `adapter`: its hyperparameters as params,
+        its dataset as the run's input (with the file as an artifact when it is local). The
+        loss curve follows (`log_losses`), then `finish_training_run`."""
+        try:
+            run_id = self._client.create_run(
+                self._experiment_id(),
+                run_name=f"{adapter}-train",
+                tags={TAG_PREFIX + "adapter": adapter},
+            ).info.run_id
+            self._client.log_batch(
+                run_id, params=[Param(name, value) for name, value in sorted(params.items())]
+            )
+            self._client.log_inputs(run_id, [dataset.input()])
+            if dataset.local_path is not None:
+                self._client.log_artifact(run_id, str(dataset.local_path), "dataset")
+        except MlflowException as e:
+            raise RegistryError(f"MLflow refused a training run for {adapter!r}: {e}") from e
+        return run_id
+
+    def log_losses(self, run_id: str, name: str, losses: Sequence[tuple[int, float]]) -> None:
+        """Metric `name` at each (step, value), in one request."""
+        now = int(datetime.now(UTC).timestamp() * 1000)
+        metrics = [Metric(name, value, now, step) for step, value in losses]
+        self._client.log_batch(run_id, metrics=metrics)
+
+    def finish_training_run(
+        self, run_id: str, metrics: Mapping[str, float], step: int, failed: bool = False
+    ) -> None:
+        """Record the evaluation metrics and end the run (FAILED when training failed)."""
+        for name, value in metrics.items():
+            self._client.log_metric(run_id, name, value, step=step)
+        self._client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
+
+    def _log_release_run(self, policy: PolicyRecord, run_id: str | None) -> str:
+        """The policy record as a JSON artifact of the training run, or of a new run (an
+        imported adapter, which has no training run)."""
+        if run_id is None:
+            run_id = self._client.create_run(
+                self._experiment_id(),
+                run_name=f"{policy.adapter}-{policy.content_digest[7:19]}",
+                tags={TAG_PREFIX + "adapter": policy.adapter},
+            ).info.run_id
+            for name, value in policy.eval_metrics.items():
+                self._client.log_metric(run_id, name, value, step=policy.training_steps)
+            self._client.set_terminated(run_id)
         self._client.log_text(run_id, policy.to_json(), _POLICY_ARTIFACT)
-        for name, value in policy.eval_metrics.items():
-            self._client.log_metric(run_id, name, value, step=policy.training_steps)
-        self._client.set_terminated(run_id)
         return run_id
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:

@@ -95,7 +95,6 @@ class PolicyRecord:
     base_model_id: str
     base_digest: str
     """The base model's weights digest; the serving base must match it."""
-    task: str
     training_steps: int
     dataset_digest: str
     lora_rank: int
@@ -104,6 +103,8 @@ class PolicyRecord:
     created_by: str
     created_at: str
     """ISO-8601 UTC time the revision was frozen."""
+    dataset: str = ""
+    """Where the training data came from: its path or URI ("" for an imported adapter)."""
     parent_revision: int | None = None
     """The revision this one replaces in its adapter's line, if any."""
     frozen_digest: str | None = None

@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,12 +20,11 @@ from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists
+from tqdm.auto import tqdm
 
 from mint_core.access import EVERYONE
-from mint_core.artifact_store import open_store
-from mint_core.base_model import BaseModelSpec, base_digest, load_base
+from mint_core.artifact_store import open_store, read_data
 from mint_core.config import MintConfig
-from mint_core.datasets import Task
 from mint_core.errors import (
     IntegrityError,
     NotFoundError,
@@ -35,12 +34,14 @@ from mint_core.errors import (
     TransitionError,
 )
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
-from mint_core.imports import ImportedAdapter, inspect_import
+from mint_core.model.base import identity, load_base
+from mint_core.model.datasets import Dataset, parse_jsonl
+from mint_core.model.imports import ImportedAdapter, inspect_import
+from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
 from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
-from mint_core.registry import Registry
+from mint_core.registry import DatasetLog, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
-from mint_core.training import TrainedAdapter, TrainingConfig, train_lora
 from serving.client import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -56,12 +57,94 @@ class Exported:
 _ONCE_PER_RUN = TASK_SOURCE + INPUTS + RUN_ID
 
 
+@task(name="load-data", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def load_data(
+    config: MintConfig, data: str, eval_data: str | None, eval_fraction: float, seed: int
+) -> tuple[Dataset, Dataset]:
+    """(training rows, held-out rows), each file read and checked whole: `eval_data` when
+    given, else a seeded `eval_fraction` of `data`'s rows."""
+    train = parse_jsonl(read_data(config, data), _located(data))
+    if eval_data:
+        return train, parse_jsonl(read_data(config, eval_data), _located(eval_data))
+    return train.split(eval_fraction, seed)
+
+
+def _located(location: str) -> str:
+    """A data file's name as records keep it: absolute for a local path."""
+    return location if location.startswith("s3://") else str(Path(location).expanduser().absolute())
+
+
 @task(name="train", cache_policy=_ONCE_PER_RUN, persist_result=True)
 def train_adapter(
-    config: MintConfig, adapter: str, task_name: str, training: TrainingConfig, base: BaseModelSpec
+    config: MintConfig,
+    adapter: str,
+    data: Dataset,
+    held_out: Dataset,
+    training: TrainingConfig,
 ) -> TrainedAdapter:
+    """Train in this process, inside an MLflow run that records the hyperparameters, the
+    dataset, the loss of every step and the evaluation metrics."""
+    registry = Registry(config.tracking_uri)
+    local = None if data.source.startswith("s3://") else Path(data.source)
+    run_facts = {
+        "base_model": config.base.name or "(embedded default)",
+        "train_rows": str(len(data.rows)),
+        "eval_rows": str(len(held_out.rows)),
+        "eval_data": held_out.source,
+    }
+    run_id = registry.start_training_run(
+        adapter,
+        training.params() | run_facts,
+        DatasetLog(data.source, data.digest, len(data.rows), local),
+    )
     out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
-    return train_lora(load_base(base, config.home), Task.parse(task_name), out_dir, training)
+    with _TrainingProgress(registry, run_id) as progress:
+        try:
+            trained = train_lora(
+                config.base, config.home, data, held_out, out_dir, training, progress.step
+            )
+        except BaseException:
+            progress.flush()
+            registry.finish_training_run(run_id, {}, 0, failed=True)
+            raise
+    registry.finish_training_run(run_id, trained.eval_metrics, trained.steps)
+    return replace(trained, run_id=run_id)
+
+
+class _TrainingProgress:
+    """Each step's loss to the MLflow run (a few steps per request) and to a progress bar on a
+    terminal (step, loss, ETA)."""
+
+    LOG_EVERY = 20
+
+    def __init__(self, registry: Registry, run_id: str) -> None:
+        self._registry = registry
+        self._run_id = run_id
+        self._pending: list[tuple[int, float]] = []
+        self._bar: tqdm | None = None
+
+    def __enter__(self) -> "_TrainingProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.flush()
+        if self._bar is not None:
+            self._bar.close()
+
+    def step(self, step: int, total: int, loss: float) -> None:
+        if self._bar is None:
+            # disable=None: a bar on a terminal, nothing in logs.
+            self._bar = tqdm(total=total, desc="train", unit="step", disable=None)
+        self._bar.update(1)
+        self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self._pending.append((step, loss))
+        if len(self._pending) >= self.LOG_EVERY or step == total:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._registry.log_losses(self._run_id, "train_loss", self._pending)
+            self._pending = []
 
 
 @task(name="check-import", cache_policy=NO_CACHE)
@@ -115,7 +198,9 @@ def register_revision(
         principals=principals,
         **source.policy_fields(),  # type: ignore[arg-type]
     )
-    return registry.register(policy, exported.uri, base_digest(config.base, config.home)).id
+    serving_base = identity(config.base, config.home).digest
+    run_id = source.run_id if isinstance(source, TrainedAdapter) else None
+    return registry.register(policy, exported.uri, serving_base, run_id).id
 
 
 ROLLOUT_TIMEOUT_S = 900.0

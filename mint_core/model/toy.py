@@ -113,3 +113,9 @@ def write_held_out_data(task: Task, folder: Path, count: int = 64) -> Path:
     """The held-out words of `task` as an evaluation file."""
     examples = [Example(prompt_for(w), task.answer(w)) for w in held_out_words(count)]
     return write_jsonl(examples, folder / f"{task.value}-held-out-n{count}.jsonl")
+
+
+RECIPE: dict[str, float | int] = {"learning_rate": 5e-3, "batch_size": 32, "epochs": 1.0}
+"""How the demo and the tests train on these tasks (release-flow parameters): with
+`write_task_data`'s 12,800 rows, one epoch is 400 steps. Measured with `bench/recipe.py` over
+seeds and thread counts; it clears the tests' 0.8 floor with margin."""

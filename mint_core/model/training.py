@@ -101,6 +101,8 @@ class TrainedAdapter:
     """Training loss of each optimizer step."""
     eval_metrics: dict[str, float] = field(default_factory=dict)
     """`eval_loss` and `eval_exact_match` on the held-out rows."""
+    run_id: str | None = None
+    """The MLflow run that recorded the training, once the pipeline has one."""
 
     def policy_fields(self) -> dict[str, object]:
         """What the policy record says about where this revision came from."""
