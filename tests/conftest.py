@@ -29,8 +29,8 @@ os.environ.update(
 )
 
 from mint_cli import quiet_libraries  # noqa: E402
-from mint_core.base_model import BaseModel, load_base  # noqa: E402
 from mint_core.config import MintConfig  # noqa: E402
+from mint_core.model.base import BaseModel, load_base  # noqa: E402
 from mint_core.services import ManagedProcess, start_mlflow, start_s3  # noqa: E402
 from serving.client import WorkerClient  # noqa: E402
 from serving.server import start_worker  # noqa: E402
@@ -59,7 +59,8 @@ def mint_home() -> Path:
 
 @pytest.fixture(scope="session")
 def base(mint_home: Path) -> BaseModel:
-    """The serving base, pretrained once per session (about 40 s on 2 cores)."""
+    """The serving base (the embedded default), built and pretrained once per session (about
+    20 s on 2 cores)."""
     return load_base(MintConfig().base, mint_home)
 
 

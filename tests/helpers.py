@@ -6,6 +6,7 @@ import copy
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import boto3
 import httpx
@@ -13,19 +14,31 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
-from mint_core.base_model import BaseModel, BaseModelSpec
 from mint_core.config import MintConfig
-from mint_core.datasets import held_out_words, prompt_for
+from mint_core.model.base import BaseModel, BaseSource, load_base
+from mint_core.model.generate import seeded
+from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.model.toy import (
+    RECIPE,
+    Task,
+    held_out_words,
+    prompt_for,
+    write_held_out_data,
+    write_task_data,
+)
+from mint_core.model.training import TrainingConfig
 from mint_core.packing import PackedIndex
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.services import ManagedProcess
-from mint_core.textgen import seeded
-from mint_core.training import TrainingConfig
+
+if TYPE_CHECKING:
+    from flows.release import ReleaseReport
 from tasks.pipeline import (
     Exported,
     check_import,
     export_adapter,
     freeze_adapter,
+    load_data,
     pack_adapter,
     register_revision,
     train_adapter,
@@ -46,11 +59,24 @@ def random_lora(model: torch.nn.Module, lora: LoraConfig, seed: int, std: float)
     return peft.eval()
 
 
+def toy_data(home: Path, task: Task | str, rows: int = 12_800) -> tuple[str, str]:
+    """(training file, held-out file) of a generated task, as a user's JSONL files."""
+    folder = home / "data"
+    task = Task.parse(task)
+    return str(write_task_data(task, folder, rows)), str(write_held_out_data(task, folder))
+
+
+def tiny_base(spec: TinySpec, home: Path) -> BaseModel:
+    """A tiny base built from `spec` under `home`, loaded as any model folder is."""
+    return load_base(BaseSource(str(ensure_tiny(spec, home / "base"))), home)
+
+
 def register_step_by_step(
-    config: MintConfig, adapter: str, task: str
+    config: MintConfig, adapter: str, task: Task | str
 ) -> tuple[RevisionId, Exported, PackedIndex]:
     """Train (briefly) through register by calling the pipeline's tasks one at a time."""
-    trained = train_adapter.fn(config, adapter, task, TrainingConfig(steps=5), config.base)
+    data, held_out = load_data.fn(config, *toy_data(config.home, task, rows=64), 0.1, 0)
+    trained = train_adapter.fn(config, adapter, data, held_out, TrainingConfig(steps=5))
     frozen = freeze_adapter.fn(config, trained.path)
     packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)
@@ -79,7 +105,7 @@ def make_policy(**changes: object) -> PolicyRecord:
         "content_digest": "sha256:" + "a" * 64,
         "base_model_id": "mint-tiny-llama-x",
         "base_digest": "sha256:" + "b" * 64,
-        "task": "upper",
+        "dataset": "/data/upper.jsonl",
         "training_steps": 200,
         "dataset_digest": "sha256:" + "c" * 64,
         "lora_rank": 8,
@@ -90,7 +116,7 @@ def make_policy(**changes: object) -> PolicyRecord:
         "parent_revision": 2,
         "frozen_digest": "sha256:" + "d" * 64,
         "principals": ("team-a", "team-b"),
-        "eval_metrics": {"held_out_accuracy": 0.97},
+        "eval_metrics": {"eval_exact_match": 0.97},
     }
     values.update(changes)
     return PolicyRecord(**values)  # type: ignore[arg-type]
@@ -98,8 +124,8 @@ def make_policy(**changes: object) -> PolicyRecord:
 
 # --- Tiny engines (engine and scheduler tests) ----------------------------------------------
 
-ENGINE_SPEC = BaseModelSpec(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
-                            pretrain_steps=0)  # fmt: skip
+ENGINE_SPEC = TinySpec(hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                       pretrain_steps=0)  # fmt: skip
 """An untrained base small enough to build in a moment, for engine-level tests."""
 ENGINE_PROMPTS = [prompt_for(word) for word in held_out_words(8)]
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -191,3 +217,12 @@ class Fleet:
         index = store.stored_index(store.digest_of(uri))
         assert index is not None, uri
         return index
+
+
+def toy_release(adapter: str, task: Task | str, **options: object) -> "ReleaseReport":
+    """The release flow on a generated task's JSONL files (written under MINT_HOME), with the
+    toy recipe unless `options` say otherwise: what a user's `mint release --data` runs."""
+    from flows.release import release
+
+    data, held_out = toy_data(MintConfig.from_env().home, task)
+    return release(adapter, data, eval_data=held_out, **(RECIPE | options))  # type: ignore[arg-type]

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from flows.release import release
 from mint_core import artifact_store
+from tests.helpers import toy_release as release
 
 
 def stop_here(marker: Path) -> None:

@@ -6,13 +6,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from flows.release import release
 from mint_core.access import ANONYMOUS, check_access, parse_api_keys, principal_for
 from mint_core.config import MintConfig
 from mint_core.errors import AccessDeniedError, AuthenticationError, ConfigurationError
 from mint_core.revisions import RevisionId
 from mint_core.services import ManagedProcess
 from tests.helpers import make_policy
+from tests.helpers import toy_release as release
 
 
 def test_api_keys_parse_from_env_and_file(tmp_path: Path) -> None:

@@ -17,11 +17,12 @@ import httpx
 import psutil
 import pytest
 
-from mint_core.base_model import BaseModel
 from mint_core.config import MintConfig
 from mint_core.errors import RegistryError
+from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.services import ManagedProcess, free_port, start_mlflow
+from tests.helpers import toy_data
 
 MINT = str(Path(sys.executable).with_name("mint"))
 """The console script, as the README runs it."""
@@ -103,14 +104,27 @@ def test_mint_demo_and_mint_cli_do_not_import_each_other(tmp_path: Path) -> None
 
 # Arguments, checked before anything starts.
 
+ANY_FILE = __file__
+"""A file that exists: argument checks look no further before refusing another argument."""
 BAD_ARGUMENTS = [
-    (["release", "--adapter", "../x", "--task", "upper"], "argument --adapter: adapter name"),
-    (["release", "--adapter", "ok-bot", "--task", "poetry"], "argument --task: unknown task"),
+    (["release", "--adapter", "../x", "--data", ANY_FILE], "argument --adapter: adapter name"),
     (
-        ["release", "--adapter", "ok-bot", "--task", "upper", "--principal", "a,b"],
+        ["release", "--adapter", "ok-bot", "--data", "/no/such.jsonl"],
+        "argument --data: data file '/no/such.jsonl' does not exist",
+    ),
+    (
+        ["release", "--adapter", "ok-bot", "--data", ANY_FILE, "--principal", "a,b"],
         "argument --principal: principal 'a,b' is not valid",
     ),
-    (["release", "--adapter", "ok-bot", "--task", "upper", "--rank", "0"], "argument --rank"),
+    (["release", "--adapter", "ok-bot", "--data", ANY_FILE, "--rank", "0"], "argument --rank"),
+    (
+        ["release", "--adapter", "ok-bot", "--data", ANY_FILE, "--learning-rate", "-1"],
+        "argument --learning-rate: learning rate '-1' is not a number above 0",
+    ),
+    (
+        ["release", "--adapter", "ok-bot", "--data", ANY_FILE, "--eval-fraction", "1.5"],
+        "argument --eval-fraction: eval fraction '1.5' is not a number above 0 and below 1",
+    ),
     (["import", "/nonexistent/adapter", "--adapter", "ok-bot"], "argument path: "),
     (["promote", "--adapter", "ok-bot", "--revision", "two"], "argument --revision"),
     (["rollback", "--adapter", "ok-bot", "--to-revision", "0"], "argument --to-revision"),
@@ -153,7 +167,7 @@ def test_a_registry_that_does_not_answer_is_named_before_anything_starts(
 ) -> None:
     registry = f"http://127.0.0.1:{closed_port()}"
     env = mint_env(MINT_HOME=str(tmp_path), MLFLOW_TRACKING_URI=registry)
-    for args in (["status"], ["release", "--adapter", "ok-bot", "--task", "upper"]):
+    for args in (["status"], ["release", "--adapter", "ok-bot", "--data", ANY_FILE]):
         done, seconds = run_mint(*args, env=env, timeout_s=60)
         line = failure_line(done, args[0])
         assert f"MLflow at {registry} (MLFLOW_TRACKING_URI) does not answer" in line
@@ -205,7 +219,8 @@ def test_an_artifact_store_that_refuses_fails_a_release_in_one_line(
         MINT_S3_ENDPOINT_URL=endpoint,
     )
     adapter = "unexported-bot"
-    done, _ = run_mint("release", "--adapter", adapter, "--task", "upper", "--steps", "2", env=env)
+    data, _ = toy_data(mint_home, "upper", rows=64)
+    done, _ = run_mint("release", "--adapter", adapter, "--data", data, "--steps", "2", env=env)
     line = failure_line(done, "release")
     assert f"S3 artifact store at {endpoint} (MINT_S3_ENDPOINT_URL)" in line
     assert "bucket 'unreachable-bucket' (MINT_S3_BUCKET)" in line

@@ -4,6 +4,7 @@ worker serves, a strict concurrency limit guards each adapter's roll-out, and pe
 let a rerun of a flow run skip finished work. Also `mint up`, started and stopped whole."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -19,18 +20,18 @@ from prefect import flow, get_client
 from prefect.deployments import run_deployment
 
 from flows.deployments import start_flow_server
-from flows.release import release
-from mint_core.base_model import BaseModel
 from mint_core.config import MintConfig, RetrainSchedule
 from mint_core.errors import ConfigurationError, RolloutBusyError
+from mint_core.model.base import BaseModel
+from mint_core.model.training import TrainingConfig
 from mint_core.services import ManagedProcess, free_port
-from mint_core.training import TrainingConfig
-from tasks.pipeline import rollout_lock, train_adapter
-from tests.helpers import answer
+from tasks.pipeline import load_data, rollout_lock, train_adapter
+from tests.helpers import answer, toy_data
+from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
 
-SCHEDULE = RetrainSchedule("nightly-bot", "upper", "0 3 * * *")
+SCHEDULE = RetrainSchedule("nightly-bot", "/data/nightly.jsonl", "0 3 * * *")
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +53,16 @@ def test_deployments_are_served_with_parameters_and_schedule(flow_server: Manage
     assert rollback_form["required"] == ["adapter"]
     assert {"adapter", "to_revision", "actor", "reason"} <= rollback_form["properties"].keys()
     release_form = deployments["release/release"].parameter_openapi_schema
-    assert {"adapter", "task", "steps", "rank", "principals"} <= release_form["properties"].keys()
+    # Every hyperparameter is a field of the Prefect UI's form.
+    hyperparameters = {"rank", "alpha", "target_modules", "dropout", "learning_rate",
+                       "epochs", "steps", "batch_size", "gradient_accumulation",
+                       "max_length", "seed"}  # fmt: skip
+    assert {"adapter", "data", "eval_data", "eval_fraction", "principals"} | hyperparameters <= (
+        release_form["properties"].keys()
+    )
+    assert release_form["required"] == ["adapter", "data"]
     nightly = deployments["retrain/retrain-nightly-bot"]
-    assert nightly.parameters == {"adapter": "nightly-bot", "task": "upper"}
+    assert nightly.parameters == {"adapter": "nightly-bot", "data": "/data/nightly.jsonl"}
     assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
     assert deployments["retrain/retrain"].schedules == []
 
@@ -106,8 +114,9 @@ def test_a_rerun_of_a_flow_run_skips_finished_training(
     @flow
     def train_twice() -> tuple[Path, Path]:
         training = TrainingConfig(steps=2, batch_size=4)
-        first = train_adapter(fleet_config, "cache-bot", "upper", training, fleet_config.base)
-        again = train_adapter(fleet_config, "cache-bot", "upper", training, fleet_config.base)
+        data, held_out = load_data(fleet_config, *toy_data(fleet_config.home, "upper", 64), 0.1, 0)
+        first = train_adapter(fleet_config, "cache-bot", data, held_out, training)
+        again = train_adapter(fleet_config, "cache-bot", data, held_out, training)
         return first.path, again.path
 
     first, again = train_twice()
@@ -121,8 +130,9 @@ def test_flows_serve_needs_a_prefect_server(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     with pytest.raises(ConfigurationError, match="PREFECT_API_URL"):
         cmd_flows_serve(None, MintConfig())  # type: ignore[arg-type]
-    with pytest.raises(ConfigurationError, match="adapter:task"):
-        RetrainSchedule.parse_all("nightly-bot:upper:every night")
+    with pytest.raises(ConfigurationError, match=re.escape("adapter|data file|<cron")):
+        RetrainSchedule.parse_all("nightly-bot|/data/nightly.jsonl|every night")
+    assert RetrainSchedule.parse_all(str(SCHEDULE)) == (SCHEDULE,)
 
 
 def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path: Path) -> None:

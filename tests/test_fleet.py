@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from mint_core.artifact_store import LocalArtifactStore
-from mint_core.base_model import BaseModel
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, NotReadyError
+from mint_core.model.base import BaseModel
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANDIDATE, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess, start_mlflow, stop_all

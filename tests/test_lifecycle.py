@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 from flows.promote import promote, rollback
-from flows.release import release
 from mint_core.errors import ConfigurationError, NotFoundError, NotReadyError
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
@@ -23,6 +22,7 @@ from mint_core.states import Readiness, Stage
 from serving.client import WorkerClient
 from tasks.pipeline import admit_revision, prewarm_revision
 from tests.helpers import Fleet, answer, register_step_by_step
+from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
 

@@ -1,18 +1,20 @@
 """The release pipeline end to end: a real Prefect flow, a real `mlflow server`, a real worker
 process, answers checked over HTTP."""
 
+import json
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.release import release
 from mint_cli import format_table, status_rows
-from mint_core.base_model import BaseModelSpec
 from mint_core.config import MintConfig
-from mint_core.datasets import Task, held_out_words, prompt_for
+from mint_core.digests import sha256_file
 from mint_core.errors import BaseMismatchError, NotFoundError, TransitionError
+from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
@@ -23,7 +25,8 @@ from tasks.pipeline import (
     admit_revision,
     prewarm_revision,
 )
-from tests.helpers import register_step_by_step
+from tests.helpers import register_step_by_step, toy_data
+from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
 
@@ -73,12 +76,33 @@ def test_release_records_policy_and_stages_in_mlflow(
     (revision,) = registry.revisions("upper-bot")
     assert revision.aliases == ("production",)
     assert revision.stage is Stage.ACTIVE
-    assert revision.policy.task == "upper"
     assert revision.policy.base_digest == base.digest  # type: ignore[attr-defined]
-    assert revision.policy.eval_metrics["held_out_accuracy"] >= 0.8
-    run_id = MlflowClient(fleet_config.tracking_uri).get_model_version("upper-bot", "1").run_id
-    policy_json = MlflowClient(fleet_config.tracking_uri).download_artifacts(run_id, "policy.json")
-    with open(policy_json) as stream:
+    assert revision.policy.training_steps == 400
+    data, held_out = toy_data(fleet_config.home, Task.UPPER)
+    assert revision.policy.dataset == data
+    assert revision.policy.dataset_digest == sha256_file(Path(data))
+    assert revision.policy.eval_metrics["eval_exact_match"] >= 0.8
+
+    # The MLflow run of the release: hyperparameters, the loss curve, eval metrics, the data.
+    mlflow = MlflowClient(fleet_config.tracking_uri)
+    run_id = mlflow.get_model_version("upper-bot", "1").run_id
+    run = mlflow.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert float(params["learning_rate"]) == RECIPE["learning_rate"]
+    assert (params["rank"], params["alpha"], params["batch_size"]) == ("8", "16", "32")
+    assert params["eval_data"] == held_out
+    curve = mlflow.get_metric_history(run_id, "train_loss")
+    assert [m.step for m in curve] == list(range(1, 401))
+    assert curve[-1].value < curve[0].value / 10
+    assert run.data.metrics["eval_exact_match"] == revision.policy.eval_metrics["eval_exact_match"]
+    assert run.data.metrics["eval_loss"] < curve[0].value
+    (dataset_input,) = run.inputs.dataset_inputs
+    assert dataset_input.dataset.source == json.dumps({"uri": data})
+    assert json.loads(dataset_input.dataset.profile)["sha256"] == sha256_file(Path(data))
+    logged = mlflow.download_artifacts(run_id, f"dataset/{Path(data).name}")
+    assert Path(logged).read_bytes() == Path(data).read_bytes()
+    with open(mlflow.download_artifacts(run_id, "policy.json")) as stream:
         assert PolicyRecord.from_json(stream.read()) == revision.policy
 
 
@@ -142,18 +166,25 @@ def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
 
 
 def test_adapter_trained_on_another_base_is_refused_at_register(
-    worker: ManagedProcess, fleet_config: MintConfig, base: object
+    worker: ManagedProcess,
+    fleet_config: MintConfig,
+    base: object,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    other = BaseModelSpec(seed=7, pretrain_steps=0)
+    """An adapter's line stays on its base: once `alien-bot` has a revision on the serving
+    base, a revision trained on another base (MINT_BASE_MODEL changed) is refused."""
+    assert release("alien-bot", "upper", steps=2).revision == "alien-bot:r1"
+    spec = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64, seed=7,
+                    pretrain_steps=0)  # fmt: skip
+    monkeypatch.setenv("MINT_BASE_MODEL", str(ensure_tiny(spec, fleet_config.home / "other")))
     with pytest.raises(BaseMismatchError) as refused:
-        release("alien-bot", "upper", steps=2, base=other)
+        release("alien-bot", "upper", steps=2)
     message = str(refused.value)
     assert base.digest in message  # type: ignore[attr-defined]
     assert "alien-bot" in message
     assert message.count("sha256:") == 2
     mlflow = MlflowClient(fleet_config.tracking_uri)
-    assert mlflow.search_registered_models("name = 'alien-bot'") == []
-    assert mlflow.search_model_versions("name = 'alien-bot'") == []
+    assert [v.version for v in mlflow.search_model_versions("name = 'alien-bot'")] == ["1"]
 
 
 def test_bad_requests_get_clear_errors(worker: ManagedProcess, released: dict[str, str]) -> None:

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from flows.promote import promote
-from flows.release import release
 from flows.repair import RepairReport, repair
 from mint_core.artifact_store import LocalArtifactStore, open_store
 from mint_core.config import MintConfig
@@ -23,6 +22,7 @@ from serving.client import WorkerClient
 from serving.server import start_worker
 from tasks.pipeline import ensure_exported
 from tests.helpers import Fleet, answer, register_step_by_step
+from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,6 @@ import pytest
 
 import tasks.pipeline
 from flows.promote import promote
-from flows.release import release
 from mint_core.config import MintConfig
 from mint_core.errors import RolloutBusyError
 from mint_core.registry import FAILURE_TAG, Registry
@@ -13,6 +12,7 @@ from mint_core.revisions import RevisionId
 from mint_core.states import Stage
 from tasks.pipeline import rollout_lock
 from tests.helpers import register_step_by_step
+from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
 

@@ -14,9 +14,9 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from mint_core.base_model import BaseModel
 from mint_core.config import MintConfig
-from mint_core.datasets import held_out_words, prompt_for
+from mint_core.model.base import BaseModel
+from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.services import ManagedProcess
 from serving.client import WorkerClient
 from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
