@@ -25,11 +25,17 @@ in one millisecond, or a commit that lands late, are not missed. Seeing one twic
 
 
 class Catalog:
-    def __init__(self, registry: Registry, pins: Iterable[RevisionId] = ()) -> None:
+    def __init__(
+        self, registry: Registry, pins: Iterable[RevisionId] = (), base_digest: str | None = None
+    ) -> None:
         self.registry = registry
         self.pins = frozenset(pins)
         """Revisions configured to be held whatever the aliases say."""
+        self.base_digest = base_digest
+        """The serving base: adapters of other bases are addressable but never desired here
+        (their workers hold them). None: every adapter's."""
         self._aliases: dict[str, dict[str, int]] = {}
+        self._bases: dict[str, str] = {}
         self._records: dict[RevisionId, RegisteredRevision] = {}
         self._cursor_ms = 0
         self._lock = threading.Lock()
@@ -49,6 +55,7 @@ class Catalog:
         with self._lock:
             for adapter in changed:
                 self._aliases[adapter.adapter] = dict(adapter.aliases)
+                self._bases[adapter.adapter] = adapter.base_digest
                 self._cursor_ms = max(self._cursor_ms, adapter.updated_ms)
             self.last_sync = time.time()
             self.unreachable = None
@@ -65,14 +72,15 @@ class Catalog:
         return self.registry
 
     def desired(self) -> set[RevisionId]:
-        """What this worker should hold: every adapter's `production` and `candidate`
-        revisions, and the pins."""
+        """What this worker should hold: the `production` and `candidate` revisions of every
+        adapter on its base, and the pins."""
         with self._lock:
             named = {
                 RevisionId(adapter, number)
                 for adapter, aliases in self._aliases.items()
                 for alias, number in aliases.items()
                 if alias in DESIRED_ALIASES
+                and self.base_digest in (None, self._bases.get(adapter) or self.base_digest)
             }
         return named | self.pins
 

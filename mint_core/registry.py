@@ -132,6 +132,8 @@ class AdapterAliases:
     """Alias -> revision number."""
     updated_ms: int
     """The registry's last-updated time of the adapter, in milliseconds (its clock)."""
+    base_digest: str = ""
+    """The base every revision of the adapter was trained on."""
 
 
 @dataclass(frozen=True)
@@ -459,8 +461,9 @@ class Registry:
                         return changed
                     if model.tags.get(KIND_TAG) == _ADAPTER_KIND:
                         aliases = {a: int(v) for a, v in (model.aliases or {}).items()}
+                        base = model.tags.get(TAG_PREFIX + "base_digest", "")
                         changed.append(
-                            AdapterAliases(model.name, aliases, model.last_updated_timestamp)
+                            AdapterAliases(model.name, aliases, model.last_updated_timestamp, base)
                         )
                 page_token = page.token
                 if not page_token:
