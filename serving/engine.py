@@ -1,11 +1,13 @@
 """The embedded torch engine: one resident base model, adapters in device slots beside it.
 
-The engine owns its base model and adapts it in place: every attention and MLP projection is
-wrapped (`serving.lora`) so a batch can mix adapters row by row, each row naming its device
-slot, slot 0 being the base alone. Loading an adapter copies its LoRA pairs into a slot (the
-worker's residency plan says which); the base weights are never touched. `step` is one forward
-pass over a batch with its key/value cache, what the continuous-batching scheduler runs;
-`generate` and `logits` run one static batch (tests, benchmarks). Each takes the engine lock.
+The engine owns its base model, any Hugging Face causal LM, and adapts it in place: every linear
+layer an adapter may target (all of them but the output embedding, by module name, whatever the
+family calls them) is wrapped (`serving.lora`) so a batch can mix adapters row by row, each row
+naming its device slot, slot 0 being the base alone. Loading an adapter copies its LoRA pairs
+into a slot (the worker's residency plan says which); the base weights are never touched.
+`step` is one forward pass over a batch with its key/value cache, what the continuous-batching
+scheduler runs; `generate` and `logits` run one static batch of plain prompts (tests,
+benchmarks). Each takes the engine lock.
 """
 
 import threading
@@ -17,12 +19,11 @@ from peft import LoraConfig, get_peft_config
 from peft.utils.other import get_pattern_key
 from transformers.cache_utils import DynamicCache
 
-from mint_core.base_model import ALL_PROJECTIONS, BaseModel
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
 from mint_core.freezing import check_finite
-from mint_core.textgen import Generation, greedy_generate, left_padded
-from mint_core.tokenizer import CharTokenizer
-from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_projections
+from mint_core.model.base import BaseModel, servable_modules
+from mint_core.model.generate import Generation, greedy_generate, pad_left
+from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_linears
 
 BASE = "__base__"
 """Adapter key of rows served by the base model alone."""
@@ -50,18 +51,20 @@ class TorchEngine:
         if slots < 1:
             raise ConfigurationError(f"slots={slots} must be at least 1")
         self.base = base
-        self.tokenizer = CharTokenizer()
+        self.codec = base.codec
         self.slots = slots
         self.batch = SlotBatch()
         # One slot more than adapters: slot 0 stays all zeros for base rows.
-        self._wrappers = wrap_projections(base.model, ALL_PROJECTIONS, slots + 1, self.batch)
+        modules = servable_modules(base.model)
+        self._wrappers = wrap_linears(base.model, modules, slots + 1, self.batch)
         self._slot_of: dict[str, int] = {}
         self.lock = threading.Lock()
         """Held for each forward pass and each slot copy: a copy waits for at most one step."""
 
     @property
     def device(self) -> torch.device:
-        return next(self.base.model.parameters()).device
+        """Where the base runs: every tensor of a batch must be there."""
+        return self.base.device
 
     @property
     def adapters(self) -> frozenset[str]:
@@ -125,8 +128,10 @@ class TorchEngine:
             module, _, side = name.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
             if module not in self._wrappers or side not in ("A.weight", "B.weight"):
                 raise IntegrityError(
-                    f"adapter {key} does not fit the base {self.base.model_id}: unexpected "
-                    f"tensor {name!r} (adapted projections: {', '.join(ALL_PROJECTIONS)})"
+                    f"adapter {key} does not fit the base {self.base.model_id} "
+                    f"({self.base.family}): tensor {name!r} is not a LoRA pair of one of its "
+                    "linear layers (embeddings and lm_head are not servable); the adapter was "
+                    "made for another model"
                 )
             sides.setdefault(module, {})[side[0]] = tensor
         pairs = {}
@@ -136,7 +141,8 @@ class TorchEngine:
             if a is None or b is None or a.shape[1:] != (base.in_features,) or b.shape != (
                 base.out_features, a.shape[0]):  # fmt: skip
                 raise IntegrityError(
-                    f"adapter {key} does not fit the base {self.base.model_id} at {module}: "
+                    f"adapter {key} does not fit the base {self.base.model_id} "
+                    f"({self.base.family}) at {module}: "
                     f"A {None if a is None else list(a.shape)}, B "
                     f"{None if b is None else list(b.shape)}, base projection "
                     f"{base.out_features}x{base.in_features}"
@@ -157,10 +163,12 @@ class TorchEngine:
     def generate(
         self, prompts: Sequence[str], adapter_keys: Sequence[str], max_new_tokens: int
     ) -> list[Generation]:
-        """Greedy continuations; `adapter_keys[i]` (a loaded key or BASE) serves row i."""
+        """Greedy continuations of plain prompts; `adapter_keys[i]` (a loaded key or BASE)
+        serves row i."""
         slots = [self.slot_of(key) for key in adapter_keys]
+        ids = [self.codec.encode(prompt) for prompt in prompts]
         with self.lock, self.batch.rows(slots, self.device):
-            return greedy_generate(self.base.model, self.tokenizer, prompts, max_new_tokens)
+            return greedy_generate(self.base.model, self.codec, ids, max_new_tokens)
 
     @torch.inference_mode()
     def step(
@@ -174,8 +182,7 @@ class TorchEngine:
         `[batch, heads, cached, dim]`, left-padded like `attention_mask` `[batch, cached + new]`),
         row i through device slot `slots[i]`. Returns the last position's logits `[batch, vocab]`
         and the cache extended by the new tokens."""
-        # Each row counts positions from its own first real token, as if it ran alone.
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -input_ids.shape[1] :]
+        position_ids = positions(attention_mask)[:, -input_ids.shape[1] :]
         with self.lock:
             self.batch.use(slots, input_ids.device)
             output = self.base.model(
@@ -191,8 +198,21 @@ class TorchEngine:
 
     @torch.inference_mode()
     def logits(self, prompts: Sequence[str], adapter_keys: Sequence[str]) -> torch.Tensor:
-        """Next-token logits after each prompt, `[batch, vocab]`, one adapter per row."""
-        input_ids, attention_mask = left_padded(self.tokenizer, prompts)
+        """Next-token logits after each plain prompt, `[batch, vocab]`, one adapter per row."""
+        rows = [self.codec.encode(prompt) for prompt in prompts]
+        input_ids, attention_mask = (t.to(self.device) for t in pad_left(rows, self.codec.pad_id))
         slots = [self.slot_of(key) for key in adapter_keys]
-        with self.lock, self.batch.rows(slots, input_ids.device):
-            return self.base.model(input_ids=input_ids, attention_mask=attention_mask).logits[:, -1]
+        with self.lock, self.batch.rows(slots, self.device):
+            output = self.base.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions(attention_mask),
+                logits_to_keep=1,
+            )
+        return output.logits[:, -1]
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded rows: each row counts from its own first real token, as if
+    it ran alone."""
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)

@@ -1,11 +1,12 @@
 """Many LoRA adapters in one batch, by gathered batched matmuls (Punica's and S-LoRA's idea).
 
-Every adapted projection of the resident base is wrapped once. The wrapper keeps the adapters'
-weights stacked in device slots, `A: [slots, rank_max, in]` and `B` transposed,
-`Bt: [slots, rank_max, out]`, and each batch row names its slot. A forward pass computes the base
-projection for the whole batch and adds, per row, `scaling[slot] * (x @ A[slot].T) @ Bt[slot]`
-with two batched matmuls over the rows' slots. Slot 0 is all zeros: the base alone. Adapters of
-lower rank are zero-padded to `rank_max`, which adds exact zeros and so changes nothing.
+Every linear layer of the resident base that an adapter may target is wrapped once. The wrapper
+keeps the adapters' weights stacked in device slots, `A: [slots, rank_max, in]` and `B`
+transposed, `Bt: [slots, rank_max, out]`, and each batch row names its slot. A forward pass
+computes the base projection for the whole batch and adds, per row,
+`scaling[slot] * (x @ A[slot].T) @ Bt[slot]` with two batched matmuls over the rows' slots.
+Slot 0 is all zeros: the base alone. Adapters of lower rank are zero-padded to `rank_max`,
+which adds exact zeros and so changes nothing.
 
 The rows' slots are gathered into contiguous per-row stacks once per batch, at its first forward
 (the prefill), and reused at every decode step: a step then reads each row's adapter once, as
@@ -13,7 +14,7 @@ the base reads its weights, instead of copying them again.
 """
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 
 import torch
@@ -114,18 +115,17 @@ class SlotLoraLinear(nn.Module):
         self.lora_A, self.lora_Bt = wider_a, wider_b
 
 
-def wrap_projections(
-    model: nn.Module, names: tuple[str, ...], slots: int, batch: SlotBatch
+def wrap_linears(
+    model: nn.Module, modules: Mapping[str, nn.Linear], slots: int, batch: SlotBatch
 ) -> dict[str, SlotLoraLinear]:
-    """Replace every linear layer whose last name is in `names` with a slot wrapper, in place;
-    returns the wrappers by module name (as `named_modules` gives it)."""
+    """Replace each of `modules` (linear layers of `model`, by module name as `named_modules`
+    gives it) with a slot wrapper, in place; returns the wrappers by the same names."""
     wrappers: dict[str, SlotLoraLinear] = {}
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if child_name in names and isinstance(child, nn.Linear):
-                wrapper = SlotLoraLinear(child, slots, batch)
-                setattr(parent, child_name, wrapper)
-                wrappers[f"{parent_name}.{child_name}" if parent_name else child_name] = wrapper
+    for name, linear in modules.items():
+        parent_name, _, child_name = name.rpartition(".")
+        wrapper = SlotLoraLinear(linear, slots, batch)
+        setattr(model.get_submodule(parent_name), child_name, wrapper)
+        wrappers[name] = wrapper
     return wrappers
 
 

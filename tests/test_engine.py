@@ -1,6 +1,8 @@
-"""The multi-LoRA engine's exactness: gathered per-row deltas in one batch give what each
-adapter gives alone, what PEFT's own PeftModel gives, and the base bit for bit where the
-adapter is zero."""
+"""The multi-LoRA engine's exactness, on a tiny member of each model family it serves (Llama,
+Qwen2 with q/k/v biases, Qwen3 with q/k norms and a head size of its own, Mistral; grouped-query
+attention, tied and untied embeddings): gathered per-row deltas in one batch give what each
+adapter gives alone, what PEFT's own PeftModel gives, and the base bit for bit where the adapter
+is zero."""
 
 import re
 from pathlib import Path
@@ -8,17 +10,51 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
+from transformers import (
+    AutoModelForCausalLM,
+    MistralConfig,
+    PreTrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
-from mint_core.base_model import BaseModel, BaseModelSpec, load_base
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
-from mint_core.textgen import greedy_generate, left_padded
-from mint_core.tokenizer import CharTokenizer
-from serving.engine import BASE, TorchEngine
+from mint_core.folders import publish_folder
+from mint_core.model.base import BaseModel, BaseSource, load_base, servable_modules
+from mint_core.model.generate import greedy_generate, pad_left, seeded
+from mint_core.model.tiny import SPECIAL_TOKENS, ensure_tiny, save_base_folder
+from serving.engine import BASE, TorchEngine, positions
 from tests.helpers import ENGINE_PROMPTS as PROMPTS
-from tests.helpers import ENGINE_SPEC as SPEC
-from tests.helpers import PROJECTIONS, config_of, random_adapter, weights_of
+from tests.helpers import ENGINE_SPEC, PROJECTIONS, config_of, random_adapter, weights_of
 
 RANKS = [1, 2, 4, 8, 16, 3, 8, 5]
+VOCAB = len(SPECIAL_TOKENS) + 256
+"""The byte tokenizer's vocabulary, which every tiny family member here shares."""
+SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
+         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+FAMILIES: dict[str, PreTrainedConfig | None] = {
+    "llama": None,  # the embedded default's own builder: tied embeddings, one head per key
+    "qwen2": Qwen2Config(**SHAPE, num_key_value_heads=2, tie_word_embeddings=False),
+    "qwen3": Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    "mistral": MistralConfig(**SHAPE, num_key_value_heads=1, tie_word_embeddings=False),
+}
+"""Each family's tiny member; Qwen2 has q/k/v biases, Qwen3 q/k norms and heads of 32 on a
+width of 64."""
+
+
+def family_folder(family: str, root: Path) -> Path:
+    """A tiny model folder of `family` (random weights, the byte tokenizer and chat template)."""
+    config = FAMILIES[family]
+    if config is None:
+        return ensure_tiny(ENGINE_SPEC, root / "base")
+    folder = root / f"tiny-{family}"
+    if not folder.exists():
+        with seeded(0):
+            model = AutoModelForCausalLM.from_config(config)
+        with publish_folder(folder, prefix=f".tiny-{family}-") as staging:
+            save_base_folder(model, staging)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -26,23 +62,37 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine-home")
 
 
-def fresh_base(home: Path) -> BaseModel:
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def folder(request: pytest.FixtureRequest, home: Path) -> Path:
+    return family_folder(request.param, home)
+
+
+def fresh_base(folder: Path, home: Path) -> BaseModel:
     """A base the engine may own (it adapts its model in place)."""
-    return load_base(SPEC, home)
+    return load_base(BaseSource(str(folder)), home)
 
 
 @torch.inference_mode()
-def peft_logits(model: PeftModel, prompts: list[str]) -> torch.Tensor:
-    ids, mask = left_padded(CharTokenizer(), prompts)
-    return model(input_ids=ids, attention_mask=mask).logits[:, -1]
+def peft_logits(model: PeftModel, base: BaseModel, prompts: list[str]) -> torch.Tensor:
+    ids, mask = pad_left([base.codec.encode(p) for p in prompts], base.codec.pad_id)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]
 
 
-def test_a_zero_adapter_gives_the_base_logits_bit_for_bit(home: Path) -> None:
-    reference = fresh_base(home)
+def test_the_engine_wraps_every_linear_layer_but_the_output_by_name(
+    folder: Path, home: Path
+) -> None:
+    names = set(servable_modules(fresh_base(folder, home).model))
+    engine = TorchEngine(fresh_base(folder, home))
+    assert set(engine._wrappers) == names
+    assert {name.rsplit(".", 1)[-1] for name in names} == set(PROJECTIONS)
+
+
+def test_a_zero_adapter_gives_the_base_logits_bit_for_bit(folder: Path, home: Path) -> None:
+    reference = fresh_base(folder, home)
     base_logits = TorchEngine(reference).logits(PROMPTS, [BASE] * len(PROMPTS))
-    lora, model = random_adapter(fresh_base(home), rank=4, seed=0)
+    lora, model = random_adapter(fresh_base(folder, home), rank=4, seed=0)
     zeros = {k: torch.zeros_like(v) for k, v in weights_of(model).items()}
-    engine = TorchEngine(fresh_base(home))
+    engine = TorchEngine(fresh_base(folder, home))
     engine.load(engine.prepare("zero", config_of(lora), zeros))
     engine.load(engine.prepare("busy", config_of(lora), weights_of(model)))
     keys = ["zero", "busy"] * (len(PROMPTS) // 2)
@@ -52,13 +102,13 @@ def test_a_zero_adapter_gives_the_base_logits_bit_for_bit(home: Path) -> None:
 
 
 def test_a_mixed_batch_gives_each_row_what_its_adapter_gives_alone_and_what_peft_gives(
-    home: Path,
+    folder: Path, home: Path
 ) -> None:
-    engine = TorchEngine(fresh_base(home))
+    engine = TorchEngine(fresh_base(folder, home))
     adapters = {}
     for number, rank in enumerate(RANKS):
         targets = PROJECTIONS if number % 3 else ["q_proj", "v_proj", "down_proj"]
-        lora, model = random_adapter(fresh_base(home), rank, seed=number, targets=targets)
+        lora, model = random_adapter(fresh_base(folder, home), rank, seed=number, targets=targets)
         engine.load(engine.prepare(f"a{number}", config_of(lora), weights_of(model)))
         adapters[f"a{number}"] = model
     # Every adapter and two base rows, each on its own prompt, in one batch.
@@ -72,27 +122,38 @@ def test_a_mixed_batch_gives_each_row_what_its_adapter_gives_alone_and_what_peft
         torch.testing.assert_close(mixed[row], alone, rtol=0, atol=1e-5)
         assert engine.generate([prompt], [key], 12)[0].token_ids == mixed_tokens[row].token_ids
         if key != BASE:
-            torch.testing.assert_close(mixed[row], peft_logits(adapters[key], [prompt])[0],
-                                       rtol=0, atol=1e-5)  # fmt: skip
-            peft_tokens = greedy_generate(adapters[key], CharTokenizer(), [prompt], 12)
+            peft = peft_logits(adapters[key], engine.base, [prompt])[0]
+            torch.testing.assert_close(mixed[row], peft, rtol=0, atol=1e-5)
+            ids = [engine.codec.encode(prompt)]
+            peft_tokens = greedy_generate(adapters[key], engine.codec, ids, 12)
             assert peft_tokens[0].token_ids == mixed_tokens[row].token_ids
 
 
 def test_adapters_that_do_not_fit_or_exceed_the_slots_are_refused(home: Path) -> None:
-    engine = TorchEngine(fresh_base(home), slots=2)
-    lora, model = random_adapter(fresh_base(home), rank=2, seed=1)
+    llama = family_folder("llama", home)
+    engine = TorchEngine(fresh_base(llama, home), slots=2)
+    lora, model = random_adapter(fresh_base(llama, home), rank=2, seed=1)
     for key in ("one", "two"):
         engine.load(engine.prepare(key, config_of(lora), weights_of(model)))
     with pytest.raises(ServiceError, match="all 2 device slots hold adapters"):
         engine.load(engine.prepare("three", config_of(lora), weights_of(model)))
     engine.unload("one")
     engine.load(engine.prepare("three", config_of(lora), weights_of(model)))
-    other = load_base(BaseModelSpec(hidden_size=32, num_layers=2, num_heads=2,
-                                    intermediate_size=64, pretrain_steps=0), home)  # fmt: skip
-    lora, model = random_adapter(other, rank=2, seed=1)
     engine.unload("two")
-    with pytest.raises(IntegrityError, match="does not fit the base"):
+
+    # Made for another family (Qwen3: heads of 32 on a width of 64, 2 key/value heads).
+    lora, model = random_adapter(fresh_base(family_folder("qwen3", home), home), rank=2, seed=1)
+    at = re.escape("(llama) at model.layers.0.self_attn.q_proj")
+    with pytest.raises(
+        IntegrityError, match=rf"does not fit the base \S+ {at}: .* base projection 64x64"
+    ):
         engine.load(engine.prepare("alien", config_of(lora), weights_of(model)))
+    # A LoRA of the output embedding: no linear layer the engine serves.
+    targets = ["q_proj", "lm_head"]
+    lora, model = random_adapter(fresh_base(llama, home), rank=2, seed=1, targets=targets)
+    with pytest.raises(IntegrityError, match=r"\(llama\): tensor '[^']*lm_head\.lora_A"):
+        engine.prepare("head", config_of(lora), weights_of(model))
+    assert engine.adapters == frozenset({"three"})
 
 
 @pytest.mark.parametrize(
@@ -101,8 +162,9 @@ def test_adapters_that_do_not_fit_or_exceed_the_slots_are_refused(home: Path) ->
 def test_an_adapter_with_a_weight_that_is_not_finite_is_refused_naming_the_tensor(
     home: Path, bad: float, counts: str
 ) -> None:
-    engine = TorchEngine(fresh_base(home))
-    lora, model = random_adapter(fresh_base(home), rank=2, seed=0)
+    llama = family_folder("llama", home)
+    engine = TorchEngine(fresh_base(llama, home))
+    lora, model = random_adapter(fresh_base(llama, home), rank=2, seed=0)
     tensors = weights_of(model)
     name = sorted(tensors)[3]
     tensors[name][1, 0] = bad
