@@ -76,12 +76,14 @@ def parse_jsonl(data: bytes, source: str) -> Dataset:
     """Every row of a JSONL file, checked; DatasetError `FILE:LINE: reason` for the first bad
     one (blank lines are skipped)."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # editors on Windows start UTF-8 files with a BOM
     except UnicodeDecodeError as e:
         raise DatasetError(f"{source}: not UTF-8 text ({e}); save the file as UTF-8") from e
+    # Lines end at "\n" only: str.splitlines would also split at U+2028 or U+0085, which JSON
+    # allows inside a string. json.loads skips the "\r" of a CRLF line.
     rows = [
         _row(line, number, source)
-        for number, line in enumerate(text.splitlines(), start=1)
+        for number, line in enumerate(text.split("\n"), start=1)
         if line.strip()
     ]
     if not rows:
@@ -123,7 +125,8 @@ def _messages(value: object, where: str) -> tuple[Message, ...]:
     for index, message in enumerate(value):
         if (
             not isinstance(message, dict)
-            or message.get("role") not in ROLES
+            or not isinstance(message.get("role"), str)
+            or message["role"] not in ROLES
             or not isinstance(message.get("content"), str)
         ):
             raise DatasetError(
@@ -156,6 +159,12 @@ def tokenize_example(codec: TextCodec, prompt: str, completion: str) -> Tokenize
 def tokenize_messages(codec: TextCodec, messages: Sequence[Message], where: str) -> Tokenized:
     """The chat template over every turn; labels on the characters of assistant turns (their
     content and the template's end-of-turn), found from each turn's prefix."""
+    if not codec.has_chat_template:
+        raise DatasetError(
+            f"{where}: a messages row needs a chat template, and the base model "
+            f"{codec.model_id} has no chat template; write prompt/completion rows, or train "
+            "on a base whose tokenizer_config.json has a chat_template"
+        )
     text = codec.chat_text(messages, generation_prompt=False)
     spans = []
     for index, message in enumerate(messages):
