@@ -1,5 +1,6 @@
 """Freeze, pack, verify and export on a real (tiny, briefly trained) PEFT adapter."""
 
+import dataclasses
 import stat
 import uuid
 from pathlib import Path
@@ -14,33 +15,45 @@ from mint_core.artifact_store import (
     S3ArtifactStore,
     open_store,
 )
-from mint_core.base_model import BaseModelSpec, load_base
 from mint_core.config import MintConfig
-from mint_core.datasets import Task
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.freezing import PEFT_WEIGHTS, freeze
+from mint_core.model import toy
+from mint_core.model.base import BaseSource, load_base
+from mint_core.model.datasets import Dataset, parse_jsonl
+from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
 from mint_core.packing import load, pack, verify
 from mint_core.services import ManagedProcess
-from mint_core.training import TrainedAdapter, TrainingConfig, train_lora
 from tests.helpers import create_bucket
 
-TINY = BaseModelSpec(
-    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0
-)
+TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)
+
+
+def tiny_base(spec: TinySpec, home: Path) -> BaseSource:
+    """`spec`'s model folder, built under `home`, as MINT_BASE_MODEL would name it."""
+    return BaseSource(str(ensure_tiny(spec, home / "base")))
+
+
+def read(path: Path) -> Dataset:
+    return parse_jsonl(path.read_bytes(), str(path))
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> TrainedAdapter:
     home = tmp_path_factory.mktemp("home")
-    base = load_base(TINY, home)
-    return train_lora(base, Task.UPPER, home / "adapter", TrainingConfig(steps=3, batch_size=4))
+    data = read(toy.write_task_data(toy.Task.UPPER, home / "data", rows=32))
+    held_out = read(toy.write_held_out_data(toy.Task.UPPER, home / "data", count=8))
+    config = TrainingConfig(steps=3, batch_size=4)
+    return train_lora(tiny_base(TINY, home), home, data, held_out, home / "adapter", config)
 
 
 def test_base_is_deterministic_from_its_spec(tmp_path: Path) -> None:
-    first = load_base(TINY, tmp_path / "a")
-    second = load_base(TINY, tmp_path / "b")
-    other = load_base(BaseModelSpec(**{**TINY.__dict__, "seed": 1}), tmp_path / "c")
-    assert first.digest == second.digest != other.digest
+    first = load_base(tiny_base(TINY, tmp_path / "a"), tmp_path / "a")
+    second = load_base(tiny_base(TINY, tmp_path / "b"), tmp_path / "b")
+    other = load_base(tiny_base(dataclasses.replace(TINY, seed=1), tmp_path / "c"), tmp_path / "c")
+    assert first.identity == second.identity
+    assert first.digest != other.digest
 
 
 def test_freeze_is_read_only_and_content_addressed(trained: TrainedAdapter, tmp_path: Path) -> None:
