@@ -16,6 +16,10 @@ Every row keeps its own key/value cache, as rows of the batch's cache left-padde
 positions count from each row's first real token and padding is masked, so a row computes what
 it would alone.
 
+Text is the base's own: a request ends at any of its end-of-sequence ids, and its tokens become
+text through an incremental detokenizer, so the pieces its token events carry (one may be ""
+while a multi-byte character is incomplete) add up to exactly its generation's text.
+
 A row whose logits are not finite (an adapter's weights gone bad) fails its own request and no
 other: rows never mix. Whatever a step raises, every request in it, running or joining, gets
 the error as its answer and its slot is unpinned; the loop goes on with the next step.
@@ -39,8 +43,9 @@ from mint_core.errors import (
     NotReadyError,
     ServiceError,
 )
+from mint_core.model.generate import FinishReason, Generation, pad_left
+from mint_core.model.text import TextCodec
 from mint_core.residency import Residency, SlotGrant
-from mint_core.textgen import FinishReason, Generation, pad_left
 from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.metrics import WorkerMetrics
 from serving.sampling import RowSampler, SamplingParams, stop_hit
@@ -55,6 +60,9 @@ KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 class TokenEvent:
     token_id: int
     text: str
+    """The text this token completes: "" while a multi-byte character is incomplete (or for
+    an end-of-sequence token); the last token's also holds whatever the detokenizer held back.
+    The pieces of a generation add up to its text."""
     logprob: float
 
 
@@ -62,7 +70,12 @@ class Request:
     """One generation in flight. The scheduler thread writes it; the client reads its events."""
 
     def __init__(
-        self, prompt_ids: list[int], key: str, params: SamplingParams, warm_up: bool = False
+        self,
+        prompt_ids: list[int],
+        key: str,
+        params: SamplingParams,
+        codec: TextCodec,
+        warm_up: bool = False,
     ) -> None:
         self.prompt_ids = prompt_ids
         self.key = key
@@ -71,9 +84,10 @@ class Request:
         self.warm_up = warm_up
         """A worker's own warm-up generation during prewarm, not a user's request."""
         self.sampler = RowSampler(params)
+        self.eos_ids = codec.eos_ids
+        self.detokenizer = codec.detokenizer()
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
-        self.text = ""
         self.submitted = time.perf_counter()
         self.finish_reason: FinishReason | None = None
         self.failed = False
@@ -112,20 +126,28 @@ class Request:
 
     # Called by the scheduler thread only.
 
-    def push(self, token: int, logprob: float, text: str, eos_id: int) -> bool:
+    @property
+    def text(self) -> str:
+        """The text of the tokens so far (less what the detokenizer holds back)."""
+        return self.detokenizer.text
+
+    def push(self, token: int, logprob: float) -> bool:
         """Record one generated token; True when it ends the generation."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
-        self.text += text
-        self._events.put(TokenEvent(token, text, logprob))
-        if token == eos_id:
+        piece = self.detokenizer.push(token)
+        if token in self.eos_ids:
             self.finish_reason = FinishReason.EOS_TOKEN
         elif stop_hit(self.text, self.params.stop):
             self.finish_reason = FinishReason.STOP_SEQUENCE
         elif len(self.token_ids) >= self.params.max_new_tokens:
             self.finish_reason = FinishReason.LENGTH
         if self.finish_reason is None:
+            self._events.put(TokenEvent(token, piece, logprob))
             return False
+        # The last event carries what was held back (a character cut short by the length
+        # limit), so the streamed pieces add up to the generation's text.
+        self._events.put(TokenEvent(token, piece + self.detokenizer.finish(), logprob))
         seed = None if self.params.greedy else self.sampler.seed
         generation = Generation(
             self.text, tuple(self.token_ids), tuple(self.logprobs), self.finish_reason, seed
@@ -176,14 +198,20 @@ class Scheduler:
     ) -> Request:
         """Queue a generation; its adapter must be in the host cache (ready) or BASE. `warm_up`
         marks a worker's own prewarm generation."""
-        limit = self.engine.base.spec.max_positions
-        if len(prompt_ids) + params.max_new_tokens > limit:
+        base = self.engine.base
+        if not prompt_ids:
             raise ConfigurationError(
-                f"prompt of {len(prompt_ids)} tokens plus max_new_tokens={params.max_new_tokens}"
-                f" exceeds the base model's {limit} positions; shorten the prompt or ask for "
+                f"the prompt is empty: it has no tokens on the base model {base.model_id}; send "
+                "some text"
+            )
+        if len(prompt_ids) + params.max_new_tokens > base.context_length:
+            raise ConfigurationError(
+                f"the prompt's {len(prompt_ids)} tokens plus max_new_tokens="
+                f"{params.max_new_tokens} do not fit the context of the base model "
+                f"{base.model_id} ({base.context_length} tokens); shorten the prompt or ask for "
                 "fewer tokens"
             )
-        request = Request(prompt_ids, key, params, warm_up)
+        request = Request(prompt_ids, key, params, self.engine.codec, warm_up)
         with self._wake:
             if self._stopped:
                 raise ServiceError("the scheduler is stopped")
@@ -257,7 +285,7 @@ class Scheduler:
             self._cache = self._mask = None
             return
         assert self._cache is not None and self._mask is not None
-        rows = torch.tensor(keep)
+        rows = torch.tensor(keep, device=self._mask.device)
         mask = self._mask.index_select(0, rows)
         # Drop leading columns that are padding in every remaining row.
         first = int(mask.any(0).nonzero()[0])
@@ -310,7 +338,8 @@ class Scheduler:
                     self.request_path_loads += 1
         if not joining:
             return
-        input_ids, mask = pad_left([r.prompt_ids for r in joining], self.engine.tokenizer.pad_id)
+        input_ids, mask = pad_left([r.prompt_ids for r in joining], self.engine.codec.pad_id)
+        input_ids, mask = input_ids.to(self.engine.device), mask.to(self.engine.device)
         slots = [self.engine.slot_of(r.key) for r in joining]
         logits, cache = self.engine.step(input_ids, mask, slots, None)
         self.steps += 1
@@ -351,7 +380,9 @@ class Scheduler:
     def _decode(self) -> None:
         assert self._mask is not None
         started = time.perf_counter()
-        input_ids = torch.tensor([[r.token_ids[-1]] for r in self._running])
+        input_ids = torch.tensor(
+            [[r.token_ids[-1]] for r in self._running], device=self.engine.device
+        )
         mask = F.pad(self._mask, (0, 1), value=1)
         slots = [self.engine.slot_of(r.key) for r in self._running]
         logits, self._cache = self.engine.step(input_ids, mask, slots, self._cache)
@@ -363,7 +394,6 @@ class Scheduler:
         self.metrics.tokens_per_second.set(rows / (time.perf_counter() - started))
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
-        tokenizer = self.engine.tokenizer
         finite = torch.isfinite(logits).all(dim=-1).tolist()
         for request, row, row_is_finite in zip(requests, logits, finite, strict=True):
             if request.done:
@@ -378,5 +408,5 @@ class Scheduler:
                 )
                 continue
             token, logprob = request.sampler.pick(row)
-            request.push(token, logprob, tokenizer.token_text(token), tokenizer.eos_id)
+            request.push(token, logprob)
         self.metrics.generated_tokens.inc(len(requests))

@@ -10,17 +10,17 @@ from typing import Any
 
 import pytest
 
-from mint_core.base_model import load_base
 from mint_core.errors import ConfigurationError, MintError
+from mint_core.model.generate import FinishReason, Generation
+from mint_core.model.tiny import EOS, IM_END
 from mint_core.residency import Residency, Tier
-from mint_core.textgen import FinishReason
 from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.metrics import WorkerMetrics
 from serving.sampling import SamplingParams
 from serving.scheduler import Request, Scheduler, TokenEvent
 from tests.helpers import ENGINE_PROMPTS as PROMPTS
 from tests.helpers import ENGINE_SPEC as SPEC
-from tests.helpers import config_of, random_adapter, weights_of
+from tests.helpers import config_of, random_adapter, tiny_base, weights_of
 
 ADAPTERS = 5
 
@@ -33,10 +33,10 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def adapters(home: Path) -> dict[str, AdapterWeights]:
     """Random adapters of ranks 1 to 5, checked against the base."""
-    checker = TorchEngine(load_base(SPEC, home))
+    checker = TorchEngine(tiny_base(SPEC, home))
     weights = {}
     for number in range(ADAPTERS):
-        lora, model = random_adapter(load_base(SPEC, home), rank=number + 1, seed=number)
+        lora, model = random_adapter(tiny_base(SPEC, home), rank=number + 1, seed=number)
         weights[f"a{number}"] = checker.prepare(f"a{number}", config_of(lora), weights_of(model))
     return weights
 
@@ -44,7 +44,7 @@ def adapters(home: Path) -> dict[str, AdapterWeights]:
 @pytest.fixture(scope="module")
 def reference(home: Path, adapters: dict[str, AdapterWeights]) -> TorchEngine:
     """An engine holding every adapter, run one request at a time: the expected answers."""
-    engine = TorchEngine(load_base(SPEC, home), slots=ADAPTERS)
+    engine = TorchEngine(tiny_base(SPEC, home), slots=ADAPTERS)
     for weights in adapters.values():
         engine.load(weights)
     return engine
@@ -53,7 +53,7 @@ def reference(home: Path, adapters: dict[str, AdapterWeights]) -> TorchEngine:
 def scheduler_for(
     adapters: dict[str, AdapterWeights], home: Path, slots: int
 ) -> Iterator[Scheduler]:
-    engine = TorchEngine(load_base(SPEC, home), slots=slots)
+    engine = TorchEngine(tiny_base(SPEC, home), slots=slots)
     residency: Residency[AdapterWeights] = Residency(1 << 30, device_slots=slots)
     for weights in adapters.values():
         residency.put_host(weights.key, weights, weights.nbytes)
@@ -68,7 +68,7 @@ def scheduler(adapters: dict[str, AdapterWeights], home: Path) -> Iterator[Sched
 
 
 def submit(scheduler: Scheduler, prompt: str, key: str, **params: Any) -> Request:
-    ids = scheduler.engine.tokenizer.encode(prompt)
+    ids = scheduler.engine.codec.encode(prompt)
     return scheduler.submit(ids, key, SamplingParams(**params))
 
 
@@ -147,11 +147,52 @@ def test_more_adapters_in_flight_than_slots_queue_instead_of_failing(
         assert all(entry.pins == 0 for entry in residency.slot_table())
 
 
-def test_a_request_longer_than_the_base_allows_is_refused(scheduler: Scheduler) -> None:
-    with pytest.raises(ConfigurationError, match="exceeds the base model's 64 positions"):
-        submit(scheduler, "x" * 60, BASE, max_new_tokens=10)
+def test_a_request_longer_than_the_context_or_empty_is_refused(scheduler: Scheduler) -> None:
+    # 120 letters and BOS, and 8 new tokens, are one more than the context of 128.
+    assert scheduler.engine.base.context_length == 128
+    with pytest.raises(
+        ConfigurationError,
+        match=r"prompt's 121 tokens plus max_new_tokens=8 do not fit the context of the base "
+        r"model \S+ \(128 tokens\)",
+    ):
+        submit(scheduler, "x" * 120, BASE, max_new_tokens=8)
+    submit(scheduler, "x" * 120, BASE, max_new_tokens=7).result(timeout_s=60)
+    with pytest.raises(ConfigurationError, match="the prompt is empty"):
+        scheduler.submit([], BASE, SamplingParams())
     with pytest.raises(ConfigurationError, match=r"top_p=1\.5"):
         SamplingParams(top_p=1.5)
+
+
+@pytest.mark.parametrize(
+    ("end", "params", "pieces", "reason"),
+    [
+        (EOS, {}, ["", "é", "", "", "中", "", "", "", "😀", ""], FinishReason.EOS_TOKEN),
+        (IM_END, {}, ["", "é", "", "", "中", "", "", "", "😀", ""], FinishReason.EOS_TOKEN),
+        # Cut inside 中 by the length limit: the last piece flushes what was held back.
+        (EOS, {"max_new_tokens": 4}, ["", "é", "", "\ufffd"], FinishReason.LENGTH),
+        (EOS, {"stop": ("中",)}, ["", "é", "", "", "中"], FinishReason.STOP_SEQUENCE),
+    ],
+)
+def test_a_request_ends_at_any_end_id_and_its_pieces_add_up_to_its_text(
+    reference: TorchEngine,
+    end: str,
+    params: dict[str, Any],
+    pieces: list[str],
+    reason: FinishReason,
+) -> None:
+    codec = reference.codec
+    # One token per byte: é is 2 tokens, 中 3 and 😀 4.
+    answer = codec.tokenizer("é中😀", add_special_tokens=False)["input_ids"]
+    tokens = [*answer, codec.tokenizer.convert_tokens_to_ids(end)]
+    assert len(tokens) == 10 and tokens[-1] in codec.eos_ids
+    request = Request([1], BASE, SamplingParams(**({"max_new_tokens": 20} | params)), codec)
+    ended = [request.push(token, -1.0) for token in tokens[: len(pieces)]]
+    assert ended == [False] * (len(pieces) - 1) + [True]
+    *events, generation = request.events(timeout_s=1)
+    assert isinstance(generation, Generation)
+    assert [e.text for e in events if isinstance(e, TokenEvent)] == pieces
+    assert generation.text == "".join(pieces) == codec.decode(tokens[: len(pieces)])
+    assert generation.finish_reason is reason
 
 
 def long_running(
