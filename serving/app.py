@@ -3,8 +3,9 @@
 - TGI: `POST /generate`, `POST /generate_stream` (server-sent events), and `POST /` (what
   `huggingface_hub.InferenceClient.text_generation` sends, streaming or not);
   `parameters.adapter_id` names the revision (`name@alias` or `name:rN`; none: the base).
-- OpenAI: `/v1/completions`, `/v1/chat/completions` (both streaming too), `/v1/models` (ready
-  revisions, `parent` = the base); `model` names the revision or the base.
+- OpenAI: `/v1/completions`, `/v1/chat/completions` (both streaming too; chat applies the
+  base's chat template, and a base without one answers 422), `/v1/models` (ready revisions,
+  `parent` = the base's model id); `model` names the revision or the base.
 - MinT: `GET /v1/adapters/{name}` (readiness and residency of each revision the caller may
   use), `/health`, `/metrics` (Prometheus), and the admin endpoints under `/admin` (admit,
   sync, events), which need a key of an admin principal whenever the worker has API keys.
@@ -15,6 +16,10 @@ shape, `error` and `error_type`, plus the names that explain them: unknown key 4
 anything unexpected 500 (details in the log only). Inside a stream, an error is one last
 event of that shape. Values echoed in messages are cut short (`shorten`), and no body or event
 carries NaN or Infinity, which JSON does not have (`json_bytes`).
+
+Prompts are the base's own tokens (its tokenizer, its chat template); a prompt that does not fit
+the base's context with its `max_new_tokens` answers 422. Streamed text comes in the pieces of
+an incremental detokenizer, which add up to exactly the text a non-streamed answer holds.
 """
 
 import logging
@@ -45,8 +50,8 @@ from mint_core.errors import (
     NotFoundError,
     RegistryError,
 )
+from mint_core.model.generate import FinishReason, Generation
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
-from mint_core.textgen import FinishReason, Generation
 from serving.sampling import SamplingParams
 from serving.scheduler import Request as Generating
 from serving.scheduler import TokenEvent
@@ -150,10 +155,6 @@ class ChatMessage(BaseModel):
 class ChatRequest(OpenAIRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-
-    def prompt(self) -> str:
-        # The tiny base has no chat template: the prompt is the messages' text, in order.
-        return "\n".join(message.content for message in self.messages)
 
 
 class AdmitRequest(BaseModel):
@@ -327,8 +328,14 @@ def create_app(
 
     app = FastAPI(title="MinT serving worker", lifespan=lifespan, default_response_class=JSONAnswer)
     engine = worker.engine
-    tokenizer = engine.tokenizer
+    codec = engine.codec
     base_id = engine.base.model_id
+    # What decoding leaves out of the text: the named special tokens and every added token
+    # marked special (`<|im_end|>` is often neither BOS, EOS nor PAD).
+    added = codec.tokenizer.added_tokens_decoder
+    special_ids = frozenset(codec.tokenizer.all_special_ids) | {
+        token_id for token_id, token in added.items() if token.special
+    }
     keys = dict(api_keys or {})
     admins = frozenset(admin_principals)
 
@@ -358,13 +365,14 @@ def create_app(
         app.add_exception_handler(raised, _answer_error)
 
     def start(
-        prompt: str, model: str | None, params: SamplingParams, who: str
+        prompt_ids: list[int], model: str | None, params: SamplingParams, who: str
     ) -> tuple[str, Generating]:
         """Route `model` (a revision reference, or none/the base id for the base) through the
-        readiness gate and queue the generation; the name of what serves it, and the request."""
+        readiness gate and queue the generation of `prompt_ids`; the name of what serves it,
+        and the request."""
         ref = None if model in (None, "", base_id, "base") else RevisionRef.parse(model)
         revision, key = worker.route(ref, who)
-        return (str(revision) if revision else base_id), worker.generate(prompt, key, params)
+        return (str(revision) if revision else base_id), worker.generate(prompt_ids, key, params)
 
     def streamed(
         generating: Generating, served: str, events: Callable[[TokenEvent | Generation], str]
@@ -392,7 +400,7 @@ def create_app(
             "id": event.token_id,
             "text": event.text,
             "logprob": event.logprob,
-            "special": event.token_id < 32,
+            "special": event.token_id in special_ids,
         }
 
     def tgi_details(generation: Generation) -> dict[str, object]:
@@ -404,21 +412,22 @@ def create_app(
 
     def tgi_generate(body: GenerateRequest, who: str) -> tuple[dict[str, object], str]:
         params = body.parameters
-        served, generating = start(body.inputs, params.adapter_id, params.sampling(), who)
-        generation = generating.result()
+        prompt_ids = codec.encode(body.inputs)
+        served, generating = start(prompt_ids, params.adapter_id, params.sampling(), who)
+        # The token events carry the detokenizer's pieces: each token's text in `details`.
+        *tokens, generation = generating.events()
+        assert isinstance(generation, Generation)
         prefix = body.inputs if params.return_full_text else ""
         payload: dict[str, object] = {"generated_text": prefix + generation.text}
         if params.details:
-            tokens = [
-                tgi_token(TokenEvent(t, tokenizer.token_text(t), p))
-                for t, p in zip(generation.token_ids, generation.logprobs, strict=True)
-            ]
-            payload["details"] = tgi_details(generation) | {"prefill": [], "tokens": tokens}
+            sent = [tgi_token(token) for token in tokens if isinstance(token, TokenEvent)]
+            payload["details"] = tgi_details(generation) | {"prefill": [], "tokens": sent}
         return payload, served
 
     def tgi_stream(body: GenerateRequest, who: str) -> StreamingResponse:
         params = body.parameters
-        served, generating = start(body.inputs, params.adapter_id, params.sampling(), who)
+        prompt_ids = codec.encode(body.inputs)
+        served, generating = start(prompt_ids, params.adapter_id, params.sampling(), who)
         prefix = body.inputs if params.return_full_text else ""
         # Each token is sent when the next event comes: the last one carries the totals.
         pending: list[TokenEvent] = []
@@ -496,6 +505,7 @@ def create_app(
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         if not prompts:
             raise ConfigurationError("prompt is an empty list; send at least one prompt")
+        encoded = [codec.encode(prompt) for prompt in prompts]
         common = {
             "id": f"cmpl-{uuid.uuid4().hex}",
             "object": "text_completion",
@@ -504,16 +514,16 @@ def create_app(
         if body.stream:
             if len(prompts) != 1:
                 raise ConfigurationError("streaming takes one prompt; send a string")
-            served, generating = start(prompts[0], body.model, params, who)
+            served, generating = start(encoded[0], body.model, params, who)
 
             def chunk(text: str, finish: str | None) -> dict[str, object]:
                 choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
                 return common | {"model": served, "choices": [choice]}
 
             return openai_stream(generating, served, params, chunk)
-        started = [start(prompt, body.model, params, who) for prompt in prompts]
+        started = [start(prompt_ids, body.model, params, who) for prompt_ids in encoded]
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        for index, (prompt, (_, generating)) in enumerate(zip(prompts, started, strict=True)):
+        for index, (prompt_ids, (_, generating)) in enumerate(zip(encoded, started, strict=True)):
             generation = generating.result()
             choices.append(
                 {
@@ -523,7 +533,7 @@ def create_app(
                     "finish_reason": _openai_finish(generation),
                 }
             )
-            usage["prompt_tokens"] += len(tokenizer.encode(prompt))
+            usage["prompt_tokens"] += len(prompt_ids)
             usage["completion_tokens"] += len(generation.token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         served = started[0][0]
@@ -533,8 +543,9 @@ def create_app(
     @app.post("/v1/chat/completions", response_model=None)
     def chat_completions(body: ChatRequest, who: Principal) -> Response:
         params = body.sampling(body.max_completion_tokens)
-        prompt = body.prompt()
-        served, generating = start(prompt, body.model, params, who)
+        # ConfigurationError (422) naming the base when it has no chat template.
+        prompt_ids = codec.encode_chat([message.model_dump() for message in body.messages])
+        served, generating = start(prompt_ids, body.model, params, who)
         common = {
             "id": f"chatcmpl-{uuid.uuid4().hex}",
             "created": int(time.time()),
@@ -554,7 +565,7 @@ def create_app(
             return openai_stream(generating, served, params, chunk)
         generation = generating.result()
         message = {"role": "assistant", "content": _openai_text(generation, params.stop)}
-        prompt_tokens = len(tokenizer.encode(prompt))
+        prompt_tokens = len(prompt_ids)
         payload = common | {
             "object": "chat.completion",
             "choices": [
@@ -582,13 +593,16 @@ def create_app(
 
     @app.get("/health")
     def health() -> dict[str, object]:
-        """`ok`, or `degraded` while the registry cannot be reached (serving goes on)."""
+        """`ok`, or `degraded` while the registry cannot be reached (serving goes on); and the
+        base it serves: model id, weights digest, family and context length."""
         return {
             "status": "degraded" if worker.degraded else "ok",
             "degraded_reason": worker.degraded,
             "last_sync": worker.catalog.last_sync,
             "base_model": base_id,
             "base_digest": engine.base.digest,
+            "base_family": engine.base.family,
+            "context_length": engine.base.context_length,
             "queue_depth": worker.scheduler.queue_depth,
             "batch_size": worker.scheduler.batch_size,
             "request_path_loads": worker.request_path_loads,

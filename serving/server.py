@@ -9,9 +9,9 @@ import uvicorn
 from transformers.utils import logging as transformers_logging
 
 from mint_core.artifact_store import open_store
-from mint_core.base_model import load_base
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
+from mint_core.model.base import load_base
 from mint_core.registry import Registry
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
 from serving.app import create_app

@@ -26,6 +26,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +53,9 @@ from serving.scheduler import DEFAULT_MAX_BATCH, Request, Scheduler
 
 log = logging.getLogger(__name__)
 
-WARMUP_PROMPT = "warm="
+WARMUP_TEXT = "Hello"
+"""A neutral prompt for the warm-up generation, in the base's own tokens (whatever the base)."""
+WARMUP_TOKENS = 2
 WARMUP_TIMEOUT_S = 120.0
 DEFAULT_HOST_CACHE_BYTES = 1 << 30
 DEFAULT_SYNC_INTERVAL_S = 1.0
@@ -243,11 +246,12 @@ class Worker:
         return revision, str(revision)
 
     def generate(
-        self, prompt: str, key: str, params: SamplingParams, warm_up: bool = False
+        self, prompt_ids: Sequence[int], key: str, params: SamplingParams, warm_up: bool = False
     ) -> Request:
-        """Queue a generation for a routed engine key; iterate the request for its tokens.
-        `warm_up` marks prewarm's own generation."""
-        return self.scheduler.submit(self.engine.tokenizer.encode(prompt), key, params, warm_up)
+        """Queue a generation of prompt token ids (the caller encodes: plain or with the chat
+        template) for a routed engine key; iterate the request for its tokens. `warm_up` marks
+        prewarm's own generation."""
+        return self.scheduler.submit(list(prompt_ids), key, params, warm_up)
 
     @property
     def request_path_loads(self) -> int:
@@ -308,10 +312,12 @@ class Worker:
         with self._lock:
             self._set(revision, Readiness.FETCHING)
         registered = self.catalog.record(revision)
-        if registered.policy.base_digest != self.engine.base.digest:
+        policy, base = registered.policy, self.engine.base
+        if policy.base_digest != base.digest:
             raise BaseMismatchError(
-                f"{revision} was trained on base {registered.policy.base_digest}; this worker "
-                f"serves {self.engine.base.digest}"
+                f"{revision} was trained on the base {policy.base_model_id} "
+                f"({policy.base_digest}); this worker serves {base.model_id} ({base.digest}): "
+                "serve it from a worker whose MINT_BASE_MODEL is that base"
             )
         try:
             adapter = load_packed(self._fetch(registered.artifact_uri))
@@ -333,8 +339,9 @@ class Worker:
         with self._lock:
             self._policies[revision] = registered.policy
             self._set(revision, Readiness.WARMING)
-        warm_up = SamplingParams(max_new_tokens=2)
-        self.generate(WARMUP_PROMPT, key, warm_up, warm_up=True).result(timeout_s=WARMUP_TIMEOUT_S)
+        prompt = self.engine.codec.encode(WARMUP_TEXT)
+        warm_up = SamplingParams(max_new_tokens=WARMUP_TOKENS)
+        self.generate(prompt, key, warm_up, warm_up=True).result(timeout_s=WARMUP_TIMEOUT_S)
         with self._lock:
             self._set(revision, Readiness.READY)
 

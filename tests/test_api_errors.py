@@ -18,22 +18,19 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mint_core.artifact_store import open_store
-from mint_core.base_model import load_base
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.errors import ServiceError
 from mint_core.registry import Registry
 from mint_core.services import ManagedProcess
-from mint_core.tokenizer import CharTokenizer
 from serving.app import ECHO_LIMIT, create_app
 from serving.client import WorkerClient
 from serving.engine import BASE, TorchEngine
 from serving.sampling import SamplingParams
 from serving.scheduler import Request, TokenEvent
 from serving.worker import Worker
-from tests.helpers import ENGINE_SPEC
+from tests.helpers import ENGINE_SPEC, tiny_base
 
-TOKEN = CharTokenizer().encode("A", bos=False)[0]
 LONG = 10_000
 """Length of the values sent to see how much of them comes back."""
 CHAT = [{"role": "user", "content": "a="}]
@@ -46,7 +43,7 @@ def local_worker(
     home = tmp_path_factory.mktemp("api-errors")
     config = MintConfig(home=home, tracking_uri=mlflow_server.url)
     worker = Worker(
-        TorchEngine(load_base(ENGINE_SPEC, home)),
+        TorchEngine(tiny_base(ENGINE_SPEC, home)),
         Catalog(Registry(config.tracking_uri)),
         open_store(config),
         sync_interval_s=3600,
@@ -88,14 +85,22 @@ def sse_events(response: httpx.Response) -> list[dict[str, object]]:
     return [strict_json(text) for text in data if text != "[DONE]"]
 
 
-def driven(events: list[TokenEvent | ServiceError], max_new_tokens: int) -> Request:
-    """A scheduler request whose tokens (or failure) the test decides."""
-    request = Request([CharTokenizer.bos_id], BASE, SamplingParams(max_new_tokens))
+def token_a(worker: Worker) -> int:
+    """The base's token for the text "A"."""
+    (token,) = worker.engine.codec.tokenizer("A", add_special_tokens=False)["input_ids"]
+    return token
+
+
+def driven(
+    worker: Worker, events: list[tuple[int, float] | ServiceError], max_new_tokens: int
+) -> Request:
+    """A scheduler request whose tokens and log-probabilities (or failure) the test decides."""
+    request = Request([0], BASE, SamplingParams(max_new_tokens), worker.engine.codec)
     for event in events:
         if isinstance(event, ServiceError):
             request.fail(event)
         else:
-            request.push(event.token_id, event.logprob, event.text, CharTokenizer.eos_id)
+            request.push(*event)
     return request
 
 
@@ -214,13 +219,13 @@ def test_an_error_inside_a_stream_is_one_last_event_in_the_same_shape(
     api: TestClient, local_worker: Worker, monkeypatch: pytest.MonkeyPatch, path: str, body: object
 ) -> None:
     failure = ServiceError("the engine failed a step: RuntimeError: boom")
-    tokens = [TokenEvent(TOKEN, "A", -0.5)] * 2
-    serve_next(monkeypatch, local_worker, driven([*tokens, failure], max_new_tokens=4))
+    tokens: list[tuple[int, float] | ServiceError] = [(token_a(local_worker), -0.5)] * 2
+    serve_next(monkeypatch, local_worker, driven(local_worker, [*tokens, failure], 4))
     streamed = api.post(path, json=body)
     assert streamed.status_code == 200
     *sent, last = sse_events(streamed)
     assert sent, "the tokens before the failure were streamed"
-    serve_next(monkeypatch, local_worker, driven([*tokens, failure], max_new_tokens=4))
+    serve_next(monkeypatch, local_worker, driven(local_worker, [*tokens, failure], 4))
     answered = api.post("/generate", json={"inputs": "a="})
     assert error_of(answered, 503, "service") == str(failure)
     assert last == answered.json()
@@ -234,10 +239,10 @@ def test_an_unexpected_failure_inside_a_stream_is_logged_not_sent(
 ) -> None:
     class Crashing(Request):
         def events(self, timeout_s: float | None = None) -> Iterator[TokenEvent]:
-            yield from [TokenEvent(TOKEN, "A", -0.5)] * 2
+            yield from [TokenEvent(token_a(local_worker), "A", -0.5)] * 2
             raise RuntimeError("secret internals")
 
-    request = Crashing([CharTokenizer.bos_id], BASE, SamplingParams(4))
+    request = Crashing([0], BASE, SamplingParams(4), local_worker.engine.codec)
     serve_next(monkeypatch, local_worker, request)
     with caplog.at_level(logging.ERROR, logger="serving.app"):
         streamed = api.post("/generate_stream", json={"inputs": "a="})
@@ -253,15 +258,17 @@ def test_an_unexpected_failure_inside_a_stream_is_logged_not_sent(
 def test_non_finite_logprobs_are_sent_as_null(
     api: TestClient, local_worker: Worker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tokens = [TokenEvent(TOKEN, "A", logprob) for logprob in (math.nan, -math.inf, -0.5)]
-    serve_next(monkeypatch, local_worker, driven(tokens, max_new_tokens=3))
+    tokens: list[tuple[int, float] | ServiceError] = [
+        (token_a(local_worker), logprob) for logprob in (math.nan, -math.inf, -0.5)
+    ]
+    serve_next(monkeypatch, local_worker, driven(local_worker, tokens, max_new_tokens=3))
     details = {"inputs": "a=", "parameters": {"details": True}}
     answered = api.post("/generate", json=details)
     assert answered.status_code == 200, answered.text
     sent = strict_json(answered.text)["details"]["tokens"]  # type: ignore[index]
     assert [token["logprob"] for token in sent] == [None, None, -0.5]
 
-    serve_next(monkeypatch, local_worker, driven(tokens, max_new_tokens=3))
+    serve_next(monkeypatch, local_worker, driven(local_worker, tokens, max_new_tokens=3))
     streamed = api.post("/generate_stream", json=details)
     assert [event["token"]["logprob"] for event in sse_events(streamed)] == [None, None, -0.5]  # type: ignore[index]
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from mint_core.artifact_store import open_store
-from mint_core.base_model import BaseModel, load_base
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
+from mint_core.model.base import BaseModel, load_base
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
 from mint_core.services import start_mlflow
@@ -105,8 +105,9 @@ def test_request_path_loads_counts_what_a_users_request_waited_for(
 
         # A user's request for the first waits for its copy into the slot; then it is a hit.
         params = SamplingParams(max_new_tokens=2)
+        prompt = worker.engine.codec.encode("abc=")
         for loads in (1, 1):
-            worker.generate("abc=", str(first), params).result(timeout_s=60)
+            worker.generate(prompt, str(first), params).result(timeout_s=60)
             assert worker.request_path_loads == loads
         # A fetch from a request's thread (the readiness gate never makes one) counts too.
         worker._fetch(worker.catalog.record(first).artifact_uri)
