@@ -30,7 +30,7 @@ from tests.helpers import create_bucket
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)
 
 
-def tiny_base(spec: TinySpec, home: Path) -> BaseSource:
+def tiny_source(spec: TinySpec, home: Path) -> BaseSource:
     """`spec`'s model folder, built under `home`, as MINT_BASE_MODEL would name it."""
     return BaseSource(str(ensure_tiny(spec, home / "base")))
 
@@ -45,13 +45,15 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> TrainedAdapter:
     data = read(toy.write_task_data(toy.Task.UPPER, home / "data", rows=32))
     held_out = read(toy.write_held_out_data(toy.Task.UPPER, home / "data", count=8))
     config = TrainingConfig(steps=3, batch_size=4)
-    return train_lora(tiny_base(TINY, home), home, data, held_out, home / "adapter", config)
+    return train_lora(tiny_source(TINY, home), home, data, held_out, home / "adapter", config)
 
 
 def test_base_is_deterministic_from_its_spec(tmp_path: Path) -> None:
-    first = load_base(tiny_base(TINY, tmp_path / "a"), tmp_path / "a")
-    second = load_base(tiny_base(TINY, tmp_path / "b"), tmp_path / "b")
-    other = load_base(tiny_base(dataclasses.replace(TINY, seed=1), tmp_path / "c"), tmp_path / "c")
+    first = load_base(tiny_source(TINY, tmp_path / "a"), tmp_path / "a")
+    second = load_base(tiny_source(TINY, tmp_path / "b"), tmp_path / "b")
+    other = load_base(
+        tiny_source(dataclasses.replace(TINY, seed=1), tmp_path / "c"), tmp_path / "c"
+    )
     assert first.identity == second.identity
     assert first.digest != other.digest
 

@@ -11,10 +11,19 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-from mint_core.base_model import BaseModelSpec, load_base
-from mint_core.datasets import Task, held_out_words, prompt_for
 from mint_core.errors import ConfigurationError, IntegrityError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, freeze
+from mint_core.model.base import BaseSource, load_base
+from mint_core.model.datasets import parse_jsonl
+from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.model.toy import (
+    Task,
+    held_out_words,
+    prompt_for,
+    write_held_out_data,
+    write_task_data,
+)
+from mint_core.model.training import TrainingConfig, train_lora
 from mint_core.moe_reference import MoeLoraShape, moe_adapter_config, moe_lora_tensors
 from mint_core.packing import (
     load,
@@ -26,7 +35,6 @@ from mint_core.packing import (
     unpack,
     verify,
 )
-from mint_core.training import TrainingConfig, train_lora
 from serving.engine import TorchEngine
 
 SMALL_MOE = MoeLoraShape(layers=3, experts=4, hidden=64, expert_intermediate=32, query_heads=4,
@@ -183,12 +191,19 @@ def test_damaged_shard_fails_verify_and_load_naming_it(
 
 
 def test_packed_adapter_serves_exactly_like_its_peft_form(tmp_path: Path) -> None:
-    spec = BaseModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                         pretrain_steps=20, pretrain_batch_size=8)  # fmt: skip
-    base = load_base(spec, tmp_path / "home")
-    trained = train_lora(
-        base, Task.REVERSE, tmp_path / "peft", TrainingConfig(steps=20, batch_size=8)
+    spec = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                    pretrain_steps=20, pretrain_batch_size=8)  # fmt: skip
+    source = BaseSource(str(ensure_tiny(spec, tmp_path / "home" / "base")))
+    data, held_out = (
+        parse_jsonl(path.read_bytes(), str(path))
+        for path in (
+            write_task_data(Task.REVERSE, tmp_path / "data", rows=160),
+            write_held_out_data(Task.REVERSE, tmp_path / "data", count=8),
+        )
     )
+    trained = train_lora(source, tmp_path / "home", data, held_out, tmp_path / "peft",
+                         TrainingConfig(steps=20, batch_size=8))  # fmt: skip
+    base = load_base(source, tmp_path / "home")
     pack(freeze(trained.path, tmp_path / "frozen"), tmp_path / "packed")
     packed = load(tmp_path / "packed")
 
