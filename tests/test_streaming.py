@@ -284,3 +284,11 @@ def test_a_prompt_that_does_not_fit_the_context_answers_422_with_both_numbers(
     message = response.json()["error"]
     assert "prompt's 112 tokens plus max_new_tokens=20 do not fit the context" in message
     assert "(128 tokens)" in message
+
+
+def test_health_and_models_name_the_base(api: TestClient, folders: dict[str, Path]) -> None:
+    health = ok(api.get("/health"))
+    assert health["base_model"] == folders["chat"].name == "forced"
+    assert (health["base_family"], health["context_length"]) == ("llama", SPEC.context_length)
+    assert health["base_digest"].startswith("sha256:")
+    assert [model["id"] for model in ok(api.get("/v1/models"))["data"]] == ["forced"]
