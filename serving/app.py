@@ -126,6 +126,9 @@ class OpenAIRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     stream: bool = False
+    return_token_ids: bool = False
+    """vLLM's extension: each choice also carries its generated `token_ids`, and the answer
+    its `prompt_token_ids` (what tokenization and the chat template made of the input)."""
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         if self.n != 1:
@@ -525,14 +528,15 @@ def create_app(
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
         for index, (prompt_ids, (_, generating)) in enumerate(zip(encoded, started, strict=True)):
             generation = generating.result()
-            choices.append(
-                {
-                    "index": index,
-                    "text": _openai_text(generation, params.stop),
-                    "logprobs": None,
-                    "finish_reason": _openai_finish(generation),
-                }
-            )
+            choice = {
+                "index": index,
+                "text": _openai_text(generation, params.stop),
+                "logprobs": None,
+                "finish_reason": _openai_finish(generation),
+            }
+            if body.return_token_ids:
+                choice |= {"prompt_token_ids": prompt_ids, "token_ids": generation.token_ids}
+            choices.append(choice)
             usage["prompt_tokens"] += len(prompt_ids)
             usage["completion_tokens"] += len(generation.token_ids)
         usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
@@ -566,11 +570,13 @@ def create_app(
         generation = generating.result()
         message = {"role": "assistant", "content": _openai_text(generation, params.stop)}
         prompt_tokens = len(prompt_ids)
+        choice = {"index": 0, "message": message, "finish_reason": _openai_finish(generation)}
+        if body.return_token_ids:
+            choice["token_ids"] = generation.token_ids
+            common["prompt_token_ids"] = prompt_ids
         payload = common | {
             "object": "chat.completion",
-            "choices": [
-                {"index": 0, "message": message, "finish_reason": _openai_finish(generation)}
-            ],
+            "choices": [choice],
             "usage": {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": len(generation.token_ids),

@@ -26,7 +26,7 @@ def build_worker(config: MintConfig) -> Worker:
     engine = TorchEngine(load_base(config.base, config.home), slots=config.device_slots)
     return Worker(
         engine,
-        Catalog(Registry(config.tracking_uri), config.pins),
+        Catalog(Registry(config.tracking_uri), config.pins, engine.base.digest),
         open_store(config),
         host_cache_bytes=config.host_cache_mb << 20,
         max_batch=config.max_batch,

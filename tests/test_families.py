@@ -184,5 +184,5 @@ def test_an_adapter_released_on_each_family_answers_as_peft_does(
 
 def test_the_worker_reports_its_base(family_base: FamilyBase) -> None:
     health = httpx.get(family_base.worker.url + "/health", timeout=10).json()
-    assert health["base"]["model_id"] == family_base.folder.name
-    assert health["base"]["family"] == family_base.family
+    assert health["base_model"] == family_base.folder.name
+    assert health["base_family"] == family_base.family
