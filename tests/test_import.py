@@ -3,38 +3,42 @@ of projections) are checked against the base, released through the pipeline from
 and served with exactly the answers PEFT's own PeftModel gives."""
 
 import copy
+import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from peft import LoraConfig, PeftModel
+from safetensors.torch import save_file
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mint_cli import main as mint
-from mint_core.base_model import BaseModel, BaseModelSpec, load_base
 from mint_core.config import MintConfig
-from mint_core.datasets import held_out_words, prompt_for
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError
-from mint_core.imports import inspect_import
+from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS
+from mint_core.model.base import BaseModel
+from mint_core.model.generate import greedy_generate
+from mint_core.model.imports import inspect_import
+from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec
+from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
-from mint_core.textgen import greedy_generate
-from mint_core.tokenizer import CharTokenizer
 from serving.client import WorkerClient
-from tests.helpers import random_lora
-
-pytestmark = pytest.mark.slow
+from tests.helpers import random_lora, tiny_base
 
 PROMPTS = [prompt_for(word) for word in held_out_words()[:16]]
 
 
-def made_elsewhere(base: BaseModel, folder: Path, lora: LoraConfig, seed: int) -> Path:
+def made_elsewhere(model: torch.nn.Module, folder: Path, lora: LoraConfig, seed: int) -> Path:
     """A PEFT adapter as another team's training would save it: random (non-zero) LoRA weights
     standing in for whatever they learned, saved with PeftModel.save_pretrained."""
-    random_lora(base.model, lora, seed, std=0.3).save_pretrained(
-        folder, save_embedding_layers=False
-    )
+    random_lora(model, lora, seed, std=0.3).save_pretrained(folder, save_embedding_layers=False)
     return folder
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "lora"),
     [
@@ -48,10 +52,11 @@ def made_elsewhere(base: BaseModel, folder: Path, lora: LoraConfig, seed: int) -
 def test_imported_adapter_serves_exactly_what_peft_gives(
     name: str, lora: LoraConfig, base: BaseModel, fleet_config: MintConfig, tmp_path: Path
 ) -> None:
-    folder = made_elsewhere(base, tmp_path / name, lora, seed=len(name))
+    folder = made_elsewhere(base.model, tmp_path / name, lora, seed=len(name))
     reference = PeftModel.from_pretrained(copy.deepcopy(base.model), folder).eval()
-    expected = [g.text for g in greedy_generate(reference, CharTokenizer(), PROMPTS, 20)]
-    assert expected != [g.text for g in greedy_generate(base.model, CharTokenizer(), PROMPTS, 20)]
+    prompt_ids = [base.codec.encode(prompt) for prompt in PROMPTS]
+    expected = [g.text for g in greedy_generate(reference, base.codec, prompt_ids, 20)]
+    assert expected != [g.text for g in greedy_generate(base.model, base.codec, prompt_ids, 20)]
 
     assert mint(["import", str(folder), "--adapter", name, "--actor", "partner-team"]) == 0
 
@@ -60,30 +65,101 @@ def test_imported_adapter_serves_exactly_what_peft_gives(
     assert [text for text, _ in served] == expected
     assert {revision for _, revision in served} == {f"{name}:r1"}
     policy = Registry(fleet_config.tracking_uri).resolve(RevisionRef(name)).policy
-    assert (policy.task, policy.lora_rank, policy.lora_alpha, policy.created_by) == (
-        "imported", lora.r, lora.lora_alpha, "partner-team")  # fmt: skip
+    assert (policy.dataset, policy.training_steps, policy.lora_rank, policy.lora_alpha,
+            policy.created_by) == ("", 0, lora.r, lora.lora_alpha, "partner-team")  # fmt: skip
 
 
-def test_adapter_for_another_base_is_refused_before_anything_is_registered(
-    base: BaseModel, fleet_config: MintConfig, tmp_path: Path
+def qwen3_adapter(folder: Path, base: BaseModel) -> Path:
+    """A LoRA made on another family and size: a tiny Qwen3 (grouped-query attention, q/k
+    norms, untied embeddings) 64 wide."""
+    config = Qwen3Config(
+        vocab_size=len(SPECIAL_TOKENS) + 256, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    lora = LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    return made_elsewhere(Qwen3ForCausalLM(config), folder, lora, seed=1)
+
+
+def narrow_llama_adapter(folder: Path, base: BaseModel) -> Path:
+    """A LoRA made on the serving base's family but another width (32)."""
+    other = tiny_base(TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                               pretrain_steps=0), folder.parent / "other-home")  # fmt: skip
+    return made_elsewhere(other.model, folder, LoraConfig(r=2, target_modules=["q_proj"]), 1)
+
+
+def q_norm_adapter(folder: Path, base: BaseModel) -> Path:
+    """A LoRA on Qwen3's q_norm, as a trainer other than PEFT (which cannot adapt a norm)
+    might write one."""
+    module = "base_model.model.model.layers.0.self_attn.q_norm"
+    folder.mkdir(parents=True)
+    tensors = {f"{module}.lora_A.weight": torch.randn(2, 32),
+               f"{module}.lora_B.weight": torch.randn(32, 2)}  # fmt: skip
+    save_file(tensors, folder / PEFT_WEIGHTS, metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_norm"]}
+    (folder / PEFT_CONFIG).write_text(json.dumps(config))
+    return folder
+
+
+def lm_head_adapter(folder: Path, base: BaseModel) -> Path:
+    lora = LoraConfig(r=2, target_modules=["q_proj", "lm_head"])
+    return made_elsewhere(base.model, folder, lora, seed=1)
+
+
+def embedding_adapter(folder: Path, base: BaseModel) -> Path:
+    return made_elsewhere(base.model, folder, LoraConfig(r=2, target_modules=["embed_tokens"]), 1)
+
+
+NOT_FOR_THIS_BASE: dict[str, tuple[Callable[[Path, BaseModel], Path], str]] = {
+    "qwen3": (qwen3_adapter,
+              r"'base_model\.model\.model\.layers\.0\.self_attn\.k_proj\.lora_A\.weight' has "
+              r"shape \[2, 64\], but model\.layers\.0\.self_attn\.k_proj of the base "
+              r"mint-tiny-llama-\w+ is \d+x\d+ \(out x in\); this adapter was made for another "
+              "model"),
+    "narrow-llama": (narrow_llama_adapter, r"q_proj\.lora_A\.weight' has shape \[2, 32\]"),
+    "q_norm": (q_norm_adapter,
+               r"adapts 'model\.layers\.0\.self_attn\.q_norm', which is not a linear layer MinT "
+               r"can serve on the base mint-tiny-llama-\w+ \(llama; embeddings and lm_head are "
+               r"not adaptable\)"),
+    "lm_head": (lm_head_adapter, r"'base_model\.model\.lm_head\.[\w.]+'"),
+    "embed_tokens": (embedding_adapter, r"'base_model\.model\.model\.embed_tokens\.[\w.]+'"),
+}  # fmt: skip
+"""Adapters the serving base cannot take: what makes one, and what the refusal names."""
+
+
+@pytest.mark.parametrize("kind", NOT_FOR_THIS_BASE)
+def test_adapters_for_another_model_or_unservable_modules_are_refused_naming_the_module(
+    kind: str, base: BaseModel, tmp_path: Path
 ) -> None:
-    other = load_base(
-        BaseModelSpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
-                      pretrain_steps=0), tmp_path / "other-home")  # fmt: skip
-    lora = LoraConfig(r=2, target_modules=["q_proj"])
-    folder = made_elsewhere(other, tmp_path / "alien", lora, seed=1)
-    with pytest.raises(BaseMismatchError, match=r"q_proj.lora_A.weight' has shape \[2, 32\]"):
+    make, message = NOT_FOR_THIS_BASE[kind]
+    folder = make(tmp_path / kind, base)
+    with pytest.raises((BaseMismatchError, ConfigurationError), match=message):
         inspect_import(folder, base)
-    assert mint(["import", str(folder), "--adapter", "alien-bot"]) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["qwen3", "narrow-llama"])
+def test_adapter_for_another_base_is_refused_before_anything_is_registered(
+    kind: str,
+    base: BaseModel,
+    fleet_config: MintConfig,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    make, message = NOT_FOR_THIS_BASE[kind]
+    folder = make(tmp_path / kind, base)
+    assert mint(["import", str(folder), "--adapter", f"alien-{kind}"]) == 1
+    printed = capsys.readouterr()
+    assert re.search(message, printed.out + printed.err), printed
     with pytest.raises(NotFoundError):
-        Registry(fleet_config.tracking_uri).revisions("alien-bot")
+        Registry(fleet_config.tracking_uri).revisions(f"alien-{kind}")
 
 
 def test_unsupported_adapters_are_refused_naming_the_problem(
     base: BaseModel, tmp_path: Path
 ) -> None:
     dora = made_elsewhere(
-        base, tmp_path / "dora", LoraConfig(r=2, use_dora=True, target_modules=["q_proj"]), 1
+        base.model, tmp_path / "dora", LoraConfig(r=2, use_dora=True, target_modules=["q_proj"]), 1
     )
     with pytest.raises(ConfigurationError, match="use_dora=True is not supported"):
         inspect_import(dora, base)
