@@ -67,7 +67,8 @@ class TrainingConfig:
         for name, value in (("steps", self.steps), ("max_length", self.max_length)):
             if value is not None and value <= 0:
                 raise ConfigurationError(f"training {name}={value} must be > 0")
-        if self.epochs <= 0 or self.learning_rate <= 0 or not 0 <= self.dropout < 1:
+        # Written so that NaN, which fails every comparison, is refused too.
+        if not (self.epochs > 0 and self.learning_rate > 0 and 0 <= self.dropout < 1):
             raise ConfigurationError(
                 f"training epochs={self.epochs} and learning_rate={self.learning_rate} must be "
                 f"> 0, dropout={self.dropout} in [0, 1)"
