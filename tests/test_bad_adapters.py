@@ -13,12 +13,13 @@ from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
 from mint_cli import main as mint
-from mint_core import freezing, imports
-from mint_core.base_model import BaseModel
+from mint_core import freezing
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError, NotReadyError
 from mint_core.freezing import PEFT_WEIGHTS, freeze
-from mint_core.imports import inspect_import
+from mint_core.model import imports
+from mint_core.model.base import BaseModel
+from mint_core.model.imports import inspect_import
 from mint_core.registry import Registry
 from mint_core.services import ManagedProcess
 from serving.client import WorkerClient
