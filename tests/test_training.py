@@ -19,7 +19,7 @@ from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec, ensure_tiny, save_bas
 from mint_core.model.training import TrainingConfig, exact_match, train_lora
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)
-RECIPE = TrainingConfig(learning_rate=5e-3, batch_size=32)
+RECIPE = TrainingConfig(**toy.RECIPE)  # type: ignore[arg-type]
 """The toy recipe: with 12,800 generated rows, one epoch is 400 steps."""
 
 
