@@ -138,8 +138,9 @@ def test_a_base_folder_without_a_tokenizer_is_refused_saying_what_to_do(
         (folder / name).unlink()
     with pytest.raises(
         ConfigurationError,
-        match=rf"(?s)the base model tiny-base \({folder}\) has no usable tokenizer .*save one "
-        r"beside the weights \(tokenizer\.save_pretrained\)",
+        match=rf"the base model tiny-base \({folder}\) has no usable tokenizer: save the model's "
+        r"tokenizer beside its weights \(tokenizer\.save_pretrained; MinT needs its "
+        r"tokenizer\.json\)",
     ):
         load_base(BaseSource(str(folder)), tmp_path / "home")
 

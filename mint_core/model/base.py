@@ -182,8 +182,9 @@ def load_base(source: BaseSource, home: Path, *, training: bool = False) -> Base
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise ConfigurationError(
-            f"the base model {model_id} ({folder}) has no usable tokenizer ({e}); save one "
-            "beside the weights (tokenizer.save_pretrained) so MinT can turn text into tokens"
+            f"the base model {model_id} ({folder}) has no usable tokenizer: save the model's "
+            "tokenizer beside its weights (tokenizer.save_pretrained; MinT needs its "
+            f"tokenizer.json) so MinT can turn text into tokens (transformers said: {e})"
         ) from e
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigurationError(
