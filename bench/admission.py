@@ -36,11 +36,11 @@ import httpx
 import psutil
 from peft import LoraConfig, get_peft_model
 
-from mint_core.base_model import load_base
 from mint_core.config import MintConfig
+from mint_core.model.base import load_base
+from mint_core.model.generate import seeded
 from mint_core.revisions import RevisionId
 from mint_core.services import start_mlflow, stop_all
-from mint_core.textgen import seeded
 from serving.client import WorkerClient
 from serving.server import start_worker
 from tasks.pipeline import (
@@ -104,13 +104,20 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def tenant_load(
-    url: str, names: list[str], new_tokens: int, stop: EventType, out: "Queue[object]"
+    url: str,
+    names: list[str],
+    new_tokens: int,
+    running: EventType,
+    stop: EventType,
+    out: "Queue[object]",
 ) -> None:
     """Closed-loop clients, one thread per established adapter, in a process of their own (so
-    the pipeline's work in the benchmark's process does not delay their clocks). Puts
-    (monotonic finish time, latency) samples and error texts on `out` when `stop` is set."""
+    the pipeline's work in the benchmark's process does not delay their clocks). Sets `running`
+    once every client has had an answer; puts (monotonic finish time, latency) samples and
+    error texts on `out` when `stop` is set."""
     samples: list[tuple[float, float]] = []
     errors: list[str] = []
+    answered: set[str] = set()
 
     def loop(name: str) -> None:
         body = {"inputs": PROMPT, "parameters": {"adapter_id": f"{name}@production",
@@ -123,6 +130,9 @@ def tenant_load(
                 if response.status_code != 200:
                     errors.append(f"{name}: {response.status_code} {response.text[:200]}")
                 samples.append((done, done - started))
+                answered.add(name)
+                if len(answered) == len(names):
+                    running.set()
 
     threads = [threading.Thread(target=loop, args=(name,)) for name in names]
     for thread in threads:
@@ -138,11 +148,16 @@ class Tenants:
     def __init__(self, url: str, names: list[str], new_tokens: int) -> None:
         context = multiprocessing.get_context("spawn")
         self._stop = context.Event()
+        running = context.Event()
         self._out: Queue[object] = context.Queue()
         self._process = context.Process(
-            target=tenant_load, args=(url, names, new_tokens, self._stop, self._out)
+            target=tenant_load, args=(url, names, new_tokens, running, self._stop, self._out)
         )
         self._process.start()
+        # A spawned process imports this module again (torch, PEFT): seconds on a busy machine.
+        if not running.wait(timeout=300):
+            self._process.kill()
+            raise SystemExit("the tenant clients got no answers within 300 s")
         self.samples: list[tuple[float, float]] = []
         self.errors: list[str] = []
 

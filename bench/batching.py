@@ -28,10 +28,12 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mint_core.base_model import ALL_PROJECTIONS, BaseModel, BaseModelSpec
-from mint_core.datasets import held_out_words
+from mint_core.model.base import DEFAULT_TARGETS, BaseIdentity, BaseModel
+from mint_core.model.generate import greedy_generate, seeded
+from mint_core.model.text import TextCodec
+from mint_core.model.tiny import TinySpec, byte_tokenizer
+from mint_core.model.toy import held_out_words
 from mint_core.residency import Residency
-from mint_core.textgen import greedy_generate, seeded
 from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.metrics import WorkerMetrics
 from serving.sampling import SamplingParams
@@ -40,9 +42,11 @@ from serving.scheduler import Scheduler
 RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
 
 
-def build_base(scale: float) -> BaseModel:
+def build_base(scale: float) -> tuple[BaseModel, TinySpec]:
+    """A random Llama (no pretraining: only the arithmetic counts here) with the byte
+    tokenizer, as the worker would hold it."""
     hidden = max(64, int(1024 * scale) // 16 * 16)
-    spec = BaseModelSpec(
+    spec = TinySpec(
         hidden_size=hidden,
         num_layers=4,
         num_heads=16,
@@ -51,10 +55,12 @@ def build_base(scale: float) -> BaseModel:
     )
     with seeded(0):
         model = LlamaForCausalLM(spec.llama_config()).eval().requires_grad_(False)
+    codec = TextCodec(byte_tokenizer(), None, spec.name)
     # Never end early: every request generates exactly its --new-tokens in every mode.
-    eos = torch.tensor([model.config.eos_token_id])
+    eos = torch.tensor(sorted(codec.eos_ids))
     model.lm_head.register_forward_hook(lambda _m, _i, logits: logits.index_fill(-1, eos, -1e9))
-    return BaseModel(spec=spec, model=model, digest="sha256:bench", path=Path("."))
+    identity = BaseIdentity(spec.name, "sha256:bench")
+    return BaseModel(model=model, codec=codec, identity=identity, path=Path(".")), spec
 
 
 def adapter_states(base: BaseModel, lora: LoraConfig, count: int) -> list[dict[str, torch.Tensor]]:
@@ -81,17 +87,21 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
-    base = build_base(args.scale)
+    base, spec = build_base(args.scale)
     params = sum(p.numel() for p in base.model.parameters())
     print(
-        f"base: hidden {base.spec.hidden_size}, {base.spec.num_layers} layers, "
+        f"base: hidden {spec.hidden_size}, {spec.num_layers} layers, "
         f"{params / 1e6:.1f} M parameters; {args.adapters} adapters of rank {args.rank}"
     )
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(ALL_PROJECTIONS))
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=list(DEFAULT_TARGETS))
     states = adapter_states(base, lora, args.adapters)
     names = [f"adapter-{n:02d}" for n in range(args.adapters)]
-    # Every prompt is `--prompt-tokens` long: a word repeated, cut, then "=".
-    prompts = [(w * 8)[: args.prompt_tokens - 1] + "=" for w in held_out_words(args.adapters)]
+    # Every prompt is `--prompt-tokens` long: BOS, then a word repeated and cut, then "=" (the
+    # byte tokenizer has one token per byte).
+    prompts = [
+        base.codec.encode((w * 8)[: args.prompt_tokens - 2] + "=")
+        for w in held_out_words(args.adapters)
+    ]
 
     peft = PeftModel(copy.deepcopy(base.model), lora, adapter_name=names[0])
     for name, state in zip(names, states, strict=True):
@@ -100,7 +110,7 @@ def main() -> None:
         set_peft_model_state_dict(peft, state, adapter_name=name)
     peft.eval()
     engine = TorchEngine(base, slots=args.adapters)
-    config = lora.to_dict() | {"target_modules": sorted(ALL_PROJECTIONS)}
+    config = lora.to_dict() | {"target_modules": sorted(DEFAULT_TARGETS)}
     host = {
         name: engine.prepare(name, config, state) for name, state in zip(names, states, strict=True)
     }
@@ -114,7 +124,7 @@ def main() -> None:
 
     def mint(keys: list[str]) -> list[tuple[int, ...]]:
         requests = [
-            scheduler.submit(engine.tokenizer.encode(prompt), key, sampling)
+            scheduler.submit(prompt, key, sampling)
             for prompt, key in zip(prompts, keys, strict=True)
         ]
         return [request.result().token_ids for request in requests]
@@ -123,13 +133,13 @@ def main() -> None:
         tokens = []
         for name, prompt in zip(names, prompts, strict=True):
             peft.set_adapter(name)
-            generation = greedy_generate(peft, engine.tokenizer, [prompt], args.new_tokens)[0]
+            generation = greedy_generate(peft, base.codec, [prompt], args.new_tokens)[0]
             tokens.append(generation.token_ids)
         return tokens
 
     def peft_mixed() -> list[tuple[int, ...]]:
         generations = greedy_generate(
-            peft, engine.tokenizer, prompts, args.new_tokens, adapter_names=names
+            peft, base.codec, prompts, args.new_tokens, adapter_names=names
         )
         return [g.token_ids for g in generations]
 
@@ -162,7 +172,7 @@ def main() -> None:
         print(f"  {name:<26} {value:6.2f}x")
     print(f"  same tokens as MinT mixed: {same}")
     result = {
-        "model": {"hidden": base.spec.hidden_size, "layers": base.spec.num_layers},
+        "model": {"hidden": spec.hidden_size, "layers": spec.num_layers},
         "parameters": params,
         "adapters": args.adapters,
         "rank": args.rank,

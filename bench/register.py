@@ -36,16 +36,16 @@ def policy(adapter: str, number: int) -> PolicyRecord:
         content_digest=sha256_json([adapter, number]),
         base_model_id="mint-tiny-llama-bench",
         base_digest=BASE_DIGEST,
-        task="upper",
-        training_steps=200,
+        training_steps=400,
         dataset_digest=sha256_json(["data", number]),
         lora_rank=8,
         lora_alpha=16,
         target_modules=("q_proj", "v_proj"),
         created_by="bench",
         created_at=datetime.now(UTC).isoformat(),
+        dataset="/data/bench.jsonl",
         parent_revision=number - 1 if number > 1 else None,
-        eval_metrics={"held_out_accuracy": 0.9},
+        eval_metrics={"eval_loss": 0.1, "eval_exact_match": 0.9},
     )
 
 
