@@ -1,30 +1,25 @@
-"""Recipe benchmark: how far above the release test's floors the demo's training recipe lands.
+"""Recipe benchmark: how far above the release test's floors the toy training recipe lands.
 
-The release test (tests/test_release.py) wants each demo adapter to answer its own task exactly
-on >= 80% of the held-out words, the wrong adapter and the base to answer the other tasks on
-(almost) none, and the base to echo. Floating-point kernels differ between CPUs and thread
-counts, the base is pretrained where the tests run, and a tiny difference early in training
-grows into another model: a recipe is only safe if its WORST case clears the floors.
+The release test wants an adapter trained on a toy task's JSONL file to answer >= 80% of the
+held-out words exactly, while the base answers <= 5% of them. Floating-point kernels differ
+between CPUs and thread counts, the embedded base is pretrained where the tests run, and a tiny
+difference early in training grows into another model: a recipe is only safe if its WORST case
+clears the floors.
 
-For each torch thread count (each in a process of its own, so OpenMP is set up clean), each base
-seed and each recipe, this pretrains the base, trains an adapter per task and seed on it and
-evaluates it as `train_lora` does (greedy, exact match over `held_out_words()`), on its own task
-and on the other adapter task. It prints min/median/max per task, over everything and per
+For each torch thread count (each in a process of its own, so OpenMP is set up clean) and each
+base seed, this builds the embedded default base (`TinySpec(seed=...)`; seed 0 is the default
+itself) and scores it on every task's held-out rows. Then, for each seed and task, it trains
+the way a release does: the task's generated JSONL file (`toy.write_task_data`, 12,800 rows)
+through `training.train_lora` with the toy recipe (`toy.RECIPE`: learning rate 5e-3, batch 32,
+one epoch = 400 steps), held-out rows from `toy.write_held_out_data`; accuracy is the
+`eval_exact_match` training reports. It prints min/median/max per task, over everything and per
 thread count, and writes them with every single figure to bench/results/recipe.json.
 
-    .venv/bin/python bench/recipe.py                      # the current defaults, full spread
-    .venv/bin/python bench/recipe.py --recipe before:steps=200,learning_rate=3e-3 --recipe now
-    .venv/bin/python bench/recipe.py --threads 2 --base-seeds 0 --seeds 0 1   # a quick look
-
-A recipe is `name[:field=value,...]`: fields of BaseModelSpec (pretrain_steps,
-pretrain_learning_rate, pretrain_batch_size) and of TrainingConfig (steps, learning_rate,
-batch_size, rank, alpha) over the current defaults; a name alone is the current defaults.
-Recipes with the same base fields share each pretrained base.
+    .venv/bin/python bench/recipe.py                                     # the full spread
+    .venv/bin/python bench/recipe.py --threads 2 --base-seeds 0 --seeds 0 --tasks reverse
 """
 
 import argparse
-import copy
-import dataclasses
 import json
 import os
 import platform
@@ -34,109 +29,75 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
-from peft import PeftModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mint_core.base_model import BaseModel, BaseModelSpec, load_base
-from mint_core.datasets import Task
-from mint_core.training import TrainingConfig, evaluate, train_lora
+from mint_core.model.base import BaseSource, load_base
+from mint_core.model.datasets import Dataset, parse_jsonl
+from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.model.toy import RECIPE, Task, write_held_out_data, write_task_data
+from mint_core.model.training import TrainingConfig, exact_match, train_lora
 
 RESULTS = Path(__file__).resolve().parent / "results" / "recipe.json"
 ADAPTER_TASKS = (Task.UPPER, Task.REVERSE)
-BASE_FIELDS = ("pretrain_steps", "pretrain_learning_rate", "pretrain_batch_size")
-TRAINING_FIELDS = ("steps", "learning_rate", "batch_size", "rank", "alpha")
 
-Row = dict[str, object]
+ROWS = 12_800
+"""Training rows per file: with the recipe's batch of 32, one epoch is 400 steps."""
+
+Row = dict[str, Any]
 
 
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    name: str
-    base: dict[str, float]
-    """BaseModelSpec fields that differ from the defaults."""
-    training: dict[str, float]
-    """TrainingConfig fields that differ from the defaults."""
-
-    @classmethod
-    def parse(cls, text: str) -> "Recipe":
-        name, _, assignments = text.partition(":")
-        base: dict[str, float] = {}
-        training: dict[str, float] = {}
-        for assignment in filter(None, assignments.split(",")):
-            field, _, value = assignment.partition("=")
-            if field not in BASE_FIELDS + TRAINING_FIELDS:
-                known = ", ".join(BASE_FIELDS + TRAINING_FIELDS)
-                raise SystemExit(f"unknown recipe field {field!r} in {text!r}; known: {known}")
-            number = int(value) if value.isdigit() else float(value)
-            (base if field in BASE_FIELDS else training)[field] = number
-        return cls(name, base, training)
-
-    def spec(self, seed: int) -> BaseModelSpec:
-        return BaseModelSpec(seed=seed, **self.base)  # type: ignore[arg-type]
-
-    def config(self, seed: int) -> TrainingConfig:
-        return TrainingConfig(seed=seed, **self.training)  # type: ignore[arg-type]
-
-    def fields(self) -> dict[str, object]:
-        """Every field the recipe sets, defaults included, as they were when measured."""
-        spec, config = self.spec(0), self.config(0)
-        return {f: getattr(spec, f) for f in BASE_FIELDS} | {
-            f: getattr(config, f) for f in TRAINING_FIELDS
-        }
+def read(path: Path) -> Dataset:
+    return parse_jsonl(path.read_bytes(), str(path))
 
 
 def measure_in_this_process(
-    threads: int, recipes: list[Recipe], base_seeds: list[int], seeds: list[int], tasks: list[Task]
+    threads: int, base_seeds: list[int], seeds: list[int], tasks: list[Task]
 ) -> dict[str, list[Row]]:
-    """Every (recipe, base seed) base and every (task, seed) adapter on it, with `threads`."""
+    """Every base seed's base and every (task, seed) adapter on it, with `threads`."""
     torch.set_num_threads(threads)
     bases: list[Row] = []
     adapters: list[Row] = []
-    pretrain_s: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="mint-recipe-") as workdir:
         home = Path(workdir)
-        for recipe in recipes:
-            for base_seed in base_seeds:
-                spec = recipe.spec(base_seed)
-                start = time.perf_counter()
-                base = load_base(spec, home)
-                # A base shared with an earlier recipe came from the cache: keep its build time.
-                pretrain_s.setdefault(spec.key, round(time.perf_counter() - start, 2))
-                where = {"recipe": recipe.name, "threads": threads, "base_seed": base_seed}
-                row = where | {"pretrain_s": pretrain_s[spec.key]}
-                row |= {task.value: evaluate(base.model, task) for task in Task}
-                bases.append(row)
-                print(f"  {row}", file=sys.stderr, flush=True)
-                for seed in seeds:
-                    for task in tasks:
-                        adapter = where | train_and_evaluate(base, task, recipe.config(seed), home)
-                        adapters.append(adapter)
-                        print(f"    {adapter}", file=sys.stderr, flush=True)
+        held_out = {task: read(write_held_out_data(task, home / "data")) for task in Task}
+        for base_seed in base_seeds:
+            start = time.perf_counter()
+            folder = ensure_tiny(TinySpec(seed=base_seed), home / "base")
+            where: Row = {"threads": threads, "base_seed": base_seed}
+            row = where | {"pretrain_s": round(time.perf_counter() - start, 2)}
+            source = BaseSource(str(folder))
+            base = load_base(source, home)
+            row |= {task.value: exact_match(base.model, base, held_out[task].rows) for task in Task}
+            del base
+            bases.append(row)
+            print(f"  {row}", file=sys.stderr, flush=True)
+            for seed in seeds:
+                for task in tasks:
+                    data = read(write_task_data(task, home / "data", ROWS, seed))
+                    config = TrainingConfig(seed=seed, **RECIPE)
+                    out = home / "adapters" / f"{base_seed}-{seed}-{task.value}"
+                    start = time.perf_counter()
+                    trained = train_lora(source, home, data, held_out[task], out, config)
+                    adapter = where | {
+                        "seed": seed,
+                        "task": task.value,
+                        "steps": trained.steps,
+                        "accuracy": trained.eval_metrics["eval_exact_match"],
+                        "eval_loss": round(trained.eval_metrics["eval_loss"], 4),
+                        "final_loss": round(trained.losses[-1], 4),
+                        "train_s": round(time.perf_counter() - start, 2),
+                    }
+                    adapters.append(adapter)
+                    print(f"    {adapter}", file=sys.stderr, flush=True)
     return {"bases": bases, "adapters": adapters}
 
 
-def train_and_evaluate(base: BaseModel, task: Task, config: TrainingConfig, home: Path) -> Row:
-    out = home / f"adapter-{base.spec.key}-{config.seed}-{task.value}"
-    start = time.perf_counter()
-    trained = train_lora(base, task, out, config)
-    train_s = time.perf_counter() - start
-    (other,) = set(ADAPTER_TASKS) - {task}
-    model = PeftModel.from_pretrained(copy.deepcopy(base.model), out).eval()
-    return {
-        "seed": config.seed,
-        "task": task.value,
-        "accuracy": trained.eval_accuracy,
-        "other_task": other.value,
-        "other_task_accuracy": evaluate(model, other),
-        "train_s": round(train_s, 2),
-    }
-
-
 def measure(
-    threads: int, recipes: list[Recipe], base_seeds: list[int], seeds: list[int], tasks: list[Task]
+    threads: int, base_seeds: list[int], seeds: list[int], tasks: list[Task]
 ) -> dict[str, list[Row]]:
     """`measure_in_this_process` in a fresh process whose OpenMP is sized to `threads`."""
     # Passive waiting changes no arithmetic; it stops idle OpenMP threads from spinning, which on
@@ -148,7 +109,6 @@ def measure(
     }
     request = {
         "threads": threads,
-        "recipes": [dataclasses.asdict(recipe) for recipe in recipes],
         "base_seeds": base_seeds,
         "seeds": seeds,
         "tasks": [task.value for task in tasks],
@@ -171,21 +131,18 @@ def summarize(bases: list[Row], adapters: list[Row]) -> dict[str, dict[str, dict
     """Min/median/max of each figure the release test checks, overall and per thread count."""
     thread_counts = sorted({row["threads"] for row in bases})
     scopes = {"all": thread_counts} | {f"threads={t}": [t] for t in thread_counts}
-    tasks = [task for task in ADAPTER_TASKS if any(row["task"] == task for row in adapters)]
     summary = {}
     for scope, counts in scopes.items():
         rows = [row for row in adapters if row["threads"] in counts]
         base_rows = [row for row in bases if row["threads"] in counts]
         figures = {}
-        for task in tasks:
-            own = [row for row in rows if row["task"] == task]
-            figures[f"{task}_adapter"] = spread([row["accuracy"] for row in own])
-            figures[f"{task}_adapter_on_other_task"] = spread(
-                [row["other_task_accuracy"] for row in own]
-            )
+        for task in sorted({row["task"] for row in rows}):
+            own = [row["accuracy"] for row in rows if row["task"] == task]
+            figures[f"{task}_adapter"] = spread(own)
         for task in Task:
             figures[f"base_on_{task}"] = spread([row[task.value] for row in base_rows])
-        figures["train_s"] = spread([row["train_s"] for row in rows])
+        if rows:
+            figures["train_s"] = spread([row["train_s"] for row in rows])
         figures["pretrain_s"] = spread([row["pretrain_s"] for row in base_rows])
         summary[scope] = figures
     return summary
@@ -205,58 +162,45 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
-    parser.add_argument("--recipe", action="append", help="name[:field=value,...], repeatable")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--base-seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--tasks", type=Task, nargs="+", default=list(ADAPTER_TASKS))
+    parser.add_argument("--tasks", type=Task.parse, nargs="+", default=list(ADAPTER_TASKS))
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
         request = json.loads(args.child)
-        request["recipes"] = [Recipe(**recipe) for recipe in request["recipes"]]
         request["tasks"] = [Task(task) for task in request["tasks"]]
         print(json.dumps(measure_in_this_process(**request)))
         return
 
-    recipes = [Recipe.parse(text) for text in args.recipe or ["default"]]
-    for recipe in recipes:
-        print(f"recipe {recipe.name}: {recipe.fields()}", flush=True)
+    print(f"recipe: {RECIPE} over {ROWS} generated rows", flush=True)
     bases: list[Row] = []
     adapters: list[Row] = []
     for threads in args.threads:
-        measured = measure(threads, recipes, args.base_seeds, args.seeds, args.tasks)
+        measured = measure(threads, args.base_seeds, args.seeds, args.tasks)
         bases += measured["bases"]
         adapters += measured["adapters"]
 
-    results = {}
-    for recipe in recipes:
-        mine = [row for row in bases if row["recipe"] == recipe.name]
-        trained = [row for row in adapters if row["recipe"] == recipe.name]
-        summary = summarize(mine, trained)
-        print(f"\nrecipe {recipe.name}: {recipe.fields()}")
-        print(f"  {'min / median / max':<30}" + "".join(f"{s:>24}" for s in summary))
-        for figure in summary["all"]:
-            cells = (summary[scope][figure] for scope in summary)
-            print(
-                f"  {figure:<30}"
-                + "".join(f"{c['min']:8.3f}{c['median']:8.3f}{c['max']:8.3f}" for c in cells)
-            )
-        results[recipe.name] = {
-            "fields": recipe.fields(),
-            "summary": summary,
-            "bases": mine,
-            "adapters": trained,
-        }
-
+    summary = summarize(bases, adapters)
+    print(f"  {'min / median / max':<26}" + "".join(f"{s:>24}" for s in summary))
+    for figure in summary["all"]:
+        cells = (summary[scope][figure] for scope in summary)
+        print(
+            f"  {figure:<26}"
+            + "".join(f"{c['min']:8.3f}{c['median']:8.3f}{c['max']:8.3f}" for c in cells)
+        )
     result = {
         "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "recipe": RECIPE | {"rows": ROWS},
         "threads": args.threads,
         "base_seeds": args.base_seeds,
         "seeds": args.seeds,
-        "recipes": results,
+        "summary": summary,
+        "bases": bases,
+        "adapters": adapters,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
