@@ -86,3 +86,26 @@ def test_batching_benchmark_writes_its_ratios_and_modes_agree(tmp_path: Path) ->
         assert result[ratio] == pytest.approx(rates[over] / rates[under])
     # One batch for four adapters beats four batches of one, one adapter after another.
     assert result["mixed_over_peft_switching"] > 1, result
+
+
+@pytest.mark.slow
+def test_sync_benchmark_times_both_paths_to_an_answer(tmp_path: Path) -> None:
+    result = run_bench("sync.py", "--layers", "1", "--runs", "1", out=tmp_path / "sync.json")
+    assert result["model"]["layers"] == 1
+    assert list(result["stages_s"]["adapter"]) == [
+        "freeze", "pack", "export", "register", "admit", "fetch_prewarm", "answer"
+    ]  # fmt: skip
+    assert list(result["stages_s"]["merged"]) == ["merge", "save", "start_load", "answer"]
+    for path in ("adapter", "merged"):
+        (total,) = result["samples_s"][path]
+        (stages,) = result["stage_samples_s"][path]
+        assert result[f"{path}_s"] == total == pytest.approx(sum(stages.values()))
+    assert result["speedup"] == pytest.approx(result["merged_s"] / result["adapter_s"])
+    assert result["bytes_ratio"] == pytest.approx(result["merged_bytes"] / result["adapter_bytes"])
+    # Both paths serve the same adapter: the same greedy tokens, which are not the base's.
+    (answers,) = result["answers"]
+    assert answers["adapter"] == answers["merged"] != result["base_tokens"]
+    # Even one layer deep, the rank-16 pairs are a sliver of the merged weights (the embedding
+    # alone is 151,936 x 1,024), and the merged path starts a process to serve them.
+    assert result["merged_bytes"] > 20 * result["adapter_bytes"]
+    assert result["speedup"] > 1, result

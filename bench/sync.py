@@ -1,0 +1,411 @@
+"""Sync benchmark: from "training finished" to "a running worker answers with it", shipping only
+the adapter versus shipping a merged checkpoint (the paper's headline: 18.3x faster on a 4B dense
+model).
+
+Set up before any clock starts: a Qwen3-0.6B-shaped base built from config with random weights
+(hidden 1024, 28 layers, 16 query and 8 key/value heads of 128, MLP 3072, vocabulary 151,936,
+tied embeddings), saved as a model folder with the byte tokenizer (`tiny.save_base_folder`; its
+261 tokens are a subset of the vocabulary); a real `mlflow server`; a MinT worker process
+serving that base (MINT_BASE_MODEL = the folder), base resident. Each run then has "training
+finished": a rank-16 LoRA on every projection (q, k, v, o, gate, up, down) with random non-zero
+B, as a PeftModel in memory and a PEFT adapter folder on disk. From there, one after the other:
+
+- adapter path: freeze, pack, export to the local artifact store (under a temporary MINT_HOME),
+  register the revision in MLflow, admit it on the running worker, which fetches and prewarms
+  it; the clock stops when a `/generate` request naming the revision answers.
+- merged path: `merge_and_unload`, `save_pretrained` of the merged model with its tokenizer, a
+  fresh worker process with MINT_BASE_MODEL = that folder (its start-up counts: imports, loading
+  the weights, hashing them for the base's identity, measured apart as `merged_digest_s`); the
+  clock stops when its first `/generate` answers.
+
+The timed requests ask for one token (the first token served is the point); an untimed answer of
+8 tokens then checks that the adapter changed the base's answer on both paths. Runs alternate
+which path goes first, so drift hits both alike; the figures are medians. Bytes moved are the
+exported artifact's files against the merged folder's files. The disk's raw read speed, cold
+(pages evicted) and warm, gives each path's floor: its bytes read once at that speed.
+
+float32 by default: what a worker on a CPU runs unless MINT_DTYPE says otherwise. `--dtype
+bfloat16` (Qwen3's own) halves the merged bytes; the adapter stays float32, as PEFT trains it.
+Prints the figures and writes bench/results/sync.json.
+
+    .venv/bin/python bench/sync.py                      # 28 layers, 5 runs (~4 min)
+    .venv/bin/python bench/sync.py --layers 2 --runs 1  # a smoke run
+"""
+
+import argparse
+import copy
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# Idle OpenMP threads wait without spinning (set before torch loads; the workers inherit it). It
+# changes no arithmetic; on a CPU shared with other work, spinning threads made the freeze
+# step's few hundred small tensor checks take seconds instead of a tenth of one.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import httpx
+import psutil
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
+
+from bench.packing import evict
+from mint_core.artifact_store import open_store
+from mint_core.config import MintConfig
+from mint_core.freezing import freeze
+from mint_core.model.base import DEFAULT_TARGETS, BaseSource, identity, weights_digest
+from mint_core.model.generate import seeded
+from mint_core.model.tiny import SPECIAL_TOKENS, byte_tokenizer, save_base_folder
+from mint_core.packing import pack
+from mint_core.registry import Registry
+from mint_core.revisions import PolicyRecord, RevisionId
+from mint_core.services import ManagedProcess, start_mlflow, stop_all
+from serving.client import WorkerClient
+from serving.server import start_worker
+
+RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
+QWEN3_0_6B_LAYERS = 28
+RANK, ALPHA = 16, 32
+PROMPT = "sync="
+CHECK_TOKENS = 8
+"""Tokens of the untimed answer compared across the paths and with the base's; the timed
+request asks for one: the first token served is the point."""
+B_STD = 0.02
+"""Spread of the random LoRA B (PEFT starts it at zero, which would change nothing): the
+scale of the base's own initialisation, so every answer changes."""
+
+
+def qwen3_0_6b(layers: int) -> Qwen3Config:
+    """Qwen3-0.6B's shape (its config.json), with `layers` decoder layers."""
+    tokenizer = byte_tokenizer()
+    return Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=layers,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40_960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_base(layers: int, dtype: torch.dtype, folder: Path) -> PreTrainedModel:
+    with seeded(0):
+        model = Qwen3ForCausalLM(qwen3_0_6b(layers)).to(dtype).eval().requires_grad_(False)
+    save_base_folder(model, folder)
+    return model
+
+
+def finished_training(base: PreTrainedModel, seed: int, folder: Path) -> PeftModel:
+    """What training leaves: the PeftModel in memory and its PEFT adapter folder on disk."""
+    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(DEFAULT_TARGETS))
+    with seeded(seed):
+        model = get_peft_model(copy.deepcopy(base), lora)
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.data.normal_(0.0, B_STD)
+    model.peft_config["default"].base_model_name_or_path = folder.name
+    model.save_pretrained(folder, save_embedding_layers=False)
+    return model.eval()
+
+
+class Clock:
+    """Seconds per stage, in order, from one start."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        yield
+        now = time.perf_counter()
+        self.stages[name] = now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return sum(self.stages.values())
+
+
+def answer(url: str, adapter_id: str | None, new_tokens: int = 1) -> tuple[list[int], str]:
+    """Greedy `/generate` on `url`: the token ids and the revision that served them."""
+    body = {
+        "inputs": PROMPT,
+        "parameters": {"adapter_id": adapter_id, "max_new_tokens": new_tokens, "details": True},
+    }
+    response = httpx.post(f"{url}/generate", json=body, timeout=300)
+    if response.status_code != 200:
+        raise SystemExit(f"{url}/generate answered {response.status_code}: {response.text[:500]}")
+    tokens = [token["id"] for token in response.json()["details"]["tokens"]]
+    return tokens, response.headers.get("X-Mint-Revision", "")
+
+
+def adapter_path(
+    config: MintConfig, worker: ManagedProcess, adapter_dir: Path, name: str
+) -> tuple[Clock, list[int], int]:
+    """The adapter path from a PEFT folder to the running worker's first answer with it: the
+    clock, the answer's tokens and the exported artifact's bytes."""
+    store, registry = open_store(config), Registry(config.tracking_uri)
+    client = WorkerClient(worker.url)
+    clock = Clock()
+    with clock.stage("freeze"):
+        frozen = freeze(adapter_dir, config.frozen_root)
+    with clock.stage("pack"):
+        packed_dir = config.work_root / "packed" / frozen.digest.removeprefix("sha256:")
+        index = pack(frozen, packed_dir)
+    with clock.stage("export"):
+        uri = store.put(packed_dir, index.content_digest)
+    with clock.stage("register"):
+        base = identity(config.base, config.home)  # its digest is cached: no rehash
+        policy = PolicyRecord(
+            adapter=name,
+            content_digest=index.content_digest,
+            base_model_id=base.model_id,
+            base_digest=base.digest,
+            training_steps=0,
+            dataset_digest="",
+            lora_rank=RANK,
+            lora_alpha=ALPHA,
+            target_modules=DEFAULT_TARGETS,
+            created_by="bench",
+            created_at=datetime.now(UTC).isoformat(),
+            frozen_digest=frozen.digest,
+        )
+        revision: RevisionId = registry.register(policy, uri, base.digest).id
+    with clock.stage("admit"):
+        client.admit(revision)
+    with clock.stage("fetch_prewarm"):
+        client.wait_ready(revision, timeout_s=300)
+    with clock.stage("answer"):
+        _, served = answer(worker.url, str(revision))
+    client.close()
+    if served != str(revision):
+        raise SystemExit(f"asked for {revision}, the worker answered with {served!r}")
+    tokens, _ = answer(worker.url, str(revision), CHECK_TOKENS)
+    artifact = store.fetch(uri)  # the local store's folder: what a worker fetches
+    return clock, tokens, folder_bytes(artifact)
+
+
+def merged_path(
+    config: MintConfig, model: PeftModel, folder: Path, services: list[ManagedProcess]
+) -> tuple[Clock, list[int]]:
+    """The merged path from the PeftModel in memory to a fresh worker's first answer with the
+    merged weights as its base: the clock and the answer's tokens."""
+    clock = Clock()
+    with clock.stage("merge"):
+        merged = model.merge_and_unload()
+    with clock.stage("save"):
+        save_base_folder(merged, folder)
+    with clock.stage("start_load"):
+        server = start_worker(replace(config, base=replace(config.base, name=str(folder))))
+        services.append(server)
+    with clock.stage("answer"):
+        answer(server.url, None)
+    tokens, _ = answer(server.url, None, CHECK_TOKENS)
+    server.stop()
+    services.remove(server)
+    return clock, tokens
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def read_speed(folder: Path, cold: bool) -> float:
+    """Bytes per second reading every file of `folder` once, nothing else: from the page cache
+    (warm), or with its pages evicted first (cold; in a VM the host may still cache them)."""
+    paths = sorted(path for path in folder.rglob("*") if path.is_file())
+    if cold:
+        os.sync()
+        evict(paths)
+    buffer = bytearray(64 << 20)
+    total = 0
+    start = time.perf_counter()
+    for path in paths:
+        with path.open("rb", buffering=0) as file:
+            while count := file.readinto(buffer):
+                total += count
+    return total / (time.perf_counter() - start)
+
+
+def median_stages(clocks: list[Clock]) -> dict[str, float]:
+    return {name: statistics.median(c.stages[name] for c in clocks) for name in clocks[0].stages}
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.partition(":")[2].strip()
+            break
+    return {
+        "cpu": cpu,
+        "cpus": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1m_at_end": os.getloadavg()[0],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, default=QWEN3_0_6B_LAYERS)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--runs", type=int, default=5, help="runs of each path (medians)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="mint-bench-sync-"))
+    services: list[ManagedProcess] = []
+    try:
+        run(args, work, services)
+    finally:
+        stop_all(services)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) -> None:
+    base_folder = work / "qwen3-0.6b-shaped"
+    start = time.perf_counter()
+    base = build_base(args.layers, getattr(torch, args.dtype), base_folder)
+    parameters = sum(p.numel() for p in base.parameters())
+    print(f"base: Qwen3-0.6B shape, {args.layers} layers, {parameters / 1e6:.0f} M parameters, "
+          f"{args.dtype}, {folder_bytes(base_folder) / 1e9:.2f} GB on disk "
+          f"(built in {time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
+    if args.layers != QWEN3_0_6B_LAYERS:
+        print(f"NOTE: {args.layers} layers, not Qwen3-0.6B's {QWEN3_0_6B_LAYERS}")
+
+    mlflow = start_mlflow(work / "registry")
+    services.append(mlflow)
+    config = MintConfig(
+        home=work / "home",
+        tracking_uri=mlflow.url,
+        base=BaseSource(str(base_folder), args.dtype),
+    )
+    start = time.perf_counter()
+    worker = start_worker(config)
+    services.append(worker)
+    base_worker_start_s = time.perf_counter() - start
+    config = replace(config, worker_urls=(worker.url,))
+    base_tokens, _ = answer(worker.url, None, CHECK_TOKENS)
+    print(f"worker serving the base up in {base_worker_start_s:.1f} s", flush=True)
+    load_at_start = os.getloadavg()[0]
+
+    adapter_clocks: list[Clock] = []
+    merged_clocks: list[Clock] = []
+    answers: list[dict[str, Any]] = []
+    adapter_bytes = merged_bytes = peft_bytes = 0
+    for number in range(args.runs):
+        adapter_dir = work / "adapters" / f"run-{number}"
+        merged_dir = work / f"merged-{number}"
+        peft_model = finished_training(base, seed=number + 1, folder=adapter_dir)
+        peft_bytes = folder_bytes(adapter_dir)
+        tokens: dict[str, list[int]] = {}
+        for path in ("adapter", "merged") if number % 2 == 0 else ("merged", "adapter"):
+            if path == "adapter":
+                clock, tokens[path], adapter_bytes = adapter_path(
+                    config, worker, adapter_dir, f"sync-{number}"
+                )
+                adapter_clocks.append(clock)
+            else:
+                clock, tokens[path] = merged_path(config, peft_model, merged_dir, services)
+                merged_bytes = folder_bytes(merged_dir)
+                merged_clocks.append(clock)
+        del peft_model
+        answers.append({"run": number} | tokens)
+        print(f"  run {number}: adapter {adapter_clocks[-1].total:6.2f} s   "
+              f"merged {merged_clocks[-1].total:6.2f} s   same answer: "
+              f"{tokens['adapter'] == tokens['merged']}", flush=True)  # fmt: skip
+        if base_tokens in tokens.values():
+            raise SystemExit(
+                f"run {number}: an answer {tokens} equals the base's {base_tokens}: the adapter "
+                "changed nothing, so the figures would not show it was applied (raise B_STD)"
+            )
+        if number + 1 < args.runs:
+            shutil.rmtree(merged_dir)  # the last one stays, to measure the disk on
+
+    cold, warm = read_speed(merged_dir, cold=True), read_speed(merged_dir, cold=False)
+    start = time.perf_counter()  # what the merged worker's start spent naming its new base
+    weights_digest(merged_dir, work / "digest-probe.json")
+    merged_digest_s = time.perf_counter() - start
+    adapter_s = statistics.median(c.total for c in adapter_clocks)
+    merged_s = statistics.median(c.total for c in merged_clocks)
+    stages = {"adapter": median_stages(adapter_clocks), "merged": median_stages(merged_clocks)}
+    print(f"\nfrom training finished to a running worker answering ({args.runs} runs, medians):")
+    for path, seconds, nbytes in (("adapter", adapter_s, adapter_bytes),
+                                  ("merged", merged_s, merged_bytes)):  # fmt: skip
+        parts = "  ".join(f"{name} {s:.2f}" for name, s in stages[path].items())
+        print(f"  {path:<8} {seconds:7.2f} s  {nbytes / 1e6:9.1f} MB   ({parts})")
+        print(f"  {'':<8} floor at the disk's cold read speed: {nbytes / cold:.3f} s "
+              f"({seconds / (nbytes / cold):.0f}x above it)")  # fmt: skip
+    print(f"  speedup {merged_s / adapter_s:.1f}x; bytes {merged_bytes / adapter_bytes:.1f}x "
+          f"fewer; disk read {cold / 1e9:.2f} GB/s cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
+    print(f"  of the merged start, hashing the new base's weights: {merged_digest_s:.2f} s")
+
+    result = {
+        "adapter_s": adapter_s,
+        "merged_s": merged_s,
+        "speedup": merged_s / adapter_s,
+        "adapter_bytes": adapter_bytes,
+        "merged_bytes": merged_bytes,
+        "bytes_ratio": merged_bytes / adapter_bytes,
+        "peft_adapter_bytes": peft_bytes,
+        "runs": args.runs,
+        "samples_s": {
+            "adapter": [c.total for c in adapter_clocks],
+            "merged": [c.total for c in merged_clocks],
+        },
+        "stages_s": stages,
+        "stage_samples_s": {
+            "adapter": [c.stages for c in adapter_clocks],
+            "merged": [c.stages for c in merged_clocks],
+        },
+        "model": {
+            "shape": "Qwen3-0.6B",
+            "layers": args.layers,
+            "full_layers": QWEN3_0_6B_LAYERS,
+            "parameters": parameters,
+            "dtype": args.dtype,
+            "vocab_size": base.config.vocab_size,
+            "tokenizer_vocab": len(SPECIAL_TOKENS) + 256,
+        },
+        "adapter": {"rank": RANK, "alpha": ALPHA, "target_modules": list(DEFAULT_TARGETS)},
+        "base_worker_start_s": base_worker_start_s,
+        "merged_digest_s": merged_digest_s,
+        "disk_read_bytes_per_s": {"cold": cold, "warm": warm},
+        "floor_s": {"adapter": adapter_bytes / cold, "merged": merged_bytes / cold},
+        "base_tokens": base_tokens,
+        "answers": answers,
+        "machine": machine() | {"load_average_1m_at_start": load_at_start},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
