@@ -8,7 +8,7 @@ the adapter, a PEFT adapter directory, leaves this module.
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from mint_core.model.base import (
     load_base,
     servable_modules,
 )
-from mint_core.model.datasets import IGNORE, Dataset, Tokenized, collate, tokenize
+from mint_core.model.datasets import IGNORE, Dataset, Row, Tokenized, collate, tokenize
 from mint_core.model.generate import greedy_generate, seeded
 
 StepCallback = Callable[[int, int, float], None]
@@ -213,7 +213,7 @@ def _optimize(
     return losses
 
 
-def _batches(rows: list[Tokenized], size: int, seed: int):
+def _batches(rows: list[Tokenized], size: int, seed: int) -> Iterator[list[Tokenized]]:
     """Endless batches: every row once per epoch, in a seeded order per epoch."""
     rng = random.Random(seed)
     while True:
@@ -242,7 +242,7 @@ def evaluate(
     }
 
 
-def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence) -> float:
+def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence[Row]) -> float:
     """Share of `rows` whose greedy answer (ending by itself) is exactly the expected one."""
     prompts, answers = [], []
     for row in rows:
