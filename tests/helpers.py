@@ -12,12 +12,21 @@ import boto3
 import httpx
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
 from mint_core.config import MintConfig
+from mint_core.folders import publish_folder
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
-from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec, ensure_tiny, save_base_folder
 from mint_core.model.toy import (
     RECIPE,
     Task,
@@ -120,6 +129,41 @@ def make_policy(**changes: object) -> PolicyRecord:
     }
     values.update(changes)
     return PolicyRecord(**values)  # type: ignore[arg-type]
+
+
+# --- Tiny members of each model family ---------------------------------------------------------
+
+_SHAPE = {"vocab_size": len(SPECIAL_TOKENS) + 256, "hidden_size": 64, "intermediate_size": 128,
+          "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
+          "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
+_FAMILIES: dict[str, tuple[type[PreTrainedConfig], dict[str, object]]] = {
+    # Grouped-query attention, untied embeddings.
+    "llama": (LlamaConfig, {"num_key_value_heads": 2, "tie_word_embeddings": False}),
+    # Biases on q/k/v, tied embeddings.
+    "qwen2": (Qwen2Config, {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    # q/k norms, heads of 32 over a 64-wide stream (head size is not hidden / heads).
+    "qwen3": (Qwen3Config, {"num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": True}),
+    # One key/value head for four query heads, untied, no sliding window.
+    "mistral": (MistralConfig, {"num_key_value_heads": 1, "sliding_window": None,
+                                "tie_word_embeddings": False}),
+}  # fmt: skip
+FAMILIES = tuple(sorted(_FAMILIES))
+"""The model families MinT serves and trains, each with a tiny member built from config."""
+
+
+def family_folder(family: str, root: Path, **changes: object) -> Path:
+    """A model folder of a tiny random `family` member under `root` (built once, atomically):
+    the byte tokenizer with its chat template, saved with `save_pretrained`. `changes` go to the
+    config (e.g. `initializer_range`)."""
+    config_class, extra = _FAMILIES[family]
+    name = f"tiny-{family}" + "".join(f"-{k}-{v}" for k, v in sorted(changes.items()))
+    folder = root / name
+    if not folder.exists():
+        with seeded(0):
+            model = AutoModelForCausalLM.from_config(config_class(**_SHAPE, **extra, **changes))
+        with publish_folder(folder, prefix=f".{name}-") as staging:
+            save_base_folder(model, staging)
+    return folder
 
 
 # --- Tiny engines (engine and scheduler tests) ----------------------------------------------

@@ -10,51 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 from peft import PeftModel
-from transformers import (
-    AutoModelForCausalLM,
-    MistralConfig,
-    PreTrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
-)
 
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
-from mint_core.folders import publish_folder
 from mint_core.model.base import BaseModel, BaseSource, load_base, servable_modules
-from mint_core.model.generate import greedy_generate, pad_left, seeded
-from mint_core.model.tiny import SPECIAL_TOKENS, ensure_tiny, save_base_folder
+from mint_core.model.generate import greedy_generate, pad_left
 from serving.engine import BASE, TorchEngine, positions
 from tests.helpers import ENGINE_PROMPTS as PROMPTS
-from tests.helpers import ENGINE_SPEC, PROJECTIONS, config_of, random_adapter, weights_of
+from tests.helpers import (
+    FAMILIES,
+    PROJECTIONS,
+    config_of,
+    family_folder,
+    random_adapter,
+    weights_of,
+)
 
 RANKS = [1, 2, 4, 8, 16, 3, 8, 5]
-VOCAB = len(SPECIAL_TOKENS) + 256
-"""The byte tokenizer's vocabulary, which every tiny family member here shares."""
-SHAPE = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 128,
-         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}  # fmt: skip
-FAMILIES: dict[str, PreTrainedConfig | None] = {
-    "llama": None,  # the embedded default's own builder: tied embeddings, one head per key
-    "qwen2": Qwen2Config(**SHAPE, num_key_value_heads=2, tie_word_embeddings=False),
-    "qwen3": Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
-    "mistral": MistralConfig(**SHAPE, num_key_value_heads=1, tie_word_embeddings=False),
-}
-"""Each family's tiny member; Qwen2 has q/k/v biases, Qwen3 q/k norms and heads of 32 on a
-width of 64."""
-
-
-def family_folder(family: str, root: Path) -> Path:
-    """A tiny model folder of `family` (random weights, the byte tokenizer and chat template)."""
-    config = FAMILIES[family]
-    if config is None:
-        return ensure_tiny(ENGINE_SPEC, root / "base")
-    folder = root / f"tiny-{family}"
-    if not folder.exists():
-        with seeded(0):
-            model = AutoModelForCausalLM.from_config(config)
-        with publish_folder(folder, prefix=f".tiny-{family}-") as staging:
-            save_base_folder(model, staging)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +33,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine-home")
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+@pytest.fixture(scope="module", params=FAMILIES)
 def folder(request: pytest.FixtureRequest, home: Path) -> Path:
     return family_folder(request.param, home)
 

@@ -16,51 +16,19 @@ from peft import PeftModel
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
-    LlamaConfig,
-    MistralConfig,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen3Config,
 )
 
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseSource
-from mint_core.model.generate import seeded
-from mint_core.model.tiny import SPECIAL_TOKENS, save_base_folder
 from mint_core.model.toy import Task, held_out_words, training_stream
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from mint_core.services import ManagedProcess
 from serving.server import start_worker
+from tests.helpers import FAMILIES, family_folder
 
 pytestmark = pytest.mark.slow
 
-COMMON = {
-    "vocab_size": len(SPECIAL_TOKENS) + 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "max_position_embeddings": 128,
-    "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    # Sharper logits than the default 0.02: greedy choices are then far from ties, so the
-    # engine's batched LoRA arithmetic and PEFT's pick the same token.
-    "initializer_range": 0.3,
-}
-FAMILIES: dict[str, PretrainedConfig] = {
-    # Grouped-query attention, untied embeddings.
-    "llama": LlamaConfig(**COMMON, num_key_value_heads=2, tie_word_embeddings=False),
-    # Biases on q/k/v, tied embeddings.
-    "qwen2": Qwen2Config(**COMMON, num_key_value_heads=2, tie_word_embeddings=True),
-    # q/k norms, a head size that is not hidden / heads (32 x 4 heads over a 64-wide stream).
-    "qwen3": Qwen3Config(**COMMON, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
-    # One key/value head for four query heads, untied, sliding window off.
-    "mistral": MistralConfig(
-        **COMMON, num_key_value_heads=1, sliding_window=None, tie_word_embeddings=False
-    ),
-}
 WORDS = held_out_words(8)
 NEW_TOKENS = 12
 
@@ -73,7 +41,7 @@ class FamilyBase:
     config: MintConfig
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=FAMILIES)
 def family_base(
     request: pytest.FixtureRequest,
     config: MintConfig,
@@ -82,10 +50,9 @@ def family_base(
 ) -> Iterator[FamilyBase]:
     """A tiny random model of one family saved as a model folder, and a worker serving it."""
     family = request.param
-    folder = tmp_path_factory.mktemp(f"base-{family}") / f"tiny-{family}"
-    with seeded(0):
-        model = AutoModelForCausalLM.from_config(FAMILIES[family])
-    save_base_folder(model, folder)
+    # Sharper logits than the default initialisation (0.02): greedy choices are then far from
+    # ties, so the engine's batched LoRA arithmetic and PEFT's pick the same token.
+    folder = family_folder(family, tmp_path_factory.mktemp("bases"), initializer_range=0.3)
     family_config = MintConfig(
         home=config.home, tracking_uri=config.tracking_uri, base=BaseSource(str(folder))
     )
@@ -147,6 +114,7 @@ def test_an_adapter_released_on_each_family_answers_as_peft_does(
     registered = Registry(family_base.config.tracking_uri).resolve(RevisionRef(adapter))
     policy = registered.policy
     assert policy.base_model_id == family_base.folder.name
+    assert policy.dataset == str(data)
     assert policy.target_modules == (
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
     )  # fmt: skip
