@@ -54,6 +54,9 @@ def _prepare_environment(config: MintConfig, loads_models: bool) -> None:
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
         "MLFLOW_DISABLE_TELEMETRY": "true",
+        # MLflow configures its loggers on import (INFO) and prints every run's URL to stdout.
+        "MLFLOW_LOGGING_LEVEL": "WARNING",
+        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "TRANSFORMERS_VERBOSITY": "error",
     }
