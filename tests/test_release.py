@@ -2,6 +2,7 @@
 process, answers checked over HTTP."""
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from mint_cli import format_table, status_rows
 from mint_core.config import MintConfig
 from mint_core.digests import sha256_file
-from mint_core.errors import BaseMismatchError, NotFoundError, TransitionError
+from mint_core.errors import BaseMismatchError, DatasetError, NotFoundError, TransitionError
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
@@ -185,6 +186,38 @@ def test_adapter_trained_on_another_base_is_refused_at_register(
     assert message.count("sha256:") == 2
     mlflow = MlflowClient(fleet_config.tracking_uri)
     assert [v.version for v in mlflow.search_model_versions("name = 'alien-bot'")] == ["1"]
+
+
+BAD_DATA = [
+    ("malformed.jsonl", '{"prompt": "a=", "completion": "A"}\n{"prompt": "b=", \n',
+     ":2: not valid JSON"),
+    ("missing.jsonl", '{"prompt": "a=", "completion": "A"}\n{"prompt": "b="}\n',
+     ":2: missing field 'completion'"),
+    ("empty.jsonl", "\n\n", ": the file has no rows"),
+    # BOS, 200 bytes, then "y" and end-of-sequence.
+    ("long.jsonl", '{"prompt": "a=", "completion": "A"}\n' + json.dumps(
+        {"prompt": "x" * 200, "completion": "y"}) + "\n",
+     ":2: the row is 203 tokens, longer than max_length 128"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "text", "message"), BAD_DATA)
+def test_bad_data_fails_the_release_naming_file_and_line_and_registers_nothing(
+    worker: ManagedProcess,
+    fleet_config: MintConfig,
+    tmp_path: Path,
+    name: str,
+    text: str,
+    message: str,
+) -> None:
+    from flows.release import release as release_flow
+
+    data = tmp_path / name
+    data.write_text(text)
+    adapter = f"bad-data-{name.removesuffix('.jsonl')}"
+    with pytest.raises(DatasetError, match=re.escape(f"{data}{message}")):
+        release_flow(adapter, str(data), steps=2)
+    assert not Registry(fleet_config.tracking_uri).has_adapter(adapter)
 
 
 def test_bad_requests_get_clear_errors(worker: ManagedProcess, released: dict[str, str]) -> None:
