@@ -63,7 +63,7 @@ def _release_and_compare(config: MintConfig, steps: int | None) -> None:
     data = config.home / "data"
     for adapter, task in ADAPTERS.items():
         train, held_out = write_task_data(task, data), write_held_out_data(task, data)
-        length = f"{steps} steps" if steps else f"{RECIPE['epochs']:g} epochs"
+        length = f"{steps} steps" if steps else f"{RECIPE['epochs']:g} epoch(s)"
         print(f"\nreleasing {adapter} from {train} ({length}) ...")
         options = RECIPE | ({"steps": steps} if steps else {})
         reports[adapter] = release(adapter, str(train), eval_data=str(held_out), **options)

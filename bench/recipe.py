@@ -11,10 +11,10 @@ base seed, this builds the embedded default base (`TinySpec(seed=...)`; seed 0 i
 itself) and scores it on every task's held-out rows. Then, for each seed and task, it trains
 the way a release does: the task's generated JSONL file (`toy.write_task_data`, 12,800 rows)
 through `training.train_lora` with the toy recipe (`toy.RECIPE`: learning rate 5e-3, batch 32,
-rank 16, alpha 32, two epochs = 800 steps), held-out rows from `toy.write_held_out_data`;
-accuracy is the `eval_exact_match` training reports. It prints min/median/max per task, over
-everything and per thread count, and writes them with every single figure to
-bench/results/recipe.json.
+rank 8, one epoch = 400 steps, gradients clipped to norm 1), held-out rows from
+`toy.write_held_out_data`; accuracy is the `eval_exact_match` training reports. It prints
+min/median/max per task, over everything and per thread count, and writes them with every
+single figure to bench/results/recipe.json.
 
     .venv/bin/python bench/recipe.py                                     # the full spread
     .venv/bin/python bench/recipe.py --threads 2 --base-seeds 0 --seeds 0 --tasks reverse

@@ -78,7 +78,7 @@ def test_release_records_policy_and_stages_in_mlflow(
     assert revision.aliases == ("production",)
     assert revision.stage is Stage.ACTIVE
     assert revision.policy.base_digest == base.digest  # type: ignore[attr-defined]
-    assert revision.policy.training_steps == 800
+    assert revision.policy.training_steps == 400
     data, held_out = toy_data(fleet_config.home, Task.UPPER)
     assert revision.policy.dataset == data
     assert revision.policy.dataset_digest == sha256_file(Path(data))
@@ -91,10 +91,10 @@ def test_release_records_policy_and_stages_in_mlflow(
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert float(params["learning_rate"]) == RECIPE["learning_rate"]
-    assert (params["rank"], params["alpha"], params["batch_size"]) == ("16", "32", "32")
+    assert (params["rank"], params["alpha"], params["batch_size"]) == ("8", "16", "32")
     assert params["eval_data"] == held_out
     curve = mlflow.get_metric_history(run_id, "train_loss")
-    assert [m.step for m in curve] == list(range(1, 801))
+    assert [m.step for m in curve] == list(range(1, 401))
     assert curve[-1].value < curve[0].value / 10
     assert run.data.metrics["eval_exact_match"] == revision.policy.eval_metrics["eval_exact_match"]
     assert run.data.metrics["eval_loss"] < curve[0].value

@@ -20,7 +20,7 @@ from mint_core.model.training import TrainingConfig, exact_match, train_lora
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)
 RECIPE = TrainingConfig(**toy.RECIPE)  # type: ignore[arg-type]
-"""The toy recipe: with 12,800 generated rows, two epochs are 800 steps."""
+"""The toy recipe: with 12,800 generated rows, one epoch is 400 steps."""
 
 
 def read(path: Path) -> Dataset:
@@ -61,7 +61,7 @@ def test_training_is_real(mint_home: Path, tmp_path: Path) -> None:
     assert base_score <= 0.05
 
     trained = train_lora(BaseSource(), mint_home, data, held_out, tmp_path / "adapter", RECIPE)
-    assert trained.steps == len(trained.losses) == 800
+    assert trained.steps == len(trained.losses) == 400
     assert trained.eval_metrics["eval_exact_match"] >= 0.8, (base_score, trained.eval_metrics)
     first, last = trained.losses[:20], trained.losses[-20:]
     assert sum(last) < sum(first) / 4, (first, last)
@@ -151,7 +151,7 @@ def test_steps_follow_epochs_batch_size_and_accumulation() -> None:
     assert TrainingConfig(batch_size=8, epochs=2).total_steps(20) == 6
     assert TrainingConfig(batch_size=4, gradient_accumulation=2, epochs=0.5).total_steps(20) == 2
     assert TrainingConfig(batch_size=8, steps=7).total_steps(20) == 7
-    assert RECIPE.total_steps(12_800) == 800
+    assert RECIPE.total_steps(12_800) == 400
 
 
 @pytest.mark.parametrize(

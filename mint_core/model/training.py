@@ -59,6 +59,9 @@ class TrainingConfig:
     """Longest row in tokens; a longer one is refused. None: the base's context."""
     seed: int = 0
     """Seeds LoRA initialisation, dropout and the order of rows."""
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm before each step (as Hugging Face's Trainer
+    does by default): one bad batch cannot throw the adapter off."""
 
     def __post_init__(self) -> None:
         for name in ("rank", "alpha", "batch_size", "gradient_accumulation"):
@@ -68,10 +71,16 @@ class TrainingConfig:
             if value is not None and value <= 0:
                 raise ConfigurationError(f"training {name}={value} must be > 0")
         # Written so that NaN, which fails every comparison, is refused too.
-        if not (self.epochs > 0 and self.learning_rate > 0 and 0 <= self.dropout < 1):
+        if not (
+            self.epochs > 0
+            and self.learning_rate > 0
+            and self.max_grad_norm > 0
+            and 0 <= self.dropout < 1
+        ):
             raise ConfigurationError(
-                f"training epochs={self.epochs} and learning_rate={self.learning_rate} must be "
-                f"> 0, dropout={self.dropout} in [0, 1)"
+                f"training epochs={self.epochs}, learning_rate={self.learning_rate} and "
+                f"max_grad_norm={self.max_grad_norm} must be > 0, dropout={self.dropout} in "
+                "[0, 1)"
             )
 
     def params(self) -> dict[str, str]:
@@ -204,6 +213,7 @@ def _optimize(
             loss = model(**batch).loss / config.gradient_accumulation
             loss.backward()
             step_loss += loss.item()
+        torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
