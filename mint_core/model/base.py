@@ -138,7 +138,10 @@ def resolve(source: BaseSource, home: Path) -> tuple[Path, str]:
 
 def identity(source: BaseSource, home: Path) -> BaseIdentity:
     """The identity adapters trained on `source` carry, without loading the model."""
-    folder, model_id = resolve(source, home)
+    return _identity(*resolve(source, home), home)
+
+
+def _identity(folder: Path, model_id: str, home: Path) -> BaseIdentity:
     return BaseIdentity(model_id, weights_digest(folder, home / "cache" / "base-digests.json"))
 
 
@@ -155,17 +158,23 @@ def weights_digest(folder: Path, cache_file: Path) -> str:
         cache = json.loads(cache_file.read_text())
     except (OSError, ValueError):
         cache = {}
-    digests = {}
+    digests, hashed = {}, False
     for path in files:
         stat = path.stat()  # follows the links of the Hugging Face cache to the blobs
         key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-        digests[path.name] = cache.get(key) or sha256_file(path)
-        cache[key] = digests[path.name]
-    cache_file.parent.mkdir(parents=True, exist_ok=True)
-    scratch = cache_file.with_name(f".{cache_file.name}.{os.getpid()}")
-    scratch.write_text(json.dumps(cache, indent=1, sort_keys=True))
-    scratch.replace(cache_file)
+        if key not in cache:
+            cache[key], hashed = sha256_file(path), True
+        digests[path.name] = cache[key]
+    if hashed:  # every registration asks; only a newly hashed file changes the cache
+        _write_atomically(cache_file, json.dumps(cache, indent=1, sort_keys=True))
     return sha256_json(digests)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    scratch = path.with_name(f".{path.name}.{os.getpid()}")
+    scratch.write_text(text)
+    scratch.replace(path)
 
 
 def load_base(source: BaseSource, home: Path, *, training: bool = False) -> BaseModel:
@@ -201,7 +210,7 @@ def load_base(source: BaseSource, home: Path, *, training: bool = False) -> Base
     except OSError:
         generation = None
     codec = TextCodec(tokenizer, generation, model_id)
-    return BaseModel(model, codec, identity(source, home), folder)
+    return BaseModel(model, codec, _identity(folder, model_id, home), folder)
 
 
 def servable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:

@@ -171,14 +171,14 @@ def tokenize_messages(codec: TextCodec, messages: Sequence[Message], where: str)
         if message["role"] != "assistant":
             continue
         start = len(codec.chat_text(messages[:index], generation_prompt=True)) if index else 0
-        end = len(codec.chat_text(messages[: index + 1], generation_prompt=False))
-        if not text.startswith(codec.chat_text(messages[: index + 1], generation_prompt=False)):
+        through = codec.chat_text(messages[: index + 1], generation_prompt=False)
+        if not text.startswith(through):
             raise DatasetError(
                 f"{where}: the chat template of {codec.model_id} renders a conversation's "
                 "start differently from the whole, so assistant turns cannot be located; use "
                 "prompt/completion rows"
             )
-        spans.append((start, end))
+        spans.append((start, len(through)))
     encoded = codec.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoded["input_ids"])
     labels = [
