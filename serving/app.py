@@ -330,9 +330,8 @@ def create_app(
         yield
 
     app = FastAPI(title="MinT serving worker", lifespan=lifespan, default_response_class=JSONAnswer)
-    engine = worker.engine
-    codec = engine.codec
-    base_id = engine.base.model_id
+    codec = worker.codec
+    base_id = worker.base.model_id
     # What decoding leaves out of the text: the named special tokens and every added token
     # marked special (`<|im_end|>` is often neither BOS, EOS nor PAD).
     added = codec.tokenizer.added_tokens_decoder
@@ -606,11 +605,11 @@ def create_app(
             "degraded_reason": worker.degraded,
             "last_sync": worker.catalog.last_sync,
             "base_model": base_id,
-            "base_digest": engine.base.digest,
-            "base_family": engine.base.family,
-            "context_length": engine.base.context_length,
-            "queue_depth": worker.scheduler.queue_depth,
-            "batch_size": worker.scheduler.batch_size,
+            "base_digest": worker.base.digest,
+            "base_family": worker.base.family,
+            "context_length": worker.base.context_length,
+            "queue_depth": worker.queue_depth,
+            "batch_size": worker.batch_size,
             "request_path_loads": worker.request_path_loads,
         }
 

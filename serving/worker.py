@@ -42,6 +42,8 @@ from mint_core.errors import (
     NotReadyError,
     RegistryError,
 )
+from mint_core.model.base import BaseModel
+from mint_core.model.text import TextCodec
 from mint_core.packing import load as load_packed
 from mint_core.residency import Residency
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
@@ -227,6 +229,26 @@ class Worker:
             self._nudge.clear()
 
     # Serving.
+
+    @property
+    def codec(self) -> TextCodec:
+        """The base's tokenizer and chat template: prompts are encoded with it."""
+        return self.engine.codec
+
+    @property
+    def base(self) -> BaseModel:
+        """The resident base: model id, digest, family, context length."""
+        return self.engine.base
+
+    @property
+    def queue_depth(self) -> int:
+        """Generations waiting to join the running batch."""
+        return self.scheduler.queue_depth
+
+    @property
+    def batch_size(self) -> int:
+        """Generations running now."""
+        return self.scheduler.batch_size
 
     def route(
         self, ref: RevisionRef | None, principal: str = ANONYMOUS
