@@ -28,7 +28,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mint_core.model.base import DEFAULT_TARGETS, BaseIdentity, BaseModel
+from mint_core.model.base import DEFAULT_TARGETS, BaseIdentity, BaseModel, BaseText
 from mint_core.model.generate import greedy_generate, seeded
 from mint_core.model.text import TextCodec
 from mint_core.model.tiny import TinySpec, byte_tokenizer
@@ -60,7 +60,9 @@ def build_base(scale: float) -> tuple[BaseModel, TinySpec]:
     eos = torch.tensor(sorted(codec.eos_ids))
     model.lm_head.register_forward_hook(lambda _m, _i, logits: logits.index_fill(-1, eos, -1e9))
     identity = BaseIdentity(spec.name, "sha256:bench")
-    return BaseModel(model=model, codec=codec, identity=identity, path=Path(".")), spec
+    context = int(model.config.max_position_embeddings)
+    text = BaseText(identity, codec, Path("."), str(model.config.model_type), context)
+    return BaseModel(model, text), spec
 
 
 def adapter_states(base: BaseModel, lora: LoraConfig, count: int) -> list[dict[str, torch.Tensor]]:

@@ -74,13 +74,18 @@ class BaseIdentity:
 
 
 @dataclass(frozen=True)
-class BaseModel:
-    """A loaded base model, its text side and its identity."""
+class BaseText:
+    """A base as a server sees it before (or without) loading its weights: identity, text side
+    and the config facts serving needs. Engines that load the weights themselves (vLLM) need
+    only this."""
 
-    model: PreTrainedModel
-    codec: TextCodec
     identity: BaseIdentity
+    codec: TextCodec
     path: Path
+    family: str
+    """`config.model_type`: llama, qwen2, qwen3, mistral..."""
+    context_length: int
+    """Longest sequence (prompt + answer) the model takes."""
 
     @property
     def model_id(self) -> str:
@@ -90,15 +95,41 @@ class BaseModel:
     def digest(self) -> str:
         return self.identity.digest
 
+
+@dataclass(frozen=True)
+class BaseModel:
+    """A loaded base model: its weights and its `BaseText`."""
+
+    model: PreTrainedModel
+    text: BaseText
+
+    @property
+    def codec(self) -> TextCodec:
+        return self.text.codec
+
+    @property
+    def identity(self) -> BaseIdentity:
+        return self.text.identity
+
+    @property
+    def path(self) -> Path:
+        return self.text.path
+
+    @property
+    def model_id(self) -> str:
+        return self.text.model_id
+
+    @property
+    def digest(self) -> str:
+        return self.text.digest
+
     @property
     def family(self) -> str:
-        """`config.model_type`: llama, qwen2, qwen3, mistral..."""
-        return str(self.model.config.model_type)
+        return self.text.family
 
     @property
     def context_length(self) -> int:
-        """Longest sequence (prompt + answer) the model takes."""
-        return int(self.model.config.max_position_embeddings)
+        return self.text.context_length
 
     @property
     def device(self) -> torch.device:
@@ -177,16 +208,11 @@ def _write_atomically(path: Path, text: str) -> None:
     scratch.replace(path)
 
 
-def load_base(source: BaseSource, home: Path, *, training: bool = False) -> BaseModel:
-    """The base model of `source` on its device, frozen, in eval mode unless `training`."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+def load_text(source: BaseSource, home: Path) -> BaseText:
+    """`source`'s identity, tokenizer, chat template and config, without its weights."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, model_id = resolve(source, home)
-    device = torch.device(source.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, source.dtype) if source.dtype else None
-    if dtype is None and device.type == "cpu":
-        dtype = torch.float32  # CPU kernels for half precision are slow or missing
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
@@ -200,17 +226,36 @@ def load_base(source: BaseSource, home: Path, *, training: bool = False) -> Base
             f"the base model {model_id} ({folder}) has a slow tokenizer only; MinT needs a "
             "tokenizer.json (a fast tokenizer) for offsets and streaming"
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype or "auto", local_files_only=True
-    ).to(device)
-    model.train(training)
-    model.requires_grad_(False)
     try:
         generation = GenerationConfig.from_pretrained(folder, local_files_only=True)
     except OSError:
         generation = None
-    codec = TextCodec(tokenizer, generation, model_id)
-    return BaseModel(model, codec, _identity(folder, model_id, home), folder)
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    return BaseText(
+        _identity(folder, model_id, home),
+        TextCodec(tokenizer, generation, model_id),
+        folder,
+        str(config.model_type),
+        int(config.max_position_embeddings),
+    )
+
+
+def load_base(source: BaseSource, home: Path, *, training: bool = False) -> BaseModel:
+    """The base model of `source` on its device, frozen, in eval mode unless `training`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    text = load_text(source, home)
+    device = torch.device(source.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, source.dtype) if source.dtype else None
+    if dtype is None and device.type == "cpu":
+        dtype = torch.float32  # CPU kernels for half precision are slow or missing
+    model = AutoModelForCausalLM.from_pretrained(
+        text.path, dtype=dtype or "auto", local_files_only=True
+    ).to(device)
+    model.train(training)
+    model.requires_grad_(False)
+    return BaseModel(model, text)
 
 
 def servable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
