@@ -3,8 +3,10 @@ points, server start) through `MintConfig.from_env`."""
 
 import json
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from mint_core.access import ADMIN, parse_api_keys
@@ -14,6 +16,17 @@ from mint_core.revisions import RevisionId, RevisionRef
 
 DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
 DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `--max-lora-rank` values vLLM accepts."""
+
+
+class BackendKind(StrEnum):
+    """What runs the model behind a worker (`MINT_BACKEND`)."""
+
+    EMBEDDED = "embedded"
+    """MinT's own torch engine in the worker's process."""
+    VLLM = "vllm"
+    """A vLLM OpenAI server the worker starts and supervises."""
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,20 @@ class MintConfig:
     worker_api_key: str = ""
     """The key the pipeline presents to workers' admin endpoints (`MINT_WORKER_API_KEY`); with
     `api_keys`, its principal must be one of `admin_principals`."""
+    backend: BackendKind = BackendKind.EMBEDDED
+    """What runs the model behind a worker (`MINT_BACKEND`: embedded or vllm)."""
+    host_adapters: int = 256
+    """Most revisions a worker's host tier holds, whatever their size (`MINT_HOST_ADAPTERS`);
+    vLLM's `--max-cpu-loras`."""
+    max_lora_rank: int = 16
+    """Highest adapter rank a vLLM worker takes (`MINT_MAX_LORA_RANK`, one of vLLM's
+    `--max-lora-rank` values); a revision of higher rank ends `failed` there."""
+    vllm_python: str = ""
+    """The Python of vLLM's own environment (`MINT_VLLM_PYTHON`; default: `.venv-vllm` beside
+    MinT's sources, which `make vllm` builds)."""
+    vllm_args: tuple[str, ...] = ()
+    """More arguments for the vLLM server (`MINT_VLLM_ARGS`, shell words), e.g.
+    `--tensor-parallel-size 2 --gpu-memory-utilization 0.85` on GPUs."""
     admin_principals: tuple[str, ...] = (ADMIN,)
     """Principals a worker with `api_keys` lets use its admin endpoints (`/admin/...`: admit,
     sync, events) and see every revision in `/v1/adapters/{name}` (`MINT_ADMIN_PRINCIPALS`,
@@ -99,7 +126,13 @@ class MintConfig:
     def __post_init__(self) -> None:
         if self.sync_interval_s <= 0:
             raise ConfigurationError(f"sync_interval_s={self.sync_interval_s} must be positive")
-        for name in ("device_slots", "host_cache_mb", "max_batch", "admission_k"):
+        if self.max_lora_rank not in VLLM_LORA_RANKS:
+            raise ConfigurationError(
+                f"MINT_MAX_LORA_RANK={self.max_lora_rank} is not one of vLLM's ranks "
+                f"{', '.join(map(str, VLLM_LORA_RANKS))}; pick the smallest that covers your "
+                "adapters"
+            )
+        for name in ("device_slots", "host_cache_mb", "host_adapters", "max_batch", "admission_k"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
         if not self.admin_principals:
@@ -158,6 +191,11 @@ class MintConfig:
             pins=tuple(_pin(text) for text in env.get("MINT_PINS", "").split(",") if text.strip()),
             worker_api_key=env.get("MINT_WORKER_API_KEY", ""),
             admin_principals=_names(env.get("MINT_ADMIN_PRINCIPALS", "")) or (ADMIN,),
+            backend=_backend(env.get("MINT_BACKEND", "") or BackendKind.EMBEDDED),
+            host_adapters=_integer(env, "MINT_HOST_ADAPTERS", 256),
+            max_lora_rank=_integer(env, "MINT_MAX_LORA_RANK", 16),
+            vllm_python=env.get("MINT_VLLM_PYTHON", ""),
+            vllm_args=tuple(shlex.split(env.get("MINT_VLLM_ARGS", ""))),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -184,6 +222,11 @@ class MintConfig:
             "MINT_PINS": ",".join(str(pin) for pin in self.pins),
             "MINT_WORKER_API_KEY": self.worker_api_key,
             "MINT_ADMIN_PRINCIPALS": ",".join(self.admin_principals),
+            "MINT_BACKEND": self.backend,
+            "MINT_HOST_ADAPTERS": str(self.host_adapters),
+            "MINT_MAX_LORA_RANK": str(self.max_lora_rank),
+            "MINT_VLLM_PYTHON": self.vllm_python,
+            "MINT_VLLM_ARGS": shlex.join(self.vllm_args),
         }
 
 
@@ -197,6 +240,14 @@ def _api_keys(env: Mapping[str, str]) -> dict[str, str]:
                 f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
             ) from e
     return keys
+
+
+def _backend(text: str) -> BackendKind:
+    try:
+        return BackendKind(text.strip().lower())
+    except ValueError:
+        choices = ", ".join(BackendKind)
+        raise ConfigurationError(f"MINT_BACKEND={text!r} is not one of {choices}") from None
 
 
 def _names(text: str) -> tuple[str, ...]:

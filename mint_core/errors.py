@@ -42,6 +42,11 @@ class ServiceError(MintError):
     """A process MinT starts (MLflow server, worker) failed to start or answer."""
 
 
+class EngineUnavailableError(ServiceError):
+    """The serving engine is down (a vLLM process died and is being restarted): not the
+    request's or the revision's fault; try again shortly."""
+
+
 class AuthenticationError(MintError, PermissionError):
     """A request carried an API key that names no principal."""
 

@@ -520,7 +520,11 @@ def load(
 def unpack(folder: Path, out_dir: Path) -> Path:
     """Restore the exact PEFT layout: same keys, bit-identical tensors, same adapter config."""
     verify(folder)
-    adapter = load(folder)
+    return write_peft(load(folder), out_dir)
+
+
+def write_peft(adapter: PackedAdapter, out_dir: Path) -> Path:
+    """`adapter` in PEFT's layout (what PEFT and vLLM load) in `out_dir`."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {key: tensor.contiguous() for key, tensor in adapter.peft_state_dict().items()}
     save_file(tensors, out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})

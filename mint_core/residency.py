@@ -94,6 +94,9 @@ class Residency(Generic[Weights]):
 
     host_capacity_bytes: int
     device_slots: int
+    host_capacity_entries: int | None = None
+    """Most revisions the host tier holds, whatever their size (None: bytes alone bound it).
+    An engine whose host cache counts adapters (vLLM's `--max-cpu-loras`) sets it."""
     _host: OrderedDict[str, _Held[Weights]] = field(default_factory=OrderedDict, init=False)
     """key -> weights and their size, least recently used first."""
     _slots: dict[int, _Slot] = field(default_factory=dict, init=False)
@@ -111,6 +114,10 @@ class Residency(Generic[Weights]):
             )
         if self.device_slots < 1:
             raise ConfigurationError(f"device_slots={self.device_slots} must be at least 1")
+        if self.host_capacity_entries is not None and self.host_capacity_entries < 1:
+            raise ConfigurationError(
+                f"host_capacity_entries={self.host_capacity_entries} must be at least 1"
+            )
 
     # Host tier.
 
@@ -125,12 +132,18 @@ class Residency(Generic[Weights]):
                 return []
             victims: list[str] = []
             free = self.host_capacity_bytes - self._bytes()
+            entries = self.host_capacity_entries or len(self._host) + 1
             for candidate, held in self._host.items():
-                if free >= nbytes:
+                if free >= nbytes and len(self._host) - len(victims) < entries:
                     break
                 if self._pins(candidate) == 0:
                     victims.append(candidate)
                     free += held.nbytes
+            if len(self._host) - len(victims) >= entries:
+                raise ConfigurationError(
+                    f"{key} does not fit: the host cache holds at most {entries} revisions "
+                    "and the others are pinned by running requests: raise MINT_HOST_ADAPTERS"
+                )
             if free < nbytes:
                 raise ConfigurationError(
                     f"{key} needs {nbytes} bytes of host cache; {free} can be freed of "

@@ -76,8 +76,9 @@ class Readiness(StrEnum):
 _READINESS_MOVES: Mapping[Readiness, frozenset[Readiness]] = {
     Readiness.NOT_ADMITTED: frozenset({Readiness.QUEUED}),
     Readiness.QUEUED: frozenset({Readiness.FETCHING, Readiness.FAILED}),
-    Readiness.FETCHING: frozenset({Readiness.WARMING, Readiness.FAILED}),
-    Readiness.WARMING: frozenset({Readiness.READY, Readiness.FAILED}),
+    # From prewarm back to not admitted: the engine went away under it (admitted again later).
+    Readiness.FETCHING: frozenset({Readiness.WARMING, Readiness.FAILED, Readiness.NOT_ADMITTED}),
+    Readiness.WARMING: frozenset({Readiness.READY, Readiness.FAILED, Readiness.NOT_ADMITTED}),
     # Evicted from the host cache: it must be admitted again before it serves.
     Readiness.READY: frozenset({Readiness.NOT_ADMITTED}),
     Readiness.FAILED: frozenset({Readiness.QUEUED}),

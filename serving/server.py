@@ -10,26 +10,38 @@ from transformers.utils import logging as transformers_logging
 
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
-from mint_core.config import MintConfig
-from mint_core.model.base import load_base
+from mint_core.config import BackendKind, MintConfig
+from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
 from serving.app import create_app
+from serving.backend import Backend
+from serving.embedded import EmbeddedBackend
 from serving.engine import TorchEngine
 from serving.worker import Worker
 
 log = logging.getLogger(__name__)
 
 
+def build_backend(config: MintConfig) -> Backend:
+    """The engine `config.backend` names, serving `config.base`."""
+    host_cache_bytes = config.host_cache_mb << 20
+    if config.backend is BackendKind.VLLM:
+        from serving.vllm import VllmBackend, VllmSettings
+
+        text = load_text(config.base, config.home)
+        return VllmBackend(text, VllmSettings.from_config(config), host_cache_bytes)
+    engine = TorchEngine(load_base(config.base, config.home), slots=config.device_slots)
+    return EmbeddedBackend(engine, host_cache_bytes, config.max_batch, config.host_adapters)
+
+
 def build_worker(config: MintConfig) -> Worker:
     """A worker that starts syncing with the registry at once (and admitting what it says)."""
-    engine = TorchEngine(load_base(config.base, config.home), slots=config.device_slots)
+    backend = build_backend(config)
     return Worker(
-        engine,
-        Catalog(Registry(config.tracking_uri), config.pins, engine.base.digest),
+        backend,
+        Catalog(Registry(config.tracking_uri), config.pins, backend.text.digest),
         open_store(config),
-        host_cache_bytes=config.host_cache_mb << 20,
-        max_batch=config.max_batch,
         admission_k=config.admission_k,
         sync_interval_s=config.sync_interval_s,
     )

@@ -36,22 +36,22 @@ from mint_core.artifact_store import ArtifactStore
 from mint_core.catalog import Catalog
 from mint_core.errors import (
     BaseMismatchError,
+    EngineUnavailableError,
     IntegrityError,
     MintError,
     NotFoundError,
     NotReadyError,
     RegistryError,
 )
-from mint_core.model.base import BaseModel
+from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.packing import load as load_packed
-from mint_core.residency import Residency
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, transition
-from serving.engine import BASE, AdapterWeights, TorchEngine
-from serving.metrics import WorkerMetrics
+from serving.backend import Backend
+from serving.engine import BASE
+from serving.generation import Request
 from serving.sampling import SamplingParams
-from serving.scheduler import DEFAULT_MAX_BATCH, Request, Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -87,20 +87,17 @@ class RevisionNotReady(NotReadyError):
 class Worker:
     def __init__(
         self,
-        engine: TorchEngine,
+        backend: Backend,
         catalog: Catalog,
         store: ArtifactStore,
-        host_cache_bytes: int = DEFAULT_HOST_CACHE_BYTES,
-        max_batch: int = DEFAULT_MAX_BATCH,
         admission_k: int = DEFAULT_CONCURRENCY,
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
     ) -> None:
-        self.engine = engine
+        self.backend = backend
         self.catalog = catalog
         self.store = store
-        self.residency: Residency[AdapterWeights] = Residency(host_cache_bytes, engine.slots)
-        self.metrics = WorkerMetrics(self.residency)
-        self.scheduler = Scheduler(engine, self.residency, self.metrics, max_batch)
+        self.residency = backend.residency
+        self.metrics = backend.metrics
         self._table: dict[RevisionId, ReadinessEntry] = {}
         self._policies: dict[RevisionId, PolicyRecord] = {}
         self._events: list[ReadinessEntry] = []
@@ -110,7 +107,7 @@ class Worker:
         self._request_path_fetches = 0
         self._prewarming = threading.local()
         """`active` is set on prewarm threads: their fetches are not on the request path."""
-        self.degraded: str | None = None
+        self._registry_problem: str | None = None
         """Why the last sync with the registry failed; None while it succeeds."""
         self.sync_interval_s = sync_interval_s
         self._nudge = threading.Event()
@@ -122,6 +119,7 @@ class Worker:
         self._threads.append(threading.Thread(target=self._watch, name="watcher", daemon=True))
         for thread in self._threads:
             thread.start()
+        backend.on_lost(self._engine_lost)
 
     # Readiness.
 
@@ -191,11 +189,13 @@ class Worker:
         try:
             self.catalog.sync()
         except RegistryError as e:
-            if self.degraded is None:
+            if self._registry_problem is None:
                 log.warning("registry unreachable; serving what this worker holds: %s", e)
-            self.degraded = str(e)
+            self._registry_problem = str(e)
             raise
-        self.degraded = None
+        self._registry_problem = None
+        if self.backend.problem() is not None:
+            return []  # nothing can load now; admitted once the engine is back
         admitted = []
         for revision in sorted(self.catalog.desired(), key=lambda r: (r.adapter, r.number)):
             if self.readiness(revision).state is Readiness.NOT_ADMITTED:
@@ -231,24 +231,30 @@ class Worker:
     # Serving.
 
     @property
-    def codec(self) -> TextCodec:
-        """The base's tokenizer and chat template: prompts are encoded with it."""
-        return self.engine.codec
+    def degraded(self) -> str | None:
+        """Why the worker cannot do all its work (registry unreachable, engine down); None
+        while it can."""
+        return self.backend.problem() or self._registry_problem
 
     @property
-    def base(self) -> BaseModel:
+    def codec(self) -> TextCodec:
+        """The base's tokenizer and chat template: prompts are encoded with it."""
+        return self.backend.text.codec
+
+    @property
+    def base(self) -> BaseText:
         """The resident base: model id, digest, family, context length."""
-        return self.engine.base
+        return self.backend.text
 
     @property
     def queue_depth(self) -> int:
         """Generations waiting to join the running batch."""
-        return self.scheduler.queue_depth
+        return self.backend.queue_depth
 
     @property
     def batch_size(self) -> int:
         """Generations running now."""
-        return self.scheduler.batch_size
+        return self.backend.batch_size
 
     def route(
         self, ref: RevisionRef | None, principal: str = ANONYMOUS
@@ -265,6 +271,9 @@ class Worker:
         if entry.state is not Readiness.READY:
             self.metrics.not_ready.inc()
             raise RevisionNotReady(entry)
+        if (problem := self.backend.problem()) is not None:
+            self.metrics.not_ready.inc()
+            raise EngineUnavailableError(f"{revision} cannot be served right now: {problem}")
         return revision, str(revision)
 
     def generate(
@@ -273,7 +282,7 @@ class Worker:
         """Queue a generation of prompt token ids (the caller encodes: plain or with the chat
         template) for a routed engine key; iterate the request for its tokens. `warm_up` marks
         prewarm's own generation."""
-        return self.scheduler.submit(list(prompt_ids), key, params, warm_up)
+        return self.backend.submit(prompt_ids, key, params, warm_up)
 
     @property
     def request_path_loads(self) -> int:
@@ -281,7 +290,7 @@ class Worker:
         and adapter copies into a device slot for a user's request."""
         with self._lock:
             fetches = self._request_path_fetches
-        return fetches + self.scheduler.request_path_loads
+        return fetches + self.backend.request_path_loads
 
     def close(self) -> None:
         """Stop following the registry, prewarming and serving (waiting requests are
@@ -290,7 +299,7 @@ class Worker:
         self._nudge.set()
         with self._lock:
             self._lock.notify_all()
-        self.scheduler.stop()
+        self.backend.close()
         for thread in self._threads:
             thread.join(timeout=10)
 
@@ -312,6 +321,10 @@ class Worker:
                 return  # closed
             try:
                 self._prewarm(revision)
+            except EngineUnavailableError as e:
+                # Not the revision's fault: it is admitted again once the engine is back.
+                log.warning("prewarm of %s stopped: %s", revision, e)
+                self._drop(revision, str(e))
             except MintError as e:
                 log.warning("prewarm of %s failed: %s", revision, e)
                 self._fail(revision, str(e))
@@ -324,17 +337,36 @@ class Worker:
                     self._lock.notify_all()
 
     def _fail(self, revision: RevisionId, reason: str) -> None:
-        key = str(revision)
-        if self.residency.drop_host(key):
-            self.engine.unload(key)
+        self.backend.unload(str(revision))
         with self._lock:
             self._set(revision, Readiness.FAILED, reason=reason)
+
+    def _drop(self, revision: RevisionId, reason: str) -> None:
+        """`revision` no longer serves here (evicted, or the engine lost it) until admitted
+        again; the watcher admits it again if the registry still wants it."""
+        self.backend.unload(str(revision))
+        with self._lock:
+            if self._entry(revision).state in (
+                Readiness.FETCHING,
+                Readiness.WARMING,
+                Readiness.READY,
+            ):
+                self._set(revision, Readiness.NOT_ADMITTED, reason=reason)
+
+    def _engine_lost(self) -> None:
+        """The engine died with every adapter it held: nothing is ready until prewarmed
+        again (the watcher admits what the registry wants once the engine is back)."""
+        with self._lock:
+            held = [r for r, e in self._table.items() if e.state is Readiness.READY]
+        for revision in held:
+            self._drop(revision, "the engine restarted")
+        self.nudge()
 
     def _prewarm(self, revision: RevisionId) -> None:
         with self._lock:
             self._set(revision, Readiness.FETCHING)
         registered = self.catalog.record(revision)
-        policy, base = registered.policy, self.engine.base
+        policy, base = registered.policy, self.base
         if policy.base_digest != base.digest:
             raise BaseMismatchError(
                 f"{revision} was trained on the base {policy.base_model_id} "
@@ -354,14 +386,14 @@ class Worker:
                 f"record says {registered.policy.content_digest}"
             )
         key = str(revision)
-        weights = self.engine.prepare(key, index.adapter_config, adapter.peft_state_dict())
-        for evicted in self.residency.put_host(key, weights, weights.nbytes):
+        for evicted in self.backend.stage(key, adapter):
             self._evicted(evicted)
 
         with self._lock:
             self._policies[revision] = registered.policy
             self._set(revision, Readiness.WARMING)
-        prompt = self.engine.codec.encode(WARMUP_TEXT)
+        self.backend.load(key)
+        prompt = self.codec.encode(WARMUP_TEXT)
         warm_up = SamplingParams(max_new_tokens=WARMUP_TOKENS)
         self.generate(prompt, key, warm_up, warm_up=True).result(timeout_s=WARMUP_TIMEOUT_S)
         with self._lock:
@@ -375,7 +407,7 @@ class Worker:
 
     def _evicted(self, key: str) -> None:
         """`key` left the host cache: it no longer serves here until admitted again."""
-        self.engine.unload(key)
+        self.backend.unload(key)
         with self._lock:
             for revision, entry in self._table.items():
                 if str(revision) == key and entry.state is Readiness.READY:

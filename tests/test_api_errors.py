@@ -25,6 +25,7 @@ from mint_core.registry import Registry
 from mint_core.services import ManagedProcess
 from serving.app import ECHO_LIMIT, create_app
 from serving.client import WorkerClient
+from serving.embedded import EmbeddedBackend
 from serving.engine import BASE, TorchEngine
 from serving.sampling import SamplingParams
 from serving.scheduler import Request, TokenEvent
@@ -43,7 +44,7 @@ def local_worker(
     home = tmp_path_factory.mktemp("api-errors")
     config = MintConfig(home=home, tracking_uri=mlflow_server.url)
     worker = Worker(
-        TorchEngine(tiny_base(ENGINE_SPEC, home)),
+        EmbeddedBackend(TorchEngine(tiny_base(ENGINE_SPEC, home)), config.host_cache_mb << 20),
         Catalog(Registry(config.tracking_uri)),
         open_store(config),
         sync_interval_s=3600,
@@ -87,7 +88,7 @@ def sse_events(response: httpx.Response) -> list[dict[str, object]]:
 
 def token_a(worker: Worker) -> int:
     """The base's token for the text "A"."""
-    (token,) = worker.engine.codec.tokenizer("A", add_special_tokens=False)["input_ids"]
+    (token,) = worker.backend.engine.codec.tokenizer("A", add_special_tokens=False)["input_ids"]
     return token
 
 
@@ -95,7 +96,7 @@ def driven(
     worker: Worker, events: list[tuple[int, float] | ServiceError], max_new_tokens: int
 ) -> Request:
     """A scheduler request whose tokens and log-probabilities (or failure) the test decides."""
-    request = Request([0], BASE, SamplingParams(max_new_tokens), worker.engine.codec)
+    request = Request([0], BASE, SamplingParams(max_new_tokens), worker.backend.engine.codec)
     for event in events:
         if isinstance(event, ServiceError):
             request.fail(event)
@@ -242,7 +243,7 @@ def test_an_unexpected_failure_inside_a_stream_is_logged_not_sent(
             yield from [TokenEvent(token_a(local_worker), "A", -0.5)] * 2
             raise RuntimeError("secret internals")
 
-    request = Crashing([0], BASE, SamplingParams(4), local_worker.engine.codec)
+    request = Crashing([0], BASE, SamplingParams(4), local_worker.backend.engine.codec)
     serve_next(monkeypatch, local_worker, request)
     with caplog.at_level(logging.ERROR, logger="serving.app"):
         streamed = api.post("/generate_stream", json={"inputs": "a="})

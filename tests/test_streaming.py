@@ -32,6 +32,7 @@ from mint_core.model.tiny import EOS, IM_END, TinySpec, byte_tokenizer, save_bas
 from mint_core.registry import Registry
 from mint_core.services import ManagedProcess
 from serving.app import create_app
+from serving.embedded import EmbeddedBackend
 from serving.engine import TorchEngine
 from serving.worker import Worker
 
@@ -94,7 +95,8 @@ def folders(home: Path) -> dict[str, Path]:
 def serving(base: BaseModel, home: Path, tracking_uri: str) -> Iterator[TestClient]:
     config = MintConfig(home=home, tracking_uri=tracking_uri)
     catalog = Catalog(Registry(tracking_uri))
-    worker = Worker(TorchEngine(base), catalog, open_store(config), sync_interval_s=3600)
+    backend = EmbeddedBackend(TorchEngine(base), config.host_cache_mb << 20)
+    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600)
     try:
         with TestClient(create_app(worker)) as client:
             yield client

@@ -21,6 +21,7 @@ from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
 from mint_core.services import start_mlflow
 from mint_core.states import Readiness
+from serving.embedded import EmbeddedBackend
 from serving.engine import AdapterWeights, TorchEngine
 from serving.sampling import SamplingParams
 from serving.worker import ReadinessEntry, Worker
@@ -45,7 +46,8 @@ def own_registry(
 def worker_for(config: MintConfig, slots: int, host_cache_bytes: int) -> Iterator[Worker]:
     engine = TorchEngine(load_base(config.base, config.home), slots=slots)
     catalog = Catalog(Registry(config.tracking_uri))
-    worker = Worker(engine, catalog, open_store(config), host_cache_bytes, sync_interval_s=3600)
+    backend = EmbeddedBackend(engine, host_cache_bytes)
+    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600)
     try:
         yield worker
     finally:
@@ -79,7 +81,7 @@ def test_a_prewarm_that_does_not_fit_the_host_cache_leaves_nothing_behind(
             assert worker.residency.host_table() == []
             assert worker.residency.slot_table() == []
             assert worker.residency.host_bytes == 0
-            assert worker.engine.adapters == frozenset()
+            assert worker.backend.engine.adapters == frozenset()
         # The worker is closed (its threads have ended): nothing but it could hold the weights.
         gc.collect()
         kept = [o for o in gc.get_objects() if type(o) is AdapterWeights]
@@ -105,7 +107,7 @@ def test_request_path_loads_counts_what_a_users_request_waited_for(
 
         # A user's request for the first waits for its copy into the slot; then it is a hit.
         params = SamplingParams(max_new_tokens=2)
-        prompt = worker.engine.codec.encode("abc=")
+        prompt = worker.backend.engine.codec.encode("abc=")
         for loads in (1, 1):
             worker.generate(prompt, str(first), params).result(timeout_s=60)
             assert worker.request_path_loads == loads

@@ -1,0 +1,74 @@
+"""MinT's own engine as a `Backend`: the torch engine and its continuous-batching scheduler,
+in the worker's process.
+
+Staging verifies an adapter against the base and keeps its LoRA pairs in the host cache;
+device slots are taken on demand by the scheduler (a warm-up generation or a user's request
+copies the pairs into a slot), so `load` has nothing left to do.
+"""
+
+from collections.abc import Callable, Sequence
+
+from mint_core.packing import PackedAdapter
+from mint_core.residency import Residency
+from serving.engine import AdapterWeights, TorchEngine
+from serving.generation import Request
+from serving.metrics import WorkerMetrics
+from serving.sampling import SamplingParams
+from serving.scheduler import DEFAULT_MAX_BATCH, Scheduler
+
+
+class EmbeddedBackend:
+    kind = "embedded"
+
+    def __init__(
+        self,
+        engine: TorchEngine,
+        host_cache_bytes: int,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        host_adapters: int | None = None,
+    ) -> None:
+        self.engine = engine
+        self.text = engine.base.text
+        self.residency: Residency[AdapterWeights] = Residency(
+            host_cache_bytes, engine.slots, host_adapters
+        )
+        self.metrics = WorkerMetrics(self.residency)
+        self.scheduler = Scheduler(engine, self.residency, self.metrics, max_batch)
+
+    def stage(self, key: str, adapter: PackedAdapter) -> list[str]:
+        weights = self.engine.prepare(key, adapter.index.adapter_config, adapter.peft_state_dict())
+        return self.residency.put_host(key, weights, weights.nbytes)
+
+    def load(self, key: str) -> None:
+        """Nothing to do: the warm-up generation copies the adapter into a device slot."""
+
+    def unload(self, key: str) -> None:
+        # A slot a running request pins stays: the request finishes on the weights it started.
+        if self.residency.drop_host(key) or not self.residency.in_host(key):
+            self.engine.unload(key)
+
+    def submit(
+        self, prompt_ids: Sequence[int], key: str, params: SamplingParams, warm_up: bool = False
+    ) -> Request:
+        return self.scheduler.submit(list(prompt_ids), key, params, warm_up)
+
+    def problem(self) -> str | None:
+        return None  # it runs in the worker's own process: if it is down, so is the worker
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        """Never called: the engine cannot lose its adapters while the worker lives."""
+
+    @property
+    def queue_depth(self) -> int:
+        return self.scheduler.queue_depth
+
+    @property
+    def batch_size(self) -> int:
+        return self.scheduler.batch_size
+
+    @property
+    def request_path_loads(self) -> int:
+        return self.scheduler.request_path_loads
+
+    def close(self) -> None:
+        self.scheduler.stop()

@@ -1,0 +1,429 @@
+"""vLLM as a `Backend`: a vLLM OpenAI server that the worker starts on loopback, supervises and
+drives, while the worker stays the gate in front of it.
+
+How MinT's lifecycle maps onto vLLM:
+
+- **host tier**: staging writes the verified adapter as a PEFT folder, one folder per content
+  digest (vLLM caches weights by name and path, and keeps them after an unload: a path must
+  never be reused for other weights); `--max-cpu-loras` is the host tier's size in revisions.
+- **device slots**: `--max-loras`; vLLM moves adapters in and out of them itself.
+- **load** (prewarm phase 2): `POST /v1/load_lora_adapter` with `lora_name` = the exact
+  revision (`name:rN`). What vLLM refuses (a rank over `--max-lora-rank`, DoRA, modules it
+  cannot adapt; it answers 500 for most) fails the revision with vLLM's own message.
+- **unload** (eviction): `POST /v1/unload_lora_adapter`.
+- **generation**: `POST /v1/completions`, streamed, with the prompt as the base's token ids
+  (MinT tokenizes and applies the chat template, so both backends see the same tokens),
+  `model` = the exact revision, the base's end-of-sequence ids as stop tokens, and the token
+  ids and logprobs of each piece. The generation ends where MinT's rules say (EOS, stop
+  string, length: `serving.generation.Request`); the stream is closed there, which aborts the
+  request inside vLLM. vLLM never sees a request for a revision the gate did not pass, and a
+  name it does not know answers 404, never the base in its place.
+- **health**: a supervisor thread watches the process. If vLLM dies or stops answering, the
+  backend reports the problem (`/health` says `degraded`), tells the worker every adapter is
+  lost, and starts vLLM again with backoff; the worker's watcher then prewarms again what the
+  registry wants. No operator action.
+
+vLLM lives in an environment of its own (it pins an older transformers): `make vllm` builds
+`.venv-vllm`; `MINT_VLLM_PYTHON` names another.
+"""
+
+import contextlib
+import json
+import logging
+import secrets
+import shutil
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from mint_core.config import BackendKind, MintConfig
+from mint_core.errors import (
+    ConfigurationError,
+    EngineUnavailableError,
+    MintError,
+    NotReadyError,
+    ServiceError,
+)
+from mint_core.folders import publish_folder
+from mint_core.model.base import BaseText
+from mint_core.packing import PackedAdapter, write_peft
+from mint_core.residency import Residency
+from mint_core.services import LOOPBACK, ManagedProcess, answers, free_port, start_process
+from serving.engine import BASE
+from serving.generation import Request, check_prompt
+from serving.metrics import WorkerMetrics
+from serving.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+VLLM_ENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+"""Where `make vllm` builds vLLM's environment."""
+START_TIMEOUT_S = 900.0
+"""vLLM imports for a minute or more on a busy CPU machine, and compiles on a GPU."""
+CHECK_INTERVAL_S = 1.0
+FAILED_CHECKS = 3
+"""Health checks in a row that must fail before a running vLLM counts as hung and restarts."""
+BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
+"""Waits before each try to start vLLM again, the last repeated."""
+CPU_KV_CACHE = "256M"
+"""KV cache on CPU machines (vLLM's default takes a fraction of host memory)."""
+CONTROL_TIMEOUT_S = 120.0
+"""Loading an adapter, or anything but a generation, answers within this."""
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How the worker starts vLLM."""
+
+    python: Path
+    home: Path
+    """MinT's state dir: vLLM's log goes to `logs/`, staged adapters to `vllm/adapters/`."""
+    device_slots: int
+    host_adapters: int
+    max_lora_rank: int
+    max_batch: int
+    dtype: str
+    device: str
+    extra_args: tuple[str, ...] = ()
+
+    @classmethod
+    def from_config(cls, config: MintConfig) -> "VllmSettings":
+        python = Path(config.vllm_python or VLLM_ENV / "bin" / "python")
+        if not python.exists():
+            raise ConfigurationError(
+                f"MINT_BACKEND={BackendKind.VLLM} needs vLLM's Python, and {python} does not "
+                "exist: build it with `make vllm`, or point MINT_VLLM_PYTHON at the python of "
+                "an environment with vLLM installed"
+            )
+        return cls(
+            python,
+            config.home,
+            config.device_slots,
+            config.host_adapters,
+            config.max_lora_rank,
+            config.max_batch,
+            config.base.dtype,
+            config.base.device,
+            config.vllm_args,
+        )
+
+    @property
+    def on_cpu(self) -> bool:
+        if self.device:
+            return self.device == "cpu"
+        import torch
+
+        return not torch.cuda.is_available()
+
+
+class VllmServer:
+    """The vLLM OpenAI server process: its command line and its key."""
+
+    def __init__(self, settings: VllmSettings, text: BaseText) -> None:
+        self.settings = settings
+        self.text = text
+        self.api_key = secrets.token_urlsafe(24)
+        """vLLM answers only the worker: every call carries this key."""
+        self.port = free_port()
+        self.url = f"http://{LOOPBACK}:{self.port}"
+
+    def argv(self) -> list[str]:
+        s = self.settings
+        dtype = s.dtype or ("float32" if s.on_cpu else "auto")  # auto means bf16 on CPU
+        argv = [
+            str(s.python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.text.path),
+            "--served-model-name", self.text.model_id,
+            "--host", LOOPBACK, "--port", str(self.port),
+            "--api-key", self.api_key,
+            "--dtype", dtype,
+            "--enable-lora",
+            "--max-loras", str(s.device_slots),
+            "--max-cpu-loras", str(max(s.host_adapters, s.device_slots)),
+            "--max-lora-rank", str(s.max_lora_rank),
+            "--max-num-seqs", str(s.max_batch),
+            # The model's sampling defaults would change requests that leave a knob unset:
+            # MinT's requests mean the same on either backend.
+            "--generation-config", "vllm",
+            "--uvicorn-log-level", "warning",
+            "--disable-uvicorn-access-log",
+        ]  # fmt: skip
+        if s.on_cpu:
+            argv += ["--enforce-eager", "--kv-cache-memory-bytes", CPU_KV_CACHE]
+        return argv + list(s.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = {
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_HOST_IP": LOOPBACK,  # else its processes talk over a non-loopback address
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        if self.settings.on_cpu:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+        return env
+
+    def start(self) -> ManagedProcess:
+        return start_process(
+            "vLLM",
+            self.argv(),
+            self.url,
+            "/health",
+            self.settings.home / "logs" / f"vllm-{self.port}.log",
+            self.env(),
+            START_TIMEOUT_S,
+        )
+
+
+class VllmBackend:
+    kind = BackendKind.VLLM.value
+
+    def __init__(self, text: BaseText, settings: VllmSettings, host_cache_bytes: int) -> None:
+        self.text = text
+        self.settings = settings
+        self.residency: Residency[Path] = Residency(
+            host_cache_bytes, settings.device_slots, settings.host_adapters
+        )
+        self.metrics = WorkerMetrics(self.residency)
+        self._server = VllmServer(settings, text)
+        self._adapters = settings.home / "vllm" / f"adapters-{self._server.port}"
+        self._process: ManagedProcess | None = self._server.start()
+        self._client = httpx.Client(
+            base_url=self._server.url,
+            headers={"Authorization": f"Bearer {self._server.api_key}"},
+            timeout=httpx.Timeout(CONTROL_TIMEOUT_S, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        self._problem: str | None = None
+        self._lost: list[Callable[[], None]] = []
+        self._running = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self.restarts = 0
+        self._supervisor = threading.Thread(target=self._supervise, name="vllm", daemon=True)
+        self._supervisor.start()
+        log.info("vLLM serves %s at %s", text.model_id, self._server.url)
+
+    # Lifecycle.
+
+    def stage(self, key: str, adapter: PackedAdapter) -> list[str]:
+        digest = adapter.index.content_digest.removeprefix("sha256:")
+        folder = self._adapters / digest
+        if not folder.is_dir():
+            with publish_folder(folder, ".staging-") as staging:
+                write_peft(adapter, staging)
+        nbytes = sum(t.nbytes for t in adapter.tensors.values())
+        return self.residency.put_host(key, folder, nbytes)
+
+    def load(self, key: str) -> None:
+        path = self.residency.host_weights(key)
+        body = {"lora_name": key, "lora_path": str(path.absolute())}
+        response = self._control("/v1/load_lora_adapter", body)
+        if response.status_code == 200:
+            return
+        message = _error_message(response)
+        if response.status_code == 400 and "already been loaded" in message:
+            return  # a revision is immutable: the name loaded is these weights
+        raise ConfigurationError(f"vLLM refused to load {key}: {message}")
+
+    def unload(self, key: str) -> None:
+        self.residency.drop_host(key)
+        if self._problem is None:
+            # A vLLM that went away meanwhile holds nothing once it is back.
+            with contextlib.suppress(EngineUnavailableError):
+                self._control("/v1/unload_lora_adapter", {"lora_name": key})
+
+    def _control(self, path: str, body: dict[str, object]) -> httpx.Response:
+        try:
+            return self._client.post(path, json=body)
+        except httpx.TransportError as e:
+            raise EngineUnavailableError(f"vLLM did not answer {path}: {e}") from e
+
+    # Generation.
+
+    def submit(
+        self, prompt_ids: Sequence[int], key: str, params: SamplingParams, warm_up: bool = False
+    ) -> Request:
+        check_prompt(self.text, prompt_ids, params)
+        if (problem := self._problem) is not None:
+            raise EngineUnavailableError(problem)
+        request = Request(list(prompt_ids), key, params, self.text.codec, warm_up)
+        threading.Thread(target=self._run, args=(request,), daemon=True).start()
+        return request
+
+    def _payload(self, request: Request) -> dict[str, object]:
+        params = request.params
+        payload: dict[str, object] = {
+            "model": self.text.model_id if request.key == BASE else request.key,
+            "prompt": request.prompt_ids,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "stop_token_ids": sorted(self.text.codec.eos_ids),
+            "skip_special_tokens": False,
+            "logprobs": 0,
+            "return_token_ids": True,
+            "stream": True,
+        }
+        if not params.greedy:
+            payload["seed"] = request.sampler.seed
+            if params.top_p is not None:
+                payload["top_p"] = params.top_p
+            if params.top_k is not None:
+                payload["top_k"] = params.top_k
+        return payload
+
+    def _run(self, request: Request) -> None:
+        """Stream `request` from vLLM into its events (a thread per generation)."""
+        with self._lock:
+            self._running += 1
+        try:
+            self._stream(request)
+        except httpx.TransportError as e:
+            request.fail(EngineUnavailableError(f"vLLM stopped answering: {e}"))
+        except MintError as e:
+            request.fail(e)
+        except Exception as e:  # the client must hear of any failure, not wait forever
+            log.exception("generation for %s failed", request.key)
+            request.fail(ServiceError(f"generation through vLLM failed: {type(e).__name__}: {e}"))
+        finally:
+            with self._lock:
+                self._running -= 1
+
+    def _stream(self, request: Request) -> None:
+        timeout = httpx.Timeout(None, connect=5.0)  # a long generation is not a hang
+        with self._client.stream(
+            "POST", "/v1/completions", json=self._payload(request), timeout=timeout
+        ) as response:
+            if response.status_code != 200:
+                response.read()
+                raise _generation_error(request.key, response)
+            first = True
+            for chunk in _events(response.iter_lines()):
+                if "error" in chunk:
+                    raise ServiceError(f"vLLM failed {request.key}: {chunk['error']}")
+                choice = chunk["choices"][0]
+                logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+                for token, logprob in zip(choice["token_ids"], logprobs, strict=True):
+                    if first:
+                        self.metrics.time_to_first_token.observe(
+                            time.perf_counter() - request.submitted
+                        )
+                        first = False
+                    self.metrics.generated_tokens.inc()
+                    if request.push(token, float(logprob)):
+                        self._finished(request)
+                        return
+                if request.done:
+                    return  # the client went away: closing the stream aborts it in vLLM
+        if not request.done:
+            raise ServiceError(
+                f"vLLM ended the generation for {request.key} after {len(request.token_ids)} "
+                "tokens without an end-of-sequence token, stop string or length limit"
+            )
+
+    def _finished(self, request: Request) -> None:
+        assert request.finish_reason is not None
+        self.metrics.requests.labels(request.finish_reason.value).inc()
+        self.metrics.request_latency.observe(time.perf_counter() - request.submitted)
+
+    # Health.
+
+    def problem(self) -> str | None:
+        return self._problem
+
+    def on_lost(self, callback: Callable[[], None]) -> None:
+        self._lost.append(callback)
+
+    def _supervise(self) -> None:
+        failed_checks = 0
+        while not self._closed.wait(CHECK_INTERVAL_S):
+            process = self._process
+            assert process is not None
+            code = process.process.poll()
+            if code is None:
+                failed_checks = 0 if answers(process.url + "/health") else failed_checks + 1
+                if failed_checks < FAILED_CHECKS:
+                    continue
+                why = f"vLLM stopped answering its health check ({FAILED_CHECKS} in a row)"
+            else:
+                why = f"vLLM exited with code {code}"
+            self._restart(why)
+            failed_checks = 0
+
+    def _restart(self, why: str) -> None:
+        log.error("%s; restarting it (its log: %s)", why, self._process and self._process.log_path)
+        self._problem = f"{why}; restarting it"
+        for callback in self._lost:
+            callback()
+        for attempt in range(sys.maxsize):
+            if self._closed.is_set():
+                return
+            assert self._process is not None
+            self._process.stop(grace_s=5.0)
+            try:
+                self._process = self._server.start()
+            except ServiceError as e:
+                wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
+                self._problem = f"{why}; restart {attempt + 1} failed, next in {wait:.0f} s: {e}"
+                log.error("%s", self._problem)
+                self._closed.wait(wait)
+                continue
+            break
+        self.restarts += 1
+        self._problem = None
+        log.info("vLLM is back (restart %d)", self.restarts)
+
+    @property
+    def queue_depth(self) -> int:
+        return 0  # vLLM queues inside itself: every generation in flight counts as running
+
+    @property
+    def batch_size(self) -> int:
+        return self._running
+
+    @property
+    def request_path_loads(self) -> int:
+        return 0  # every adapter is loaded at prewarm and stays while it is in the host tier
+
+    def close(self) -> None:
+        self._closed.set()
+        self._supervisor.join(timeout=10)
+        self._client.close()
+        if self._process is not None:
+            self._process.stop()
+        shutil.rmtree(self._adapters, ignore_errors=True)
+
+
+def _events(lines: Iterator[str]) -> Iterator[dict]:
+    """The JSON objects of a server-sent event stream, up to `[DONE]`."""
+    for line in lines:
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def _error_message(response: httpx.Response) -> str:
+    """vLLM's message in an error answer (`{"error": {"message": ...}}`), else its body."""
+    try:
+        error = response.json()["error"]
+        return str(error["message"] if isinstance(error, dict) else error)
+    except (ValueError, KeyError, TypeError):
+        return response.text or f"HTTP {response.status_code}"
+
+
+def _generation_error(key: str, response: httpx.Response) -> MintError:
+    message = _error_message(response)
+    if response.status_code == 404:
+        return NotReadyError(f"{key} is not loaded in vLLM: {message}")
+    if response.status_code in (400, 422):
+        return ConfigurationError(f"vLLM refused the request for {key}: {message}")
+    return ServiceError(f"vLLM answered {response.status_code} for {key}: {message}")
