@@ -5,6 +5,7 @@ server forks a web server), and its output goes to a log file under the state di
 """
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -113,9 +114,12 @@ def start_process(
     log_path: Path,
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120.0,
+    die_with_parent: bool = False,
 ) -> ManagedProcess:
     """Start `argv` and return once it is healthy: `url + health` answers 200 (a path), or
-    `health()` is true (a check); ServiceError if it exits or times out first."""
+    `health()` is true (a check); ServiceError if it exits or times out first.
+    `die_with_parent`: the process gets SIGTERM when the thread that started it ends (Linux),
+    so a child this process supervises never outlives it, even when it is SIGKILLed."""
     healthy = health if callable(health) else lambda: answers(url + health)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
@@ -126,6 +130,7 @@ def start_process(
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
+            preexec_fn=_term_with_parent() if die_with_parent else None,
         )
     service = ManagedProcess(name, process, url, log_path)
     try:
@@ -134,6 +139,16 @@ def start_process(
         service.stop()  # whatever it forked before failing, too
         raise
     return service
+
+
+def _term_with_parent() -> Callable[[], None] | None:
+    """What a forked child runs before exec to get SIGTERM when its parent thread ends: only
+    a system call (libc is looked up here, before the fork). None where Linux's prctl is not."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    pr_set_pdeathsig = 1
+    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:

@@ -58,7 +58,10 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:
     transformers_logging.disable_progress_bar()
     worker = build_worker(config)
     app = create_app(worker, config.api_keys, config.admin_principals)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="warning")
+    finally:
+        worker.close()  # a vLLM backend's server runs in a process group of its own
 
 
 def start_worker(

@@ -178,6 +178,9 @@ class VllmServer:
             self.settings.home / "logs" / f"vllm-{self.port}.log",
             self.env(),
             START_TIMEOUT_S,
+            # Started from the worker's main thread, or its supervisor thread when restarted:
+            # both live as long as the worker.
+            die_with_parent=True,
         )
 
 
@@ -396,7 +399,7 @@ class VllmBackend:
         self._supervisor.join(timeout=10)
         self._client.close()
         if self._process is not None:
-            self._process.stop()
+            self._process.stop(grace_s=5.0)  # within the grace a stopping worker has
         shutil.rmtree(self._adapters, ignore_errors=True)
 
 

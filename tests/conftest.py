@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,12 +30,17 @@ os.environ.update(
 )
 
 from mint_cli import quiet_libraries  # noqa: E402
-from mint_core.config import MintConfig  # noqa: E402
+from mint_core.config import BackendKind, MintConfig  # noqa: E402
 from mint_core.model.base import BaseModel, load_base  # noqa: E402
-from mint_core.services import ManagedProcess, start_mlflow, start_s3  # noqa: E402
+from mint_core.services import (  # noqa: E402
+    ManagedProcess,
+    start_mlflow,
+    start_s3,
+    stop_all,
+)
 from serving.client import WorkerClient  # noqa: E402
 from serving.server import start_worker  # noqa: E402
-from tests.helpers import Fleet, create_bucket  # noqa: E402
+from tests.helpers import Fleet, MixedFleet, create_bucket  # noqa: E402
 
 # The session-end check: a run fails if a process it started outlives it.
 pytest_plugins = ["tests.process_leaks"]
@@ -167,3 +173,38 @@ def fleet(
     for name, value in fleet.config.to_env().items():
         monkeypatch.setenv(name, value)
     return fleet
+
+
+VLLM_START_TIMEOUT_S = 900
+"""A vLLM worker is up once vLLM is: a minute or two of imports on a busy 2-core machine."""
+
+
+@pytest.fixture(scope="session")
+def mixed_fleet(
+    config: MintConfig, prefect_api: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MixedFleet]:
+    """One embedded and one vLLM worker over a registry of their own (admission K=1, API keys,
+    vLLM's `--max-lora-rank` 8, 4 device slots): the fleet the backend contract runs on."""
+    home = tmp_path_factory.mktemp("mixed-fleet")
+    mlflow = start_mlflow(home / "registry")
+    fleet_config = dataclasses.replace(
+        config, tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5, max_lora_rank=8
+    )
+    kinds = (BackendKind.EMBEDDED, BackendKind.VLLM)
+    configs = {
+        kind: dataclasses.replace(fleet_config, backend=kind, device_slots=4, max_batch=16)
+        for kind in kinds
+    }
+    workers: dict[BackendKind, ManagedProcess] = {}
+    try:
+        with ThreadPoolExecutor(len(kinds)) as pool:
+            started = {
+                kind: pool.submit(start_worker, configs[kind], timeout_s=VLLM_START_TIMEOUT_S)
+                for kind in kinds
+            }
+            for kind, future in started.items():
+                workers[kind] = future.result()
+        urls = tuple(workers[kind].url for kind in kinds)
+        yield MixedFleet(dataclasses.replace(fleet_config, worker_urls=urls), workers, mlflow)
+    finally:
+        stop_all([*workers.values(), mlflow])

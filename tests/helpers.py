@@ -270,3 +270,26 @@ def toy_release(adapter: str, task: Task | str, **options: object) -> "ReleaseRe
 
     data, held_out = toy_data(MintConfig.from_env().home, task)
     return release(adapter, data, eval_data=held_out, **(RECIPE | options))  # type: ignore[arg-type]
+
+
+@dataclass
+class MixedFleet:
+    """Workers of each backend following one registry; `config` names them all."""
+
+    config: MintConfig
+    workers: dict[str, ManagedProcess]
+    """Backend kind -> its worker process."""
+    mlflow: ManagedProcess
+
+
+PREWARMING = {"fetching", "warming"}
+
+
+def most_prewarming_at_once(events: list[dict[str, object]]) -> int:
+    """Replay a worker's event log: the most revisions fetching or warming at one time."""
+    states: dict[object, object] = {}
+    most = 0
+    for event in events:
+        states[event["id"]] = event["state"]
+        most = max(most, sum(state in PREWARMING for state in states.values()))
+    return most

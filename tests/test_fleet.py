@@ -26,11 +26,9 @@ from mint_core.states import Stage
 from serving.client import WorkerClient
 from serving.server import start_worker
 from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
-from tests.helpers import register_random_adapter
+from tests.helpers import PREWARMING, most_prewarming_at_once, register_random_adapter
 
 pytestmark = pytest.mark.slow
-
-PREWARMING = {"fetching", "warming"}
 
 
 @dataclasses.dataclass
@@ -88,16 +86,6 @@ def release(fleet: Fleet, revision: RevisionId) -> None:
     admit_revision.fn(fleet.config, revision)
     prewarm_revision.fn(fleet.config, revision)
     activate_revision.fn(fleet.config, revision)
-
-
-def most_prewarming_at_once(events: list[dict[str, object]]) -> int:
-    """Replay a worker's event log: the most revisions fetching or warming at one time."""
-    states: dict[object, object] = {}
-    most = 0
-    for event in events:
-        states[event["id"]] = event["state"]
-        most = max(most, sum(state in PREWARMING for state in states.values()))
-    return most
 
 
 def test_a_burst_of_ten_prewarms_one_at_a_time_behind_a_fast_not_ready(
