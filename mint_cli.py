@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import getpass
 import logging
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
+from mint_core.config import BackendKind
 from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.revisions import check_adapter_name
 from serving.status import format_stage_times, format_table, status_rows
@@ -149,6 +151,8 @@ def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
     from serving.server import serve
 
+    if args.backend:
+        config = dataclasses.replace(config, backend=BackendKind(args.backend))
     serve(config, args.host, args.port)
 
 
@@ -182,8 +186,6 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
-    import dataclasses
-
     from flows.deployments import start_flow_server
     from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from serving.server import start_worker
@@ -445,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run a serving worker in the foreground")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=PORT, default=8000)
+    serve.add_argument(
+        "--backend",
+        choices=list(BackendKind),
+        help="what runs the model: MinT's embedded engine or a vLLM server the worker starts "
+        "and supervises (default: MINT_BACKEND, else embedded)",
+    )
     serve.set_defaults(run=cmd_serve, service=True)
 
     registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
