@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -78,12 +78,17 @@ class OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | Annotated[list[str], Field(max_length=MAX_PROMPTS)]
+    prompt: str | list[str]
 
     def prompts(self) -> list[str]:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
         if not prompts:
             raise ConfigurationError("prompt is an empty list; send at least one prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise ConfigurationError(
+                f"prompt is a list of {len(prompts)} prompts; send at most {MAX_PROMPTS} "
+                "(MAX_PROMPTS) in one request"
+            )
         if self.stream and len(prompts) != 1:
             raise ConfigurationError("streaming takes one prompt; send a string")
         return prompts
