@@ -8,6 +8,7 @@ is checked token for token against `PeftModel.generate` on the revision's frozen
 """
 
 import copy
+import json
 import os
 import signal
 import threading
@@ -207,6 +208,37 @@ def test_an_adapter_vllm_refuses_fails_with_its_reason_and_production_stays(
     assert scenario.registry.resolve(RevisionRef(OPEN)).id == before
     for kind in KINDS:
         scenario.check_answers(kind, f"{OPEN}@production", str(before))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_streams_in_either_protocol_carry_the_same_tokens(
+    scenario: Scenario, kind: BackendKind
+) -> None:
+    """TGI's and OpenAI's streams, translated to and from vLLM's completions API on the vLLM
+    worker: the streamed token ids are the single-request answer's, the pieces its text."""
+    url, revision = scenario.worker(kind).url, f"{OPEN}:r1"
+    for i, prompt in enumerate(PROMPTS[:3]):
+        expected = scenario.expected[revision][i]
+        body = {
+            "inputs": prompt,
+            "parameters": {"adapter_id": revision, "max_new_tokens": NEW_TOKENS},
+        }
+        with httpx.stream("POST", url + "/generate_stream", json=body, headers=TEAM_A) as stream:
+            events = [
+                json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data:")
+            ]
+        assert [e["token"]["id"] for e in events] == expected
+        assert (
+            "".join(e["token"]["text"] for e in events if not e["token"]["special"])
+            == (events[-1]["generated_text"])
+        )
+        body = {"model": revision, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=TEAM_A) as stream:
+            lines = [line[5:].strip() for line in stream.iter_lines() if line.startswith("data:")]
+        chunks = [json.loads(line) for line in lines if line != "[DONE]"]
+        streamed = [t for chunk in chunks for t in chunk["choices"][0].get("token_ids") or []]
+        assert streamed == expected
 
 
 def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: Scenario) -> None:
