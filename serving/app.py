@@ -12,15 +12,15 @@ ask, and the wiring from each protocol's requests to the worker and back.
   use), `/health`, `/metrics` (Prometheus), and the admin endpoints under `/admin` (admit,
   sync, events), which need a key of an admin principal whenever the worker has API keys.
 
-Every answer that names what served it carries `X-Mint-Revision`. Errors, inside streams too,
-are JSON in TGI's shape, `error` and `error_type`, with the status codes of `serving.answers`.
+Generation answers carry `X-Mint-Revision`: what served them, the exact revision or the base's
+model id. Errors, inside streams too, are JSON in TGI's shape, `error` and `error_type`, with
+the status codes of `serving.answers`.
 
-Hostile input is refused before it costs anything, each time naming the limit: a body over
-`max_request_bytes` answers 413 (declared or not: a chunked body is counted as it arrives), so
-no prompt is tokenized at unbounded cost; new tokens the base's context cannot hold answer 422
-before the prompt is tokenized; a prompt that does not fit the context with its new tokens
-answers 422 with both numbers; more than `openai.MAX_PROMPTS` prompts in a completion answers
-422.
+Hostile input is refused early, each time naming the limit: a body over `max_request_bytes`
+answers 413 (declared or not: a chunked body is counted as it arrives), so no prompt costs an
+unbounded tokenization; new tokens the base's context cannot hold, and more than
+`openai.MAX_PROMPTS` prompts in one completion, answer 422 before any prompt is tokenized; a
+prompt that does not fit the context with its new tokens answers 422 with both numbers.
 
 Prompts are the base's own tokens (its tokenizer, its chat template). Streamed text comes in
 the pieces of an incremental detokenizer, which add up to exactly the text a non-streamed

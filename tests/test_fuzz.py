@@ -7,11 +7,10 @@ loopback. No answer may be a server error (5xx) and none may take longer than RE
 The run is bounded (MAX_EXAMPLES per operation, derandomized so that a failure comes back
 the same way) to fit about a minute on two busy cores.
 
-Backends: `fuzz_worker_url` is parametrized by backend name, and each name is served by a
-fixture `<name>_fuzz_worker` that yields the URL of a worker of that backend, started without
-API keys so that every endpoint is reachable. To fuzz another backend (the vLLM-backed
-worker), add its name to the params of `fuzz_worker_url` and define its fixture, e.g.
-`vllm_fuzz_worker`, starting the worker with that backend."""
+Backends: `fuzz_worker_url` starts a worker of each backend in its params (`mint serve
+--backend`), without API keys so that every endpoint is reachable. To fuzz the vLLM-backed
+worker too, add `BackendKind.VLLM` to them (it needs `.venv-vllm`, and its start takes a minute
+or two, which START_TIMEOUT_S allows)."""
 
 import dataclasses
 from collections.abc import Iterator
@@ -21,7 +20,7 @@ import pytest
 import schemathesis
 from schemathesis.checks import max_response_time, not_a_server_error
 
-from mint_core.config import MintConfig
+from mint_core.config import BackendKind, MintConfig
 from serving.app import MAX_REQUEST_BYTES
 from serving.server import start_worker
 
@@ -32,21 +31,19 @@ MAX_EXAMPLES = 25
 RESPONSE_BOUND_S = 20.0
 """Longest answer allowed: the longest generation the context allows (127 tokens of the tiny
 base) takes a few seconds on a busy CPU."""
+START_TIMEOUT_S = 900.0
+"""Longest wait for a worker to answer `/health`: a vLLM-backed one waits for vLLM's start."""
 REQUEST_TIMEOUT_S = 2 * RESPONSE_BOUND_S
 """When the client gives up on an answer (a hang fails the test instead of blocking it)."""
 
 
-@pytest.fixture(scope="module")
-def embedded_fuzz_worker(config: MintConfig) -> Iterator[str]:
-    """A worker with MinT's own torch engine, over the session's base and MLflow."""
-    process = start_worker(dataclasses.replace(config, api_keys={}))
+@pytest.fixture(scope="module", params=[BackendKind.EMBEDDED])
+def fuzz_worker_url(request: pytest.FixtureRequest, config: MintConfig) -> Iterator[str]:
+    """A worker of the backend `request.param`, over the session's base and MLflow."""
+    worker_config = dataclasses.replace(config, api_keys={}, backend=request.param)
+    process = start_worker(worker_config, timeout_s=START_TIMEOUT_S)
     yield process.url
     process.stop()
-
-
-@pytest.fixture(scope="module", params=["embedded"])
-def fuzz_worker_url(request: pytest.FixtureRequest) -> str:
-    return request.getfixturevalue(f"{request.param}_fuzz_worker")
 
 
 @pytest.fixture(scope="module")
