@@ -29,6 +29,7 @@ from mint_core.errors import (
     AccessDeniedError,
     AuthenticationError,
     ConfigurationError,
+    EngineUnavailableError,
     MintError,
     NotFoundError,
     RegistryError,
@@ -128,6 +129,8 @@ def error_answer(e: Exception, request: Request | None = None) -> ErrorAnswer:
             return ErrorAnswer(422, "validation", str(e))
         case RegistryError():
             return ErrorAnswer(503, "registry_unavailable", str(e), headers=_RETRY)
+        case EngineUnavailableError():
+            return ErrorAnswer(503, "engine_unavailable", str(e), headers=_RETRY)
         case MintError():
             return ErrorAnswer(503, _error_type(e), str(e))
         case RequestValidationError():

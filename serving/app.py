@@ -53,9 +53,9 @@ from serving.answers import (
     error_answer,
     sse,
 )
+from serving.generation import Request as Generating
 from serving.protocols import openai, tgi
 from serving.sampling import SamplingParams
-from serving.scheduler import Request as Generating
 from serving.worker import ReadinessEntry, Worker
 
 __all__ = ["ECHO_LIMIT", "MAX_REQUEST_BYTES", "create_app"]
@@ -282,12 +282,14 @@ def create_app(
 
     @app.get("/health")
     def health() -> dict[str, object]:
-        """`ok`, or `degraded` while the registry cannot be reached (serving goes on); and the
-        base it serves: model id, weights digest, family and context length."""
+        """`ok`, or `degraded` while the registry cannot be reached (serving goes on) or the
+        engine is down (being restarted); the backend, and the base it serves: model id,
+        weights digest, family and context length."""
         return {
             "status": "degraded" if worker.degraded else "ok",
             "degraded_reason": worker.degraded,
             "last_sync": worker.catalog.last_sync,
+            "backend": worker.backend.kind,
             "base_model": base_id,
             "base_digest": worker.base.digest,
             "base_family": worker.base.family,

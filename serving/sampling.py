@@ -13,6 +13,8 @@ import torch
 from mint_core.errors import ConfigurationError
 
 MAX_STOP_SEQUENCES = 4
+MIN_TEMPERATURE = 1e-2
+"""Lower sampling temperatures are taken as this one (vLLM clamps the same way)."""
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,9 @@ class RowSampler:
         if self.params.greedy:
             token = int(torch.argmax(logits))
         else:
-            probs = torch.softmax(self._truncate(logits / self.params.temperature), dim=-1)
+            # As vLLM does: below MIN_TEMPERATURE, logits / temperature overflows float32.
+            temperature = max(self.params.temperature, MIN_TEMPERATURE)
+            probs = torch.softmax(self._truncate(logits / temperature), dim=-1)
             token = int(torch.multinomial(probs.cpu(), 1, generator=self._generator))
         return token, float(logprobs[token])
 
@@ -84,6 +88,7 @@ class RowSampler:
             cumulative = torch.softmax(ordered, dim=-1).cumsum(-1)
             # Keep each token whose predecessors sum to less than top_p (the first always).
             drop = cumulative - torch.softmax(ordered, dim=-1) >= self.params.top_p
+            drop[0] = False  # a top_p below float32's resolution would drop it too
             logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
         return logits
 

@@ -43,7 +43,7 @@ from mint_core.errors import (
 from mint_core.model.generate import pad_left
 from mint_core.residency import Residency, SlotGrant
 from serving.engine import BASE, AdapterWeights, TorchEngine
-from serving.generation import Request, TokenEvent, check_prompt  # noqa: F401 (TokenEvent: re-exported)
+from serving.generation import Request, check_prompt
 from serving.metrics import WorkerMetrics
 from serving.sampling import SamplingParams
 
@@ -288,6 +288,10 @@ class Scheduler:
                     )
                 )
                 continue
-            token, logprob = request.sampler.pick(row)
+            try:
+                token, logprob = request.sampler.pick(row)
+            except RuntimeError as e:  # one request's sampling parameters fail it alone
+                request.fail(ServiceError(f"sampling for {request.key} failed: {e}"))
+                continue
             request.push(token, logprob)
         self.metrics.generated_tokens.inc(len(requests))

@@ -13,7 +13,7 @@ gate and errors (`serving.answers`) are the app's.
 
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import Generation
-from serving.scheduler import TokenEvent
+from serving.generation import TokenEvent
 
 __all__ = ["Event", "within_context"]
 

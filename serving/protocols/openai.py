@@ -32,9 +32,9 @@ from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.text import Message
 from serving.answers import sse
+from serving.generation import TokenEvent
 from serving.protocols import Event, within_context
 from serving.sampling import SamplingParams, stop_hit
-from serving.scheduler import TokenEvent
 
 MAX_PROMPTS = 64
 """Most prompts in one completion request: each is a generation of its own."""

@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from mint_core.model.generate import Generation
 from mint_core.model.text import TextCodec
 from serving.answers import sse
+from serving.generation import TokenEvent
 from serving.protocols import Event, within_context
 from serving.sampling import SamplingParams
-from serving.scheduler import TokenEvent
 
 MAX_SEED = 2**64 - 1
 """TGI's seed is an unsigned 64-bit integer; so is the generator's."""
