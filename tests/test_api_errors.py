@@ -27,8 +27,8 @@ from serving.app import ECHO_LIMIT, create_app
 from serving.client import WorkerClient
 from serving.embedded import EmbeddedBackend
 from serving.engine import BASE, TorchEngine
+from serving.generation import Request, TokenEvent
 from serving.sampling import SamplingParams
-from serving.scheduler import Request, TokenEvent
 from serving.worker import Worker
 from tests.helpers import ENGINE_SPEC, tiny_base
 

@@ -7,10 +7,10 @@ loopback. No answer may be a server error (5xx) and none may take longer than RE
 The run is bounded (MAX_EXAMPLES per operation, derandomized so that a failure comes back
 the same way) to fit about a minute on two busy cores.
 
-Backends: `fuzz_worker_url` starts a worker of each backend in its params (`mint serve
---backend`), without API keys so that every endpoint is reachable. To fuzz the vLLM-backed
-worker too, add `BackendKind.VLLM` to them (it needs `.venv-vllm`, and its start takes a minute
-or two, which START_TIMEOUT_S allows)."""
+Backends: `fuzz_worker_url` is a worker of each backend. The embedded one has no API keys, so
+that every endpoint is reachable; the vLLM one is the backend contract's (`mixed_fleet`, with
+keys: the admin endpoints answer 401 there, generation on the base is open to anyone), which
+saves starting vLLM once more."""
 
 import dataclasses
 from collections.abc import Iterator
@@ -23,6 +23,7 @@ from schemathesis.checks import max_response_time, not_a_server_error
 from mint_core.config import BackendKind, MintConfig
 from serving.app import MAX_REQUEST_BYTES
 from serving.server import start_worker
+from tests.helpers import MixedFleet
 
 pytestmark = pytest.mark.slow
 
@@ -31,17 +32,19 @@ MAX_EXAMPLES = 25
 RESPONSE_BOUND_S = 20.0
 """Longest answer allowed: the longest generation the context allows (127 tokens of the tiny
 base) takes a few seconds on a busy CPU."""
-START_TIMEOUT_S = 900.0
-"""Longest wait for a worker to answer `/health`: a vLLM-backed one waits for vLLM's start."""
 REQUEST_TIMEOUT_S = 2 * RESPONSE_BOUND_S
 """When the client gives up on an answer (a hang fails the test instead of blocking it)."""
 
 
-@pytest.fixture(scope="module", params=[BackendKind.EMBEDDED])
+@pytest.fixture(scope="module", params=[BackendKind.EMBEDDED, BackendKind.VLLM])
 def fuzz_worker_url(request: pytest.FixtureRequest, config: MintConfig) -> Iterator[str]:
-    """A worker of the backend `request.param`, over the session's base and MLflow."""
+    """A worker of the backend `request.param`, over the session's base."""
+    if request.param is BackendKind.VLLM:
+        fleet: MixedFleet = request.getfixturevalue("mixed_fleet")
+        yield fleet.workers[BackendKind.VLLM].url
+        return
     worker_config = dataclasses.replace(config, api_keys={}, backend=request.param)
-    process = start_worker(worker_config, timeout_s=START_TIMEOUT_S)
+    process = start_worker(worker_config)
     yield process.url
     process.stop()
 

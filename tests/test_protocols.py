@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
 from serving.app import MAX_REQUEST_BYTES, create_app
+from serving.generation import TokenEvent
 from serving.protocols import Event, openai, tgi
-from serving.scheduler import TokenEvent
 from serving.worker import Worker
 from tests import test_api_errors
 from tests.test_api_errors import error_of
