@@ -6,8 +6,9 @@ front of vLLM, and vLLM alone (no MinT in front), in one run.
 its own, with the same 16 adapters loaded by `/v1/load_lora_adapter`. Then 16 closed-loop
 clients (client i always asks for adapter i, greedy, the same prompt tokens) run against each
 target in turn, for several rounds (targets interleaved, so a noisy machine hits all three
-alike). Every request generates the same tokens on every target (greedy, the same weights), so
-tokens/s compare like for like. Reports generated tokens/s and p50/p95 request latency per
+alike). Every request generates the same tokens on every target (greedy, the same weights: checked
+before any clock starts), so tokens/s compare like for like; vLLM alone gets exactly the
+request the vLLM worker sends it. Reports generated tokens/s and p50/p95 request latency per
 target (medians over rounds), and the gateway's cost: MinT-in-front-of-vLLM's p50 over vLLM
 alone's, minus one. Writes bench/results/backends.json.
 
@@ -45,6 +46,7 @@ from tests.helpers import register_random_adapter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "backends.json"
 PROMPT = "benchmark the backends="
+MINT_EXTRA: dict[str, object] = {"return_token_ids": True}
 START_TIMEOUT_S = 900
 
 
@@ -102,6 +104,19 @@ def closed_loop(target: Target, new_tokens: int, window_s: float) -> dict[str, f
         "p50_ms": 1000 * statistics.median(ordered),
         "p95_ms": 1000 * ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
     }
+
+
+def same_work(target: Target, new_tokens: int) -> list[list[int]]:
+    """Each model's answer on `target` (token ids): every target must generate the same."""
+    answers = []
+    with httpx.Client(base_url=target.url, headers=target.headers, timeout=120) as http:
+        for model in target.models:
+            body = {"model": model, "prompt": target.prompt, "max_tokens": new_tokens,
+                    "temperature": 0, **target.extra}  # fmt: skip
+            response = http.post("/v1/completions", json=body)
+            response.raise_for_status()
+            answers.append(response.json()["choices"][0]["token_ids"])
+    return answers
 
 
 def bare_vllm(config: MintConfig, folders: dict[str, Path]) -> tuple[ManagedProcess, VllmServer]:
@@ -167,17 +182,27 @@ def main() -> None:
         codec = load_text(config.base, home).codec
         names = [f"{r.adapter}@production" for r in revisions]
         targets = [
-            Target("embedded", workers[BackendKind.EMBEDDED].url, {}, names, PROMPT),
-            Target("vllm_mint", workers[BackendKind.VLLM].url, {}, names, PROMPT),
+            Target("embedded", workers[BackendKind.EMBEDDED].url, {}, names, PROMPT, MINT_EXTRA),
+            Target("vllm_mint", workers[BackendKind.VLLM].url, {}, names, PROMPT, MINT_EXTRA),
             Target(
                 "vllm_direct",
                 vllm_server.url,
                 {"Authorization": f"Bearer {vllm_server.api_key}"},
                 [str(r) for r in revisions],
                 codec.encode(PROMPT),
-                {"stop_token_ids": sorted(codec.eos_ids)},
+                # What the vLLM worker itself asks vLLM for (VllmBackend._payload): the gateway's
+                # cost is all that differs.
+                MINT_EXTRA
+                | {
+                    "stop_token_ids": sorted(codec.eos_ids),
+                    "skip_special_tokens": False,
+                    "logprobs": 0,
+                },
             ),
         ]
+        answers = {target.name: same_work(target, args.new_tokens) for target in targets}
+        if len({tuple(map(tuple, a)) for a in answers.values()}) != 1:
+            raise RuntimeError(f"the targets generate different tokens: {answers}")
         for target in targets:  # warm every path once before any clock
             closed_loop(target, args.new_tokens, 1.0)
         rounds: dict[str, list[dict[str, float]]] = {t.name: [] for t in targets}

@@ -107,8 +107,8 @@ class MintConfig:
     backend: BackendKind = BackendKind.EMBEDDED
     """What runs the model behind a worker (`MINT_BACKEND`: embedded or vllm)."""
     host_adapters: int = 256
-    """Most revisions a worker's host tier holds, whatever their size (`MINT_HOST_ADAPTERS`);
-    vLLM's `--max-cpu-loras`."""
+    """Most revisions a worker's host tier holds, whatever their size (`MINT_HOST_ADAPTERS`),
+    on either backend, besides `host_cache_mb`; a vLLM worker's `--max-cpu-loras`."""
     max_lora_rank: int = 16
     """Highest adapter rank a vLLM worker takes (`MINT_MAX_LORA_RANK`, one of vLLM's
     `--max-lora-rank` values); a revision of higher rank ends `failed` there."""

@@ -173,14 +173,15 @@ def create_app(
         app.add_exception_handler(raised, _answer_error)
 
     def start(
-        prompt_ids: list[int], model: str | None, params: SamplingParams, who: str
+        prompt_ids: list[int], model: str | None, params: SamplingParams, who: str, stream: bool
     ) -> tuple[str, Generating]:
         """Route `model` (a revision reference, or none/the base id for the base) through the
-        readiness gate and queue the generation of `prompt_ids`; the name of what serves it,
-        and the request."""
+        readiness gate and queue the generation of `prompt_ids` (`stream`: for a client that
+        reads its tokens as they come); the name of what serves it, and the request."""
         ref = None if model in (None, "", base_id, "base") else RevisionRef.parse(model)
         revision, key = worker.route(ref, who)
-        return (str(revision) if revision else base_id), worker.generate(prompt_ids, key, params)
+        generating = worker.generate(prompt_ids, key, params, streamed=stream)
+        return (str(revision) if revision else base_id), generating
 
     def streamed(events: Iterator[str], generating: Generating, served: str) -> StreamingResponse:
         """A protocol's events of `generating` as they come; an error after the answer has
@@ -202,16 +203,16 @@ def create_app(
 
     # TGI.
 
-    def tgi_start(body: tgi.GenerateRequest, who: str) -> tuple[str, Generating]:
+    def tgi_start(body: tgi.GenerateRequest, who: str, stream: bool) -> tuple[str, Generating]:
         params = body.parameters.sampling(context_length)
-        return start(codec.encode(body.inputs), body.parameters.adapter_id, params, who)
+        return start(codec.encode(body.inputs), body.parameters.adapter_id, params, who, stream)
 
     def tgi_answer(body: tgi.GenerateRequest, who: str) -> tuple[dict[str, object], str]:
-        served, generating = tgi_start(body, who)
+        served, generating = tgi_start(body, who, stream=False)
         return tgi.generated(generating.events(), body, special), served
 
     def tgi_stream(body: tgi.GenerateRequest, who: str) -> StreamingResponse:
-        served, generating = tgi_start(body, who)
+        served, generating = tgi_start(body, who, stream=True)
         return streamed(tgi.stream(generating.events(), body, special), generating, served)
 
     @app.post("/generate")
@@ -239,7 +240,7 @@ def create_app(
         params = body.sampling(context_length)
         encoded = [codec.encode(prompt) for prompt in body.prompts()]
         if body.stream:
-            served, generating = start(encoded[0], body.model, params, who)
+            served, generating = start(encoded[0], body.model, params, who, stream=True)
             head = openai.Head.new("cmpl", served)
             events = openai.completion_stream(generating.events(), head, params.stop)
             return streamed(events, generating, served)
@@ -248,7 +249,7 @@ def create_app(
         started: list[tuple[str, Generating]] = []
         try:
             for prompt_ids in encoded:
-                started.append(start(prompt_ids, body.model, params, who))
+                started.append(start(prompt_ids, body.model, params, who, stream=False))
             generations = [generating.result() for _, generating in started]
         finally:
             for _, generating in started:
@@ -262,7 +263,7 @@ def create_app(
         params = body.sampling(context_length)
         # ConfigurationError (422) naming the base when it has no chat template.
         prompt_ids = codec.encode_chat(body.conversation())
-        served, generating = start(prompt_ids, body.model, params, who)
+        served, generating = start(prompt_ids, body.model, params, who, body.stream)
         head = openai.Head.new("chatcmpl", served)
         if body.stream:
             events = openai.chat_stream(generating.events(), head, params.stop)

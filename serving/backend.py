@@ -30,6 +30,8 @@ class Backend(Protocol):
     residency: Residency[Any]
     """The host tier (and device slots, where the backend places adapters itself)."""
     metrics: WorkerMetrics
+    restarts: int
+    """How many times the engine was started again (losing every adapter it held)."""
 
     def stage(self, key: str, adapter: PackedAdapter) -> list[str]:
         """Phase 1: take a verified adapter into the host tier. Returns the keys evicted to
@@ -46,10 +48,16 @@ class Backend(Protocol):
         ...
 
     def submit(
-        self, prompt_ids: Sequence[int], key: str, params: SamplingParams, warm_up: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        key: str,
+        params: SamplingParams,
+        warm_up: bool = False,
+        streamed: bool = True,
     ) -> Request:
         """Start a generation for a staged and loaded `key` (or BASE); iterate the request for
-        its tokens. `warm_up` marks prewarm's own generation."""
+        its tokens. `warm_up` marks prewarm's own generation; `streamed` False says nobody
+        reads the tokens before the last (a backend may then deliver them all at once)."""
         ...
 
     def problem(self) -> str | None:

@@ -8,6 +8,7 @@ copies the pairs into a slot), so `load` has nothing left to do.
 
 from collections.abc import Callable, Sequence
 
+from mint_core.config import BackendKind
 from mint_core.packing import PackedAdapter
 from mint_core.residency import Residency
 from serving.engine import AdapterWeights, TorchEngine
@@ -18,7 +19,8 @@ from serving.scheduler import DEFAULT_MAX_BATCH, Scheduler
 
 
 class EmbeddedBackend:
-    kind = "embedded"
+    kind = BackendKind.EMBEDDED.value
+    restarts = 0  # it runs in the worker's own process: it never restarts without the worker
 
     def __init__(
         self,
@@ -48,8 +50,14 @@ class EmbeddedBackend:
             self.engine.unload(key)
 
     def submit(
-        self, prompt_ids: Sequence[int], key: str, params: SamplingParams, warm_up: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        key: str,
+        params: SamplingParams,
+        warm_up: bool = False,
+        streamed: bool = True,
     ) -> Request:
+        # Tokens come one step at a time whether or not anyone reads them as they come.
         return self.scheduler.submit(list(prompt_ids), key, params, warm_up)
 
     def problem(self) -> str | None:

@@ -4,13 +4,18 @@ Each worker has its own registry (several workers may share a test process); the
 counters are read from the residency plan at scrape time, so they are never out of step.
 """
 
+import time
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from mint_core.residency import Residency
+
+if TYPE_CHECKING:
+    from serving.generation import Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -76,6 +81,16 @@ class WorkerMetrics:
             "mint_not_ready_answers", "Requests answered 'not ready' at the gate", registry=r
         )
         r.register(_TierCollector(residency))
+
+    def first_token(self, submitted: float) -> None:
+        """A request submitted at `submitted` (perf_counter) got its first token now."""
+        self.time_to_first_token.observe(time.perf_counter() - submitted)
+
+    def finished(self, request: "Request") -> None:
+        """`request` ended (EOS, stop string or length)."""
+        assert request.finish_reason is not None
+        self.requests.labels(request.finish_reason.value).inc()
+        self.request_latency.observe(time.perf_counter() - request.submitted)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

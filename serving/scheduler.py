@@ -160,7 +160,7 @@ class Scheduler:
             if request.key != BASE:
                 self.residency.release(request.key)
             if request.finish_reason is not None:
-                self._record_finish(request)
+                self.metrics.finished(request)
         self._running = [self._running[i] for i in keep]
         if not keep:
             self._cache = self._mask = None
@@ -175,11 +175,6 @@ class Scheduler:
             (k.index_select(0, rows)[:, :, first:], v.index_select(0, rows)[:, :, first:])
             for k, v in self._cache
         ]
-
-    def _record_finish(self, request: Request) -> None:
-        assert request.finish_reason is not None
-        self.metrics.requests.labels(request.finish_reason.value).inc()
-        self.metrics.request_latency.observe(time.perf_counter() - request.submitted)
 
     def _join(self) -> None:
         joining = self._joining

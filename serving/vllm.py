@@ -34,7 +34,6 @@ import secrets
 import shutil
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,8 +65,10 @@ VLLM_ENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
 START_TIMEOUT_S = 900.0
 """vLLM imports for a minute or more on a busy CPU machine, and compiles on a GPU."""
 CHECK_INTERVAL_S = 1.0
-FAILED_CHECKS = 3
-"""Health checks in a row that must fail before a running vLLM counts as hung and restarts."""
+FAILED_CHECKS = 10
+"""Health checks in a row that must fail before a running vLLM counts as hung and restarts
+(each waits up to 2 s: a vLLM busy with a full batch on a small CPU answers slowly, and a
+restart costs every generation in flight)."""
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 """Waits before each try to start vLLM again, the last repeated."""
 CPU_KV_CACHE = "256M"
@@ -160,6 +161,12 @@ class VllmServer:
     def env(self) -> dict[str, str]:
         env = {
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+            # Whatever the worker's environment says: a name vLLM was not told to load must
+            # answer 404, never the base (name validation skipped) nor an adapter that a
+            # resolver found on disk or on the hub without MinT's checks.
+            "VLLM_SKIP_MODEL_NAME_VALIDATION": "0",
+            "VLLM_LORA_RESOLVER_CACHE_DIR": "",
+            "VLLM_LORA_RESOLVER_HF_REPO_LIST": "",
             "HF_HUB_OFFLINE": "1",
             "VLLM_HOST_IP": LOOPBACK,  # else its processes talk over a non-loopback address
             "VLLM_NO_USAGE_STATS": "1",
@@ -196,7 +203,7 @@ class VllmBackend:
         self.metrics = WorkerMetrics(self.residency)
         self._server = VllmServer(settings, text)
         self._adapters = settings.home / "vllm" / f"adapters-{self._server.port}"
-        self._process: ManagedProcess | None = self._server.start()
+        self._process = self._server.start()
         self._client = httpx.Client(
             base_url=self._server.url,
             headers={"Authorization": f"Bearer {self._server.api_key}"},
@@ -209,6 +216,7 @@ class VllmBackend:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self.restarts = 0
+        """vLLM starts after the first; each one lost every adapter loaded before it."""
         self._supervisor = threading.Thread(target=self._supervise, name="vllm", daemon=True)
         self._supervisor.start()
         log.info("vLLM serves %s at %s", text.model_id, self._server.url)
@@ -233,7 +241,15 @@ class VllmBackend:
         message = _error_message(response)
         if response.status_code == 400 and "already been loaded" in message:
             return  # a revision is immutable: the name loaded is these weights
+        self._check_alive(f"loading {key}: {message}")
         raise ConfigurationError(f"vLLM refused to load {key}: {message}")
+
+    def _check_alive(self, doing: str) -> None:
+        """EngineUnavailableError if vLLM's engine is dead: vLLM answers 500 to whatever
+        failed then (a load included) for a few seconds, until its own watchdog stops it, and
+        that is not the request's or the adapter's fault."""
+        if self._problem is not None or not answers(self._server.url + "/health"):
+            raise EngineUnavailableError(f"vLLM's engine is down ({doing})")
 
     def unload(self, key: str) -> None:
         self.residency.drop_host(key)
@@ -251,16 +267,26 @@ class VllmBackend:
     # Generation.
 
     def submit(
-        self, prompt_ids: Sequence[int], key: str, params: SamplingParams, warm_up: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        key: str,
+        params: SamplingParams,
+        warm_up: bool = False,
+        streamed: bool = True,
     ) -> Request:
         check_prompt(self.text, prompt_ids, params)
         if (problem := self._problem) is not None:
             raise EngineUnavailableError(problem)
         request = Request(list(prompt_ids), key, params, self.text.codec, warm_up)
-        threading.Thread(target=self._run, args=(request,), daemon=True).start()
+        # vLLM's server writes an event per token, which costs it more than the token: ask for
+        # the whole answer at once when nobody reads the tokens as they come, unless a stop
+        # string may end the generation early (vLLM is not told MinT's stop strings: the
+        # stream is closed where MinT's rules end it).
+        stream = streamed or bool(params.stop)
+        threading.Thread(target=self._run, args=(request, stream), daemon=True).start()
         return request
 
-    def _payload(self, request: Request) -> dict[str, object]:
+    def _payload(self, request: Request, stream: bool) -> dict[str, object]:
         params = request.params
         payload: dict[str, object] = {
             "model": self.text.model_id if request.key == BASE else request.key,
@@ -271,7 +297,7 @@ class VllmBackend:
             "skip_special_tokens": False,
             "logprobs": 0,
             "return_token_ids": True,
-            "stream": True,
+            "stream": stream,
         }
         if not params.greedy:
             payload["seed"] = request.sampler.seed
@@ -281,12 +307,12 @@ class VllmBackend:
                 payload["top_k"] = params.top_k
         return payload
 
-    def _run(self, request: Request) -> None:
-        """Stream `request` from vLLM into its events (a thread per generation)."""
+    def _run(self, request: Request, stream: bool) -> None:
+        """Generate `request` through vLLM into its events (a thread per generation)."""
         with self._lock:
             self._running += 1
         try:
-            self._stream(request)
+            self._generate(request, stream)
         except httpx.TransportError as e:
             request.fail(EngineUnavailableError(f"vLLM stopped answering: {e}"))
         except MintError as e:
@@ -298,29 +324,31 @@ class VllmBackend:
             with self._lock:
                 self._running -= 1
 
-    def _stream(self, request: Request) -> None:
+    def _generate(self, request: Request, stream: bool) -> None:
         timeout = httpx.Timeout(None, connect=5.0)  # a long generation is not a hang
-        with self._client.stream(
-            "POST", "/v1/completions", json=self._payload(request), timeout=timeout
-        ) as response:
+        payload = self._payload(request, stream)
+        with self._client.stream("POST", "/v1/completions", json=payload, timeout=timeout) as (
+            response
+        ):
             if response.status_code != 200:
                 response.read()
+                if response.status_code >= 500:
+                    self._check_alive(f"generating for {request.key}")
                 raise _generation_error(request.key, response)
+            if stream:
+                choices = (_choice(request.key, chunk) for chunk in _events(response.iter_lines()))
+            else:
+                choices = iter([_choice(request.key, json.loads(response.read()))])
             first = True
-            for chunk in _events(response.iter_lines()):
-                if "error" in chunk:
-                    raise ServiceError(f"vLLM failed {request.key}: {chunk['error']}")
-                choice = chunk["choices"][0]
+            for choice in choices:
                 logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
                 for token, logprob in zip(choice["token_ids"], logprobs, strict=True):
                     if first:
-                        self.metrics.time_to_first_token.observe(
-                            time.perf_counter() - request.submitted
-                        )
+                        self.metrics.first_token(request.submitted)
                         first = False
                     self.metrics.generated_tokens.inc()
                     if request.push(token, float(logprob)):
-                        self._finished(request)
+                        self.metrics.finished(request)
                         return
                 if request.done:
                     return  # the client went away: closing the stream aborts it in vLLM
@@ -329,11 +357,6 @@ class VllmBackend:
                 f"vLLM ended the generation for {request.key} after {len(request.token_ids)} "
                 "tokens without an end-of-sequence token, stop string or length limit"
             )
-
-    def _finished(self, request: Request) -> None:
-        assert request.finish_reason is not None
-        self.metrics.requests.labels(request.finish_reason.value).inc()
-        self.metrics.request_latency.observe(time.perf_counter() - request.submitted)
 
     # Health.
 
@@ -347,7 +370,6 @@ class VllmBackend:
         failed_checks = 0
         while not self._closed.wait(CHECK_INTERVAL_S):
             process = self._process
-            assert process is not None
             code = process.process.poll()
             if code is None:
                 failed_checks = 0 if answers(process.url + "/health") else failed_checks + 1
@@ -360,23 +382,31 @@ class VllmBackend:
             failed_checks = 0
 
     def _restart(self, why: str) -> None:
-        log.error("%s; restarting it (its log: %s)", why, self._process and self._process.log_path)
+        log.error("%s; restarting it (its log: %s)", why, self._process.log_path)
+        # Reported before the worker hears of it: a prewarm that checks `problem()` under the
+        # worker's lock cannot then make a revision ready on the dead engine.
         self._problem = f"{why}; restarting it"
         for callback in self._lost:
-            callback()
+            try:
+                callback()
+            except Exception:  # the restart must happen whatever a listener does
+                log.exception("a listener of vLLM's restart failed")
         for attempt in range(sys.maxsize):
             if self._closed.is_set():
                 return
-            assert self._process is not None
-            self._process.stop(grace_s=5.0)
             try:
-                self._process = self._server.start()
-            except ServiceError as e:
+                self._process.stop(grace_s=5.0)
+                started = self._server.start()
+            except Exception as e:  # the supervisor must outlive any one failed start
                 wait = BACKOFF_S[min(attempt, len(BACKOFF_S) - 1)]
                 self._problem = f"{why}; restart {attempt + 1} failed, next in {wait:.0f} s: {e}"
                 log.error("%s", self._problem)
                 self._closed.wait(wait)
                 continue
+            self._process = started
+            if self._closed.is_set():  # the worker closed while this one started
+                started.stop(grace_s=5.0)
+                return
             break
         self.restarts += 1
         self._problem = None
@@ -392,14 +422,16 @@ class VllmBackend:
 
     @property
     def request_path_loads(self) -> int:
-        return 0  # every adapter is loaded at prewarm and stays while it is in the host tier
+        # Not measured: MinT loads every adapter at prewarm, but vLLM moves adapters between
+        # its CPU cache and its device slots by itself, on the request path, and does not
+        # report it. Its own /metrics are the place to look.
+        return 0
 
     def close(self) -> None:
         self._closed.set()
         self._supervisor.join(timeout=10)
         self._client.close()
-        if self._process is not None:
-            self._process.stop(grace_s=5.0)  # within the grace a stopping worker has
+        self._process.stop(grace_s=5.0)  # within the grace a stopping worker has
         shutil.rmtree(self._adapters, ignore_errors=True)
 
 
@@ -412,6 +444,13 @@ def _events(lines: Iterator[str]) -> Iterator[dict]:
         if data == "[DONE]":
             return
         yield json.loads(data)
+
+
+def _choice(key: str, answer: dict) -> dict:
+    """The one choice of a completion answer or stream chunk; an error event raises."""
+    if "error" in answer:
+        raise ServiceError(f"vLLM failed {key}: {answer['error']}")
+    return answer["choices"][0]
 
 
 def _error_message(response: httpx.Response) -> str:
@@ -427,6 +466,8 @@ def _generation_error(key: str, response: httpx.Response) -> MintError:
     message = _error_message(response)
     if response.status_code == 404:
         return NotReadyError(f"{key} is not loaded in vLLM: {message}")
+    if response.status_code == 503:  # vLLM's answer while its engine is dead
+        return EngineUnavailableError(f"vLLM cannot generate for {key}: {message}")
     if response.status_code in (400, 422):
         return ConfigurationError(f"vLLM refused the request for {key}: {message}")
     return ServiceError(f"vLLM answered {response.status_code} for {key}: {message}")

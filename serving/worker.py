@@ -1,20 +1,24 @@
-"""A serving worker: the resident engine, its scheduler, the residency tiers, and each
-revision's readiness on this worker.
+"""A serving worker: its backend (the engine that runs the base and the adapters), the residency
+tiers, and each revision's readiness on this worker. The worker keeps the lifecycle and the
+gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.backend`).
 
 - **Watcher**: a thread syncs the catalog with the registry every `sync_interval_s` (and when
   nudged) and admits what the registry says this worker should hold (`Catalog.desired`). If
   MLflow is down the worker keeps serving what it has and reports itself `degraded`.
 - **Admission**: admitted revisions queue (`mint_core.admission`, rollbacks first) and K
   prewarm threads take them one at a time, in two phases: fetch and verify the artifact into
-  the host cache (`fetching`), then load it into a device slot and run a warm-up generation
-  through the scheduler (`warming`); only then is it `ready`.
+  the host tier (`fetching`), then load it into the engine and run a warm-up generation
+  (`warming`); only then is it `ready`.
 - **Readiness gate**: the request path never fetches anything: `route` answers with the engine
-  key of a ready revision or raises `RevisionNotReady` at once. `request_path_loads` counts
-  what a user's request waited for all the same: fetches from the artifact store made outside
-  prewarm (the gate keeps them at zero) and adapter copies into a device slot made for a user's
-  request (by design when more adapters are in use than there are slots; the tier counters
-  break loads down further).
-- **Tiers**: the residency plan holds the host cache's weights itself: there is no second copy
+  key of a ready revision or raises `RevisionNotReady` at once (and EngineUnavailableError
+  while the engine is down). `request_path_loads` counts what a user's request waited for all
+  the same: fetches from the artifact store made outside prewarm (the gate keeps them at zero)
+  and adapter copies into a device slot made for a user's request (by design when more
+  adapters are in use than there are slots; the tier counters break loads down further).
+- **Engine restarts**: a backend whose engine dies (vLLM) reports it; every ready revision goes
+  back to not admitted, and once the engine is back the watcher admits and prewarms again what
+  the registry wants.
+- **Tiers**: the residency plan holds the host tier's contents itself: there is no second copy
   to keep in step with it.
 
 Every readiness change is kept in an event log (`events`), which is how tests and operators
@@ -59,7 +63,6 @@ WARMUP_TEXT = "Hello"
 """A neutral prompt for the warm-up generation, in the base's own tokens (whatever the base)."""
 WARMUP_TOKENS = 2
 WARMUP_TIMEOUT_S = 120.0
-DEFAULT_HOST_CACHE_BYTES = 1 << 30
 DEFAULT_SYNC_INTERVAL_S = 1.0
 PREWARM_NICENESS = 10
 
@@ -277,12 +280,17 @@ class Worker:
         return revision, str(revision)
 
     def generate(
-        self, prompt_ids: Sequence[int], key: str, params: SamplingParams, warm_up: bool = False
+        self,
+        prompt_ids: Sequence[int],
+        key: str,
+        params: SamplingParams,
+        warm_up: bool = False,
+        streamed: bool = True,
     ) -> Request:
         """Queue a generation of prompt token ids (the caller encodes: plain or with the chat
         template) for a routed engine key; iterate the request for its tokens. `warm_up` marks
-        prewarm's own generation."""
-        return self.backend.submit(prompt_ids, key, params, warm_up)
+        prewarm's own generation; `streamed` False, an answer nobody reads before its end."""
+        return self.backend.submit(prompt_ids, key, params, warm_up, streamed)
 
     @property
     def request_path_loads(self) -> int:
@@ -392,11 +400,31 @@ class Worker:
         with self._lock:
             self._policies[revision] = registered.policy
             self._set(revision, Readiness.WARMING)
-        self.backend.load(key)
-        prompt = self.codec.encode(WARMUP_TEXT)
-        warm_up = SamplingParams(max_new_tokens=WARMUP_TOKENS)
-        self.generate(prompt, key, warm_up, warm_up=True).result(timeout_s=WARMUP_TIMEOUT_S)
+        restarts = self.backend.restarts
+
+        def engine_lost() -> bool:
+            return self.backend.problem() is not None or self.backend.restarts != restarts
+
+        try:
+            self.backend.load(key)
+            prompt = self.codec.encode(WARMUP_TEXT)
+            warm_up = SamplingParams(max_new_tokens=WARMUP_TOKENS)
+            generating = self.generate(prompt, key, warm_up, warm_up=True, streamed=False)
+            generating.result(timeout_s=WARMUP_TIMEOUT_S)
+        except MintError as e:
+            if engine_lost():  # not the revision's fault: admitted again once the engine is back
+                raise EngineUnavailableError(f"the engine restarted under {revision}: {e}") from e
+            raise
         with self._lock:
+            # The engine may have died since the load (and `_engine_lost` run already): only
+            # an engine that still holds what was loaded makes the revision ready. The backend
+            # reports its problem before it tells the worker, so this check and `_engine_lost`
+            # (both under the lock) cannot miss each other.
+            if engine_lost():
+                raise EngineUnavailableError(f"the engine restarted while {revision} warmed up")
+            if not self.residency.in_host(key):  # another prewarm evicted it meanwhile
+                self._set(revision, Readiness.NOT_ADMITTED, reason="evicted from host cache")
+                return
             self._set(revision, Readiness.READY)
 
     def _fetch(self, uri: str) -> Path:
@@ -407,8 +435,11 @@ class Worker:
 
     def _evicted(self, key: str) -> None:
         """`key` left the host cache: it no longer serves here until admitted again."""
-        self.backend.unload(key)
         with self._lock:
-            for revision, entry in self._table.items():
-                if str(revision) == key and entry.state is Readiness.READY:
-                    self._set(revision, Readiness.NOT_ADMITTED, reason="evicted from host cache")
+            held = [
+                r for r, e in self._table.items() if str(r) == key and e.state is Readiness.READY
+            ]
+        for revision in held:
+            self._drop(revision, "evicted from host cache")
+        if not held:
+            self.backend.unload(key)

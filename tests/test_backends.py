@@ -145,8 +145,28 @@ def test_both_workers_were_ready_before_activation_and_answer_alike(scenario: Sc
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_admission_prewarmed_one_revision_at_a_time(scenario: Scenario, kind: BackendKind) -> None:
-    assert most_prewarming_at_once(events_of(scenario.worker(kind))) == 1
+def test_a_burst_of_admissions_prewarms_one_at_a_time(
+    scenario: Scenario, kind: BackendKind, base: BaseModel, tmp_path: Path
+) -> None:
+    """Three revisions admitted at once on a worker with admission K=1: its event log, replayed,
+    never has two fetching or warming at the same time."""
+    worker = scenario.worker(kind)
+    burst = [
+        register_random_adapter(
+            scenario.fleet.config, base, f"burst-{kind}-{n}", tmp_path / str(n), n
+        )
+        for n in range(3)
+    ]
+    url = worker.url + "/admin/admit"
+    assert wait_for(lambda: all(known(worker, r) for r in burst), timeout_s=30)
+    for revision in burst:
+        body = {"adapter": revision.adapter, "revision": revision.number}
+        httpx.post(url, json=body, headers=ADMIN).raise_for_status()
+    assert wait_for(lambda: all(readiness(worker, r)["state"] == "ready" for r in burst), 300)
+    ids = {str(r) for r in burst}
+    events = [e for e in events_of(worker) if e["id"] in ids]
+    assert {e["state"] for e in events} >= {"queued", "fetching", "warming", "ready"}
+    assert most_prewarming_at_once(events) == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -309,6 +329,12 @@ def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: S
     after = [s for t, _, s in statuses if t > killed_at]
     assert set(after) <= {200, 503}, sorted(set(after))
     assert vllm_pid(worker) != vllm
+
+
+def known(worker: ManagedProcess, revision: RevisionId) -> bool:
+    """Whether the worker's catalog has synced `revision` yet."""
+    response = httpx.get(worker.url + f"/v1/adapters/{revision.adapter}", headers=ADMIN)
+    return response.status_code == 200
 
 
 def events_of(worker: ManagedProcess) -> list[dict[str, object]]:

@@ -124,3 +124,16 @@ def test_the_host_cache_holds_weights_exactly_as_long_as_its_table_lists_them() 
 def test_bad_capacities_are_refused(capacity: int, slots_: int, message: str) -> None:
     with pytest.raises(ConfigurationError, match=message):
         Residency(capacity, slots_)
+
+
+def test_a_host_tier_counted_in_revisions_evicts_the_least_recently_used() -> None:
+    """vLLM's host cache counts adapters (`--max-cpu-loras`), whatever their bytes."""
+    residency: Residency[str] = Residency(1 << 30, device_slots=2, host_capacity_entries=2)
+    assert residency.put_host("a:r1", "a", 10) == []
+    assert residency.put_host("b:r1", "b", 10) == []
+    assert residency.put_host("a:r1", "a", 10) == []  # a hit: now the most recently used
+    assert residency.put_host("c:r1", "c", 10) == ["b:r1"]
+    assert [entry.key for entry in residency.host_table()] == ["a:r1", "c:r1"]
+    assert residency.acquire("a:r1") is not None and residency.acquire("c:r1") is not None
+    with pytest.raises(ConfigurationError, match="holds at most 2 revisions"):
+        residency.put_host("d:r1", "d", 10)  # both pinned by running requests

@@ -10,7 +10,12 @@ import httpx
 import pytest
 
 from mint_core.config import BackendKind, MintConfig
-from mint_core.errors import ConfigurationError, NotReadyError, ServiceError
+from mint_core.errors import (
+    ConfigurationError,
+    EngineUnavailableError,
+    NotReadyError,
+    ServiceError,
+)
 from mint_core.model.base import BaseIdentity, BaseText
 from serving.vllm import VllmServer, VllmSettings, _events, _generation_error
 
@@ -50,6 +55,11 @@ def test_configuration_maps_onto_vllms_tiers_and_limits(tmp_path: Path) -> None:
     assert "--enforce-eager" not in argv  # CUDA graphs on GPUs
     assert server.env()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
     assert server.env()["VLLM_HOST_IP"] == "127.0.0.1"
+    # Whatever the worker's environment says: unknown names answer 404 (no base in their place,
+    # no adapter found by a resolver behind MinT's back).
+    assert server.env()["VLLM_SKIP_MODEL_NAME_VALIDATION"] == "0"
+    assert server.env()["VLLM_LORA_RESOLVER_CACHE_DIR"] == ""
+    assert server.env()["VLLM_LORA_RESOLVER_HF_REPO_LIST"] == ""
 
     on_cpu = VllmServer(dataclasses.replace(settings, device="cpu"), text(tmp_path)).argv()
     assert flag(on_cpu, "--dtype") == "float32"  # vLLM's auto is bf16 on CPU
@@ -73,6 +83,8 @@ def test_vllms_answers_become_mints_errors() -> None:
     def answer(status: int, message: str) -> httpx.Response:
         return httpx.Response(status, json={"error": {"message": message, "code": status}})
 
+    dead = _generation_error("bot:r1", answer(503, "EngineCore encountered an issue"))
+    assert isinstance(dead, EngineUnavailableError)
     missing = _generation_error("bot:r1", answer(404, "The model `bot:r1` does not exist."))
     assert isinstance(missing, NotReadyError) and "does not exist" in str(missing)
     refused = _generation_error("bot:r1", answer(400, "max_tokens must be at least 1"))
