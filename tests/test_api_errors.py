@@ -106,7 +106,7 @@ def driven(
 
 
 def serve_next(monkeypatch: pytest.MonkeyPatch, worker: Worker, request: Request) -> None:
-    monkeypatch.setattr(worker, "generate", lambda prompt, key, params: request)
+    monkeypatch.setattr(worker, "generate", lambda prompt, key, params, **_: request)
 
 
 @pytest.mark.parametrize(
