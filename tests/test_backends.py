@@ -231,34 +231,36 @@ def test_an_adapter_vllm_refuses_fails_with_its_reason_and_production_stays(
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_streams_in_either_protocol_carry_the_same_tokens(
+def test_streams_in_either_protocol_carry_the_single_request_answer(
     scenario: Scenario, kind: BackendKind
 ) -> None:
-    """TGI's and OpenAI's streams, translated to and from vLLM's completions API on the vLLM
-    worker: the streamed token ids are the single-request answer's, the pieces its text."""
+    """TGI's and OpenAI's streams (on the vLLM worker, translated to and from vLLM's
+    completions API): TGI's events carry the single-request answer's token ids and text,
+    OpenAI's pieces add up to its text."""
     url, revision = scenario.worker(kind).url, f"{OPEN}:r1"
     for i, prompt in enumerate(PROMPTS[:3]):
-        expected = scenario.expected[revision][i]
-        body = {
-            "inputs": prompt,
-            "parameters": {"adapter_id": revision, "max_new_tokens": NEW_TOKENS},
-        }
-        with httpx.stream("POST", url + "/generate_stream", json=body, headers=TEAM_A) as stream:
-            events = [
-                json.loads(line[5:]) for line in stream.iter_lines() if line.startswith("data:")
-            ]
-        assert [e["token"]["id"] for e in events] == expected
-        assert (
-            "".join(e["token"]["text"] for e in events if not e["token"]["special"])
-            == (events[-1]["generated_text"])
-        )
-        body = {"model": revision, "prompt": prompt, "max_tokens": NEW_TOKENS,
-                "temperature": 0, "stream": True, "return_token_ids": True}  # fmt: skip
-        with httpx.stream("POST", url + "/v1/completions", json=body, headers=TEAM_A) as stream:
-            lines = [line[5:].strip() for line in stream.iter_lines() if line.startswith("data:")]
-        chunks = [json.loads(line) for line in lines if line != "[DONE]"]
-        streamed = [t for chunk in chunks for t in chunk["choices"][0].get("token_ids") or []]
-        assert streamed == expected
+        body = {"model": revision, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0}
+        answer = httpx.post(url + "/v1/completions", json=body, headers=TEAM_A, timeout=60)
+        text = answer.json()["choices"][0]["text"]
+
+        parameters = {"adapter_id": revision, "max_new_tokens": NEW_TOKENS}
+        tgi = {"inputs": prompt, "parameters": parameters}
+        events = [json.loads(data) for data in sse_data(url + "/generate_stream", tgi)]
+        assert [e["token"]["id"] for e in events] == scenario.expected[revision][i]
+        assert events[-1]["generated_text"] == text
+
+        chunks = [
+            json.loads(data) for data in sse_data(url + "/v1/completions", body | {"stream": True})
+        ]
+        assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == text
+
+
+def sse_data(url: str, body: dict[str, object]) -> list[str]:
+    """The data of each server-sent event of a streamed answer, up to OpenAI's [DONE]."""
+    with httpx.stream("POST", url, json=body, headers=TEAM_A, timeout=60) as stream:
+        stream.raise_for_status()
+        data = [line[5:].strip() for line in stream.iter_lines() if line.startswith("data:")]
+    return [d for d in data if d != "[DONE]"]
 
 
 def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: Scenario) -> None:
