@@ -142,8 +142,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--adapters", type=int, default=16, help="adapters = clients")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--window", type=float, default=20.0, help="seconds per measurement")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds over the three targets")
+    parser.add_argument("--window", type=float, default=10.0, help="seconds per measurement")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds over the three targets")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="mint-bench-backends-"))
@@ -281,9 +282,9 @@ def main() -> None:
         f"{100 * summary['gateway_p50_overhead']:+.1f}%; the gateway (the vLLM worker's own "
         f"process) spent {summary['gateway_cpu_ms_per_request']:.1f} ms of CPU per request"
     )
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
