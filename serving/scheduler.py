@@ -219,10 +219,9 @@ class Scheduler:
         slots = [self.engine.slot_of(r.key) for r in joining]
         logits, cache = self.engine.step(input_ids, mask, slots, None)
         self.steps += 1
-        now = time.perf_counter()
         for request in joining:
             request.joined_step = self.steps
-            self.metrics.time_to_first_token.observe(now - request.submitted)
+            self.metrics.first_token(request.submitted)
         self._sample(joining, logits)
         self._merge(joining, cache, mask)
         self._joining = []

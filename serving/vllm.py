@@ -83,7 +83,7 @@ class VllmSettings:
 
     python: Path
     home: Path
-    """MinT's state dir: vLLM's log goes to `logs/`, staged adapters to `vllm/adapters/`."""
+    """MinT's state dir: vLLM's log goes to `logs/`, staged adapters under `vllm/`."""
     device_slots: int
     host_adapters: int
     max_lora_rank: int
@@ -102,15 +102,15 @@ class VllmSettings:
                 "an environment with vLLM installed"
             )
         return cls(
-            python,
-            config.home,
-            config.device_slots,
-            config.host_adapters,
-            config.max_lora_rank,
-            config.max_batch,
-            config.base.dtype,
-            config.base.device,
-            config.vllm_args,
+            python=python,
+            home=config.home,
+            device_slots=config.device_slots,
+            host_adapters=config.host_adapters,
+            max_lora_rank=config.max_lora_rank,
+            max_batch=config.max_batch,
+            dtype=config.base.dtype,
+            device=config.base.device,
+            extra_args=config.vllm_args,
         )
 
     @property
@@ -196,7 +196,6 @@ class VllmBackend:
 
     def __init__(self, text: BaseText, settings: VllmSettings, host_cache_bytes: int) -> None:
         self.text = text
-        self.settings = settings
         self.residency: Residency[Path] = Residency(
             host_cache_bytes, settings.device_slots, settings.host_adapters
         )

@@ -435,11 +435,8 @@ class Worker:
 
     def _evicted(self, key: str) -> None:
         """`key` left the host cache: it no longer serves here until admitted again."""
+        self.backend.unload(key)
         with self._lock:
-            held = [
-                r for r, e in self._table.items() if str(r) == key and e.state is Readiness.READY
-            ]
-        for revision in held:
-            self._drop(revision, "evicted from host cache")
-        if not held:
-            self.backend.unload(key)
+            for revision, entry in self._table.items():
+                if str(revision) == key and entry.state is Readiness.READY:
+                    self._set(revision, Readiness.NOT_ADMITTED, reason="evicted from host cache")
