@@ -141,7 +141,6 @@ class VllmServer:
             "--model", str(self.text.path),
             "--served-model-name", self.text.model_id,
             "--host", LOOPBACK, "--port", str(self.port),
-            "--api-key", self.api_key,
             "--dtype", dtype,
             "--enable-lora",
             "--max-loras", str(s.device_slots),
@@ -160,6 +159,9 @@ class VllmServer:
 
     def env(self) -> dict[str, str]:
         env = {
+            # In the environment, not argv: other users can read a command line, and a key that
+            # starts with "-" would be taken for an option by argparse.
+            "VLLM_API_KEY": self.api_key,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
             # Whatever the worker's environment says: a name vLLM was not told to load must
             # answer 404, never the base (name validation skipped) nor an adapter that a

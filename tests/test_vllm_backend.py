@@ -47,7 +47,8 @@ def test_configuration_maps_onto_vllms_tiers_and_limits(tmp_path: Path) -> None:
     assert flag(argv, "--model") == str(tmp_path / "base")
     assert flag(argv, "--served-model-name") == "acme/base-7b"
     assert flag(argv, "--host") == "127.0.0.1"
-    assert flag(argv, "--api-key") == server.api_key and len(server.api_key) >= 32
+    assert "--api-key" not in argv  # in the environment, out of sight of `ps`
+    assert server.env()["VLLM_API_KEY"] == server.api_key and len(server.api_key) >= 32
     assert (flag(argv, "--max-loras"), flag(argv, "--max-cpu-loras")) == ("8", "128")
     assert (flag(argv, "--max-lora-rank"), flag(argv, "--max-num-seqs")) == ("64", "32")
     assert "--enable-lora" in argv and flag(argv, "--dtype") == "auto"
