@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, TypeVar
 from mint_core.config import BackendKind
 from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.revisions import check_adapter_name
-from serving.status import format_stage_times, format_table, status_rows
+from serving.status import format_stage_times, format_table, status_rows, worker_rows
 
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
@@ -89,6 +89,7 @@ def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
         eval_data=args.eval_data,
         actor=args.actor,
         principals=args.principal or None,
+        base_model=args.base_model,
         **training,
     )
     metrics = report.eval_metrics
@@ -103,7 +104,11 @@ def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import import_adapter
 
     report = import_adapter(
-        args.adapter, str(args.path), actor=args.actor, principals=args.principal or None
+        args.adapter,
+        str(args.path),
+        actor=args.actor,
+        principals=args.principal or None,
+        base_model=args.base_model,
     )
     print(f"imported {args.path} as {report.revision}")
     print(format_stage_times(report.stage_seconds))
@@ -154,6 +159,12 @@ def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
     if args.backend:
         config = dataclasses.replace(config, backend=BackendKind(args.backend))
     serve(config, args.host, args.port)
+
+
+def cmd_gateway(args: argparse.Namespace, config: MintConfig) -> None:
+    from serving.gateway import serve_gateway
+
+    serve_gateway(config, args.host, args.port)
 
 
 def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
@@ -218,6 +229,8 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
+    print(format_table(worker_rows(config)))
+    print()
     print(format_table(status_rows(config)))
 
 
@@ -324,6 +337,10 @@ DATA = _checked(_data, "data file")
 FOLDER = _checked(_folder, "folder")
 PRINCIPAL = _checked(_principal, "principal")
 REVISION = _checked(_revision, "revision")
+BASE_MODEL_HELP = (
+    "the base to train on or check against (a model folder or hub id; default MINT_BASE_MODEL): "
+    "the workers serving it take the revision"
+)
 PORT = _number("port", 1, 65535)
 
 
@@ -395,6 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="who may use it (repeat; default everyone)",
     )
+    release.add_argument("--base-model", default=None, help=BASE_MODEL_HELP)
     release.set_defaults(run=cmd_release, needs=(REGISTRY, WORKERS), loads_models=True)
 
     imports = commands.add_parser(
@@ -411,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         help="who may use it (repeat; default everyone)",
     )
+    imports.add_argument("--base-model", default=None, help=BASE_MODEL_HELP)
     imports.set_defaults(run=cmd_import, needs=(REGISTRY, WORKERS), loads_models=True)
 
     promote = commands.add_parser("promote", help="serve an existing revision as production")
@@ -454,6 +473,15 @@ def build_parser() -> argparse.ArgumentParser:
         "and supervises (default: MINT_BACKEND, else embedded)",
     )
     serve.set_defaults(run=cmd_serve, service=True)
+
+    gateway = commands.add_parser(
+        "gateway",
+        help="one front door for every worker in MINT_WORKER_URLS, whatever their bases: the "
+        "workers' TGI and OpenAI APIs, each request sent to a worker of its revision's base",
+    )
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=PORT, default=8080)
+    gateway.set_defaults(run=cmd_gateway, service=True)
 
     registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
     registry.add_argument("--port", type=PORT, default=5000)

@@ -5,6 +5,7 @@ Registering makes a revision addressable (`name:rN`) but no user reaches it thro
 """
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ def release(
     seed: int = 0,
     actor: str = "mint",
     principals: list[str] | None = None,
+    base_model: str | None = None,
 ) -> ReleaseReport:
     """Train a LoRA on the JSONL rows at `data` (a path or an s3:// URI) and release it as the
     next revision of `adapter`.
@@ -89,8 +91,9 @@ def release(
     Held-out rows come from `eval_data`, or else are a seeded `eval_fraction` of `data`.
     `target_modules` default to the base family's projections; `steps` overrides `epochs`;
     `max_length` defaults to the base's context. `principals` may use the revision; default
-    everyone."""
-    config = MintConfig.from_env()
+    everyone. `base_model` (a model folder or hub id) trains it on that base instead of
+    MINT_BASE_MODEL's: the workers serving that base take it."""
+    config = on_base(MintConfig.from_env(), base_model)
     check_adapter_name(adapter)
     training = TrainingConfig(
         rank=rank,
@@ -116,16 +119,29 @@ def release(
 
 @flow(name="import")
 def import_adapter(
-    adapter: str, path: str, actor: str = "mint", principals: list[str] | None = None
+    adapter: str,
+    path: str,
+    actor: str = "mint",
+    principals: list[str] | None = None,
+    base_model: str | None = None,
 ) -> ReleaseReport:
     """Release a PEFT LoRA adapter trained elsewhere (the folder at `path`) as the next
-    revision of `adapter`, once it is checked to fit the serving base."""
-    config = MintConfig.from_env()
+    revision of `adapter`, once it is checked to fit its base (`base_model`, default
+    MINT_BASE_MODEL's)."""
+    config = on_base(MintConfig.from_env(), base_model)
     check_adapter_name(adapter)
     timed = _StageClock()
     imported = timed("check", check_import, config, Path(path))
     revision = _ship(config, adapter, imported, actor, principals, timed, "import")
     return ReleaseReport(str(revision), {}, timed.seconds)
+
+
+def on_base(config: MintConfig, base_model: str | None) -> MintConfig:
+    """`config` with `base_model` as the base adapters are trained on and checked against: in
+    a fleet of several bases, a release names the one it is for."""
+    if not base_model:
+        return config
+    return dataclasses.replace(config, base=dataclasses.replace(config.base, name=base_model))
 
 
 def _ship(

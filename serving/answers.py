@@ -6,9 +6,9 @@
 - Errors, whatever raised them (MinT, request validation, routing, a limit, a bug), have one
   shape, TGI's: `error` and `error_type`, plus the names that explain them (`ErrorAnswer`).
   `error_answer` is the one table from what went wrong to the status: unknown key 401, not
-  allowed 403, unknown adapter or route 404, body over the size limit 413, malformed request
-  422, not ready 503 with Retry-After, anything unexpected 500 (details in the log only).
-  Inside a stream, an error is one last event of that shape.
+  allowed 403, unknown adapter or route 404, a revision of another base 409, body over the
+  size limit 413, malformed request 422, not ready 503 with Retry-After, anything unexpected
+  500 (details in the log only). Inside a stream, an error is one last event of that shape.
 - Values echoed in messages are cut short (`shorten`): a caller may send anything, of any
   length, and an error message is no place to send it all back.
 """
@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException
 from mint_core.errors import (
     AccessDeniedError,
     AuthenticationError,
+    BaseMismatchError,
     ConfigurationError,
     EngineUnavailableError,
     MintError,
@@ -123,6 +124,8 @@ def error_answer(e: Exception, request: Request | None = None) -> ErrorAnswer:
             return ErrorAnswer(403, "forbidden", str(e))
         case NotFoundError():
             return ErrorAnswer(404, "not_found", str(e))
+        case BaseMismatchError():
+            return ErrorAnswer(409, "base_mismatch", str(e))
         case RevisionNotReady():
             return ErrorAnswer(503, "not_ready", str(e), entry_json(e.entry), _RETRY)
         case ConfigurationError():

@@ -341,15 +341,27 @@ def create_app(
 
     @admin_api.post("/admit", status_code=202)
     def admit(body: AdmitRequest) -> dict[str, object]:
-        revision = worker.catalog.record(
-            RevisionId(check_adapter_name(body.adapter), body.revision)
-        ).id
-        return entry_json(worker.admit(revision, Priority[body.priority.upper()]))
+        revision = RevisionId(check_adapter_name(body.adapter), body.revision)
+        return entry_json(worker.admit_known(revision, Priority[body.priority.upper()]))
 
     @admin_api.post("/sync", status_code=202)
     def sync() -> dict[str, object]:
         """Catch up with the registry now (activation calls it after moving an alias)."""
         return {"admitted": [str(r) for r in worker.sync()]}
+
+    @admin_api.get("/routing")
+    def routing() -> dict[str, object]:
+        """What `mint gateway` routes by: the base, the ready revisions, the engine keys in
+        device slots (adapter affinity) and the load."""
+        ready, slots = worker.routing()
+        return {
+            "base_model": base_id,
+            "base_digest": worker.base.digest,
+            "ready": [str(r) for r in ready],
+            "device_slots": slots,
+            "in_flight": worker.queue_depth + worker.batch_size,
+            "degraded_reason": worker.degraded,
+        }
 
     @admin_api.get("/events")
     def events() -> dict[str, object]:

@@ -270,6 +270,7 @@ class Worker:
         registered = self.catalog.resolve(ref)
         revision = registered.id
         check_access(registered.policy, principal, revision)
+        self.check_base(registered.policy, revision)
         entry = self.readiness(revision)
         if entry.state is not Readiness.READY:
             self.metrics.not_ready.inc()
@@ -278,6 +279,31 @@ class Worker:
             self.metrics.not_ready.inc()
             raise EngineUnavailableError(f"{revision} cannot be served right now: {problem}")
         return revision, str(revision)
+
+    def check_base(self, policy: PolicyRecord, revision: RevisionId) -> None:
+        """BaseMismatchError naming both bases unless `revision` was trained on this worker's
+        base: a worker never admits nor serves another base's revision."""
+        base = self.base
+        if policy.base_digest != base.digest:
+            raise BaseMismatchError(
+                f"{revision} was trained on the base {policy.base_model_id} "
+                f"({policy.base_digest}); this worker serves {base.model_id} ({base.digest}): "
+                "send it to a worker of that base (or through `mint gateway`)"
+            )
+
+    def admit_known(self, revision: RevisionId, priority: Priority) -> ReadinessEntry:
+        """`admit` a revision the registry knows (NotFoundError if not) and that this worker's
+        base can serve (BaseMismatchError if not): the admin endpoint's admission."""
+        registered = self.catalog.record(revision)
+        self.check_base(registered.policy, revision)
+        return self.admit(registered.id, priority)
+
+    def routing(self) -> tuple[list[RevisionId], list[str]]:
+        """What a gateway routes by: the ready revisions, and the engine keys in device slots."""
+        with self._lock:
+            ready = [r for r, e in self._table.items() if e.state is Readiness.READY]
+        slots = [entry.key for entry in self.residency.slot_table()]
+        return sorted(ready, key=lambda r: (r.adapter, r.number)), slots
 
     def generate(
         self,
@@ -374,13 +400,7 @@ class Worker:
         with self._lock:
             self._set(revision, Readiness.FETCHING)
         registered = self.catalog.record(revision)
-        policy, base = registered.policy, self.base
-        if policy.base_digest != base.digest:
-            raise BaseMismatchError(
-                f"{revision} was trained on the base {policy.base_model_id} "
-                f"({policy.base_digest}); this worker serves {base.model_id} ({base.digest}): "
-                "serve it from a worker whose MINT_BASE_MODEL is that base"
-            )
+        self.check_base(registered.policy, revision)
         try:
             adapter = load_packed(self._fetch(registered.artifact_uri))
         except (IntegrityError, NotFoundError) as e:

@@ -232,25 +232,42 @@ def rollout_lock(adapter: str, timeout_s: float | None = None) -> Iterator[None]
         yield
 
 
+def base_fleet(config: MintConfig, revision: RevisionId) -> list[WorkerClient]:
+    """The workers that serve `revision`'s base: only they admit, prewarm and activate it, and
+    only they are waited for. A worker names its base in `/health`. ServiceError if one does
+    not answer (it might serve that base: nothing is guessed), NotReadyError if none serves
+    the base."""
+    policy = Registry(config.tracking_uri).get(revision).policy
+    workers = [WorkerClient(url, config.worker_api_key) for url in config.worker_urls]
+    serving = [w for w in workers if w.health()["base_digest"] == policy.base_digest]
+    if not serving:
+        raise NotReadyError(
+            f"no worker in MINT_WORKER_URLS ({', '.join(config.worker_urls)}) serves the base of "
+            f"{revision}, {policy.base_model_id} ({policy.base_digest}): start one with "
+            "MINT_BASE_MODEL set to that base and add its URL"
+        )
+    return serving
+
+
 @task(name="admit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def admit_revision(config: MintConfig, revision: RevisionId, rollback: bool = False) -> None:
     """Make `revision` the adapter's `candidate` (workers that restart take it in again) and
-    queue it on every worker; a rollback goes to the front of their queues."""
+    queue it on every worker of its base; a rollback goes to the front of their queues."""
+    workers = base_fleet(config, revision)
     registry = Registry(config.tracking_uri)
     registry.point_alias(revision, CANDIDATE)
-    for url in config.worker_urls:
-        WorkerClient(url, config.worker_api_key).admit(
-            revision, "rollback" if rollback else "normal"
-        )
+    for worker in workers:
+        worker.admit(revision, "rollback" if rollback else "normal")
     registry.set_stage(revision, Stage.ADMITTED)
 
 
 @task(name="readmit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def readmit_revision(config: MintConfig, revision: RevisionId) -> None:
-    """Queue `revision` again on every worker, ahead of anything else: one that failed it takes
-    it again, one that has it ready keeps it. Its stage and aliases stay as they are."""
-    for url in config.worker_urls:
-        WorkerClient(url, config.worker_api_key).admit(revision, "rollback")
+    """Queue `revision` again on every worker of its base, ahead of anything else: one that
+    failed it takes it again, one that has it ready keeps it. Its stage and aliases stay as
+    they are."""
+    for worker in base_fleet(config, revision):
+        worker.admit(revision, "rollback")
 
 
 @task(name="prewarm", cache_policy=NO_CACHE)
@@ -262,12 +279,12 @@ def prewarm_revision(config: MintConfig, revision: RevisionId, timeout_s: float 
 
 
 def wait_fleet_ready(config: MintConfig, revision: RevisionId, timeout_s: float) -> None:
-    """Return once every worker reports `revision` ready; NotReadyError naming each worker
-    that failed it, never admitted it, or ran out of time."""
+    """Return once every worker of `revision`'s base reports it ready; NotReadyError naming
+    each worker that failed it, never admitted it, or ran out of time."""
     problems = []
-    for url in config.worker_urls:
+    for worker in base_fleet(config, revision):
         try:
-            WorkerClient(url, config.worker_api_key).wait_ready(revision, timeout_s)
+            worker.wait_ready(revision, timeout_s)
         except NotReadyError as e:
             problems.append(str(e))
     if problems:
@@ -287,7 +304,7 @@ def activate_revision(
     reason: str = "release",
     timeout_s: float = 300.0,
 ) -> None:
-    """Move `alias` to `revision` once every worker reports it ready (waiting up to
+    """Move `alias` to `revision` once every worker of its base reports it ready (waiting up to
     `timeout_s`); if one fails it or time runs out, the alias stays where it was. Then nudge
     the workers, so they switch new requests at once instead of at their next sync."""
     registry = Registry(config.tracking_uri)
@@ -308,7 +325,7 @@ def activate_revision(
     registry.set_stage(revision, Stage.ACTIVE, actor, reason)
     if alias == PRODUCTION and previous is not None and previous != revision.number:
         registry.set_stage(RevisionId(revision.adapter, previous), Stage.RETIRED, actor, reason)
-    for url in config.worker_urls:
+    for url in config.worker_urls:  # every base's: a worker that does not serve it syncs fast
         try:
             WorkerClient(url, config.worker_api_key).sync()
         except ServiceError as e:  # it catches up at its next sync all the same

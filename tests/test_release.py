@@ -289,8 +289,9 @@ def test_status_table_shows_aliases_stage_and_readiness(
     released: dict[str, str], fleet_config: MintConfig
 ) -> None:
     rows = status_rows(fleet_config)
-    assert rows[0] == ["adapter", "revision", "aliases", "stage", "readiness"]
-    assert ["upper-bot", "r1", "production", "active", "ready"] in rows
-    assert ["reverse-bot", "r1", "production", "active", "ready"] in rows
+    base = rows[1][0]
+    assert rows[0] == ["base", "adapter", "revision", "aliases", "stage", "readiness"]
+    assert [base, "upper-bot", "r1", "production", "active", "ready"] in rows
+    assert [base, "reverse-bot", "r1", "production", "active", "ready"] in rows
     table = format_table(rows)
     assert table.splitlines()[0].split() == rows[0]
