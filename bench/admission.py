@@ -6,9 +6,16 @@ TGI `/generate`); their latencies are measured over a baseline window, then agai
 adapters are registered and promoted (admit -> prewarm -> activate) one after another. For each
 new adapter it also measures the not-ready answer (requests sent while it is queued or
 prewarming) and the activation latency (alias move -> first answer from the new revision).
-Adapters are random LoRAs packed and exported before the baseline window, so the measured window
+Adapters are random LoRAs packed and exported before the baseline windows, so the measured window
 holds what a release does on the serving side. Prints the figures, writes
 bench/results/admission.json.
+
+Two baselines, one after the other, before the measured window: the plain one (tenants alone)
+and a fair one, where as many adapters of another base are registered and promoted in MLflow
+(the same registrations, candidate aliases, stage moves, production alias moves and worker
+sync nudges) but never admitted, as this worker's catalog ignores other bases. On a machine of
+few cores, MLflow and the pipeline take CPU from the worker; `p95_ratio` (measured / plain)
+counts that, `p95_ratio_fair` (measured / fair) isolates admission and prewarm.
 
     .venv/bin/python bench/admission.py                     # 8 tenants, 32 new adapters
     .venv/bin/python bench/admission.py --new 4 --window 5  # a smoke run
@@ -37,10 +44,13 @@ import psutil
 from peft import LoraConfig, get_peft_model
 
 from mint_core.config import MintConfig
-from mint_core.model.base import load_base
+from mint_core.model.base import BaseSource, load_base
 from mint_core.model.generate import seeded
-from mint_core.revisions import RevisionId
+from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.registry import Registry
+from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId
 from mint_core.services import start_mlflow, stop_all
+from mint_core.states import Stage
 from serving.client import WorkerClient
 from serving.server import start_worker
 from tasks.pipeline import (
@@ -57,6 +67,9 @@ from tasks.pipeline import (
 
 RESULTS = Path(__file__).resolve().parent / "results" / "admission.json"
 PROMPT = "admission="
+OTHER_BASE = TinySpec(seed=1, pretrain_steps=0)
+"""The base of the fair baseline's adapters: same shape as the served one, other weights, so
+another digest. Untrained: only its identity matters, nothing generates with it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +101,29 @@ def register(config: MintConfig, prepared: Prepared) -> RevisionId:
     return register_revision.fn(
         config, prepared.name, prepared.imported, prepared.frozen, prepared.exported, "bench"
     )
+
+
+def promote_elsewhere(config: MintConfig, prepared: Prepared, worker_url: str) -> None:
+    """What the measured window does in MLflow for a new adapter, for one of another base:
+    `register_revision`, then `admit_revision` and `activate_revision`'s registry reads and
+    writes in their order, less what they ask of workers (admit, wait until ready); then the
+    worker nudged to sync, as activation nudges it. The worker must admit nothing: its catalog
+    skips adapters of other bases. (The pipeline's tasks themselves need a fleet, and this
+    one's worker would be asked to admit.)"""
+    registry = Registry(config.tracking_uri)
+    revision = register(config, prepared)
+    registry.point_alias(revision, CANDIDATE)
+    registry.set_stage(revision, Stage.ADMITTED)
+    registry.get(revision)  # activation checks the stage
+    for stage in (Stage.PREWARMING, Stage.READY):
+        registry.set_stage(revision, stage, "mint", "every worker reports it ready")
+    registry.move_alias(revision, PRODUCTION, "mint", "release")
+    if CANDIDATE in registry.get(revision).aliases:
+        registry.drop_alias(revision.adapter, CANDIDATE)
+    registry.set_stage(revision, Stage.ACTIVE, "mint", "release")
+    admitted = WorkerClient(worker_url).sync()
+    if admitted:
+        raise SystemExit(f"the worker admitted {admitted} after {revision} of another base")
 
 
 def not_ready(http: httpx.Client, body: dict[str, object]) -> float:
@@ -212,11 +248,20 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
     url = config.worker_urls[0]
     tenants = [f"tenant-{n}" for n in range(args.tenants)]
     newcomers = [f"newcomer-{n:02d}" for n in range(args.new)]
-    print(f"preparing {len(tenants)} established and {len(newcomers)} new adapters")
+    others = [f"elsewhere-{n:02d}" for n in range(args.new)]
+    print(f"preparing {len(tenants)} established, {len(newcomers)} new adapters and "
+          f"{len(others)} of another base")  # fmt: skip
     prepared = {
         name: prepare(config, name, work / "adapters" / name, seed)
         for seed, name in enumerate(tenants + newcomers)
     }
+    other_base = BaseSource(str(ensure_tiny(OTHER_BASE, config.home / "base")))
+    elsewhere = dataclasses.replace(config, base=other_base)
+    seeds = range(len(prepared), len(prepared) + len(others))  # content unlike any other's
+    other_prepared = [
+        prepare(elsewhere, name, work / "adapters" / name, seed)
+        for seed, name in zip(seeds, others, strict=True)
+    ]
     for name in tenants:
         revision = register(config, prepared[name])
         admit_revision.fn(config, revision)
@@ -226,8 +271,12 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
     time.sleep(2.0)  # let the loop settle
     baseline_start, cpu_at_start = time.monotonic(), cpu_seconds(pids)
     time.sleep(args.window)
-    baseline_end = during_start = time.monotonic()
+    baseline_end = fair_start = time.monotonic()
     cpu_at_baseline_end = cpu_seconds(pids)
+    for other in other_prepared:
+        promote_elsewhere(elsewhere, other, url)
+    fair_end = during_start = time.monotonic()
+    cpu_at_fair_end = cpu_seconds(pids)
 
     not_ready_ms: list[float] = []
     activation_s: list[float] = []
@@ -259,11 +308,13 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
         window: {name: round((end[name] - start[name]) / seconds, 3) for name in start}
         for window, start, end, seconds in (
             ("baseline", cpu_at_start, cpu_at_baseline_end, baseline_end - baseline_start),
-            ("during", cpu_at_baseline_end, cpu_at_end, during_end - during_start),
+            ("fair_baseline", cpu_at_baseline_end, cpu_at_fair_end, fair_end - fair_start),
+            ("during", cpu_at_fair_end, cpu_at_end, during_end - during_start),
         )
     }
 
     baseline = load.between(baseline_start, baseline_end)
+    fair = load.between(fair_start, fair_end)
     during = load.between(during_start, during_end)
     health = WorkerClient(url).health()
     result = {
@@ -271,13 +322,18 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
         "new_adapters": args.new,
         "new_tokens": args.new_tokens,
         "baseline_requests": len(baseline),
+        "fair_baseline_requests": len(fair),
         "during_requests": len(during),
+        "fair_baseline_s": fair_end - fair_start,
         "during_s": during_end - during_start,
         "p50_baseline_s": statistics.median(baseline),
         "p95_baseline_s": percentile(baseline, 0.95),
+        "p50_fair_baseline_s": statistics.median(fair),
+        "p95_fair_baseline_s": percentile(fair, 0.95),
         "p50_during_s": statistics.median(during),
         "p95_during_s": percentile(during, 0.95),
         "p95_ratio": percentile(during, 0.95) / percentile(baseline, 0.95),
+        "p95_ratio_fair": percentile(during, 0.95) / percentile(fair, 0.95),
         "request_path_loads": health["request_path_loads"],
         "activation_p50_s": statistics.median(activation_s),
         "activation_max_s": max(activation_s),
@@ -289,7 +345,7 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
         "machine_cores": os.cpu_count(),
     }
     for key, value in result.items():
-        print(f"  {key:<20} {value:.4g}" if isinstance(value, float) else f"  {key:<20} {value}")
+        print(f"  {key:<22} {value:.4g}" if isinstance(value, float) else f"  {key:<22} {value}")
     if load.errors:
         print("tenant errors:", *load.errors[:5], sep="\n  ")
     args.out.parent.mkdir(parents=True, exist_ok=True)
