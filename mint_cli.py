@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, TypeVar
 
-from mint_core.config import BackendKind
+from mint_core.config import BackendKind, check_registry_db
 from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.revisions import check_adapter_name
 from serving.status import format_stage_times, format_table, status_rows, worker_rows
@@ -170,7 +170,7 @@ def cmd_gateway(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.services import start_mlflow
 
-    server = start_mlflow(config.home, args.port)
+    server = start_mlflow(config.home, args.port, args.backend_store_uri or config.registry_db)
     try:
         print(
             f"MLflow server and UI at {server.url} (state in {config.home}); Ctrl-C stops it",
@@ -203,7 +203,9 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
 
     started: list[ManagedProcess] = []
     try:
-        mlflow = start_mlflow(config.home, args.mlflow_port)
+        mlflow = start_mlflow(
+            config.home, args.mlflow_port, args.backend_store_uri or config.registry_db
+        )
         started.append(mlflow)
         prefect_server = start_prefect(config.home, args.prefect_port)
         started.append(prefect_server)
@@ -342,6 +344,16 @@ BASE_MODEL_HELP = (
     "the workers serving it take the revision"
 )
 PORT = _number("port", 1, 65535)
+REGISTRY_DB = _checked(check_registry_db, "backend store URI")
+
+
+def _backend_store_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--backend-store-uri",
+        type=REGISTRY_DB,
+        help="MLflow's database: postgresql://user:password@host:port/database or "
+        "sqlite:///path (default: MINT_REGISTRY_DB, else sqlite under MINT_HOME)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -485,6 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
     registry.add_argument("--port", type=PORT, default=5000)
+    _backend_store_option(registry)
     registry.set_defaults(run=cmd_registry, service=True)
 
     flows = commands.add_parser("flows", help="Prefect deployments of MinT's flows")
@@ -502,6 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mlflow-port", type=PORT, default=5000)
     up.add_argument("--prefect-port", type=PORT, default=4200)
     up.add_argument("--worker-port", type=PORT, default=8000)
+    _backend_store_option(up)
     up.set_defaults(run=cmd_up, service=True)
 
     status = commands.add_parser("status", help="every revision with aliases, stage, readiness")

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from mint_core.access import ADMIN, parse_api_keys
 from mint_core.errors import ConfigurationError
@@ -18,6 +19,8 @@ DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
 DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `--max-lora-rank` values vLLM accepts."""
+REGISTRY_DB_SCHEMES = ("sqlite", "postgresql")
+"""Databases MinT runs MLflow's backend store on (a `+driver` suffix is allowed)."""
 
 
 class BackendKind(StrEnum):
@@ -122,8 +125,14 @@ class MintConfig:
     """Principals a worker with `api_keys` lets use its admin endpoints (`/admin/...`: admit,
     sync, events) and see every revision in `/v1/adapters/{name}` (`MINT_ADMIN_PRINCIPALS`,
     comma-separated; default `admin`). A worker without keys leaves all of that open."""
+    registry_db: str = ""
+    """MLflow's backend store for `mint registry` and `mint up` (`MINT_REGISTRY_DB`): a
+    `postgresql://user:password@host:port/database` URI, or `sqlite:///path`; unset, a sqlite
+    file under `home`."""
 
     def __post_init__(self) -> None:
+        if self.registry_db:
+            check_registry_db(self.registry_db)
         if self.sync_interval_s <= 0:
             raise ConfigurationError(f"sync_interval_s={self.sync_interval_s} must be positive")
         if self.max_lora_rank not in VLLM_LORA_RANKS:
@@ -196,6 +205,7 @@ class MintConfig:
             max_lora_rank=_integer(env, "MINT_MAX_LORA_RANK", 16),
             vllm_python=env.get("MINT_VLLM_PYTHON", ""),
             vllm_args=tuple(shlex.split(env.get("MINT_VLLM_ARGS", ""))),
+            registry_db=env.get("MINT_REGISTRY_DB", ""),
         )
 
     def to_env(self) -> dict[str, str]:
@@ -227,7 +237,29 @@ class MintConfig:
             "MINT_MAX_LORA_RANK": str(self.max_lora_rank),
             "MINT_VLLM_PYTHON": self.vllm_python,
             "MINT_VLLM_ARGS": shlex.join(self.vllm_args),
+            "MINT_REGISTRY_DB": self.registry_db,
         }
+
+
+def check_registry_db(uri: str) -> str:
+    """`uri` if it names a database MLflow's backend store can run on here; else
+    ConfigurationError naming it (its password hidden) and what to give instead."""
+    scheme = urlsplit(uri).scheme.partition("+")[0]
+    if scheme not in REGISTRY_DB_SCHEMES or "://" not in uri:
+        raise ConfigurationError(
+            f"registry database {_without_password(uri)!r} is not a sqlite:// or postgresql:// "
+            "URI; give MLflow's backend store as postgresql://user:password@host:port/database "
+            "(or sqlite:///path/mlflow.db), or leave MINT_REGISTRY_DB unset for sqlite under "
+            "MINT_HOME"
+        )
+    return uri
+
+
+def _without_password(uri: str) -> str:
+    parts = urlsplit(uri)
+    if parts.password is None:
+        return uri
+    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
 
 
 def _api_keys(env: Mapping[str, str]) -> dict[str, str]:

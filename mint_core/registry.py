@@ -236,6 +236,9 @@ class Registry:
         try:
             run_id = self._log_release_run(policy, run_id)
             if existing is None:
+                # MLflow keeps registered-model tag values in String(5000), which PostgreSQL
+                # enforces: MinT's are a word and the serving base's sha256 digest, and history
+                # goes to model-version tags (Text).
                 self._client.create_registered_model(
                     policy.adapter,
                     tags={KIND_TAG: _ADAPTER_KIND, TAG_PREFIX + "base_digest": policy.base_digest},

