@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import mint_cli
 from mint_core import catalog_snapshot
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore
 from mint_core.catalog import Catalog, build_snapshot
@@ -206,3 +207,21 @@ def test_a_catalog_without_a_snapshot_reads_everything_once(
         catalog.record(RevisionId("forms", 1)).policy == registry.get(RevisionId("forms", 1)).policy
     )
     catalog.close()
+
+
+def test_mint_catalog_snapshot_publishes_one(
+    registry: Registry,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    home = tmp_path / "home"
+    monkeypatch.setenv("MINT_HOME", str(home))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.tracking_uri)
+    monkeypatch.setenv("MINT_ARTIFACT_STORE", "local")
+
+    assert mint_cli.main(["catalog", "snapshot"]) == 0
+
+    snapshot = catalog_snapshot.current(LocalArtifactStore(home / "artifacts"), tmp_path)
+    assert snapshot is not None and snapshot.adapters >= 2  # forms and elsewhere at least
+    assert snapshot.digest in capsys.readouterr().out
