@@ -142,13 +142,14 @@ class Catalog:
         if number is None:
             registered = self._ask_registry(ref).resolve(ref)
             self._index.put_revisions([registered])
-            return self.record(registered.id)
+            self._remember(registered)
+            return registered
         return self.record(RevisionId(ref.adapter, number))
 
     def record(self, revision: RevisionId) -> RegisteredRevision:
         """A revision's registry record, fetched once: a revision's bytes and policy never
-        change (its stage and aliases in the copy kept here may be old; of its tags, the
-        histories are left to the registry)."""
+        change (its stage and aliases in the copy kept here may be old, and the index keeps no
+        history tags: `mint history` reads those from the registry)."""
         with self._lock:
             known = self._recent.get(revision)
             if known is not None:
@@ -156,14 +157,16 @@ class Catalog:
                 return known
         known = self._index.revision(revision)
         if known is None:
-            self._index.put_revisions([self._ask_registry(revision).get(revision)])
-            known = self._index.revision(revision)
-            assert known is not None, f"{revision} was just written to the catalog index"
+            known = self._ask_registry(revision).get(revision)
+            self._index.put_revisions([known])
+        self._remember(known)
+        return known
+
+    def _remember(self, registered: RegisteredRevision) -> None:
         with self._lock:
-            self._recent[revision] = known
+            self._recent[registered.id] = registered
             if len(self._recent) > RECENT_RECORDS:
                 self._recent.popitem(last=False)
-        return known
 
     def adapters(self) -> list[str]:
         return self._index.adapters()
