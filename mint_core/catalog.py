@@ -68,6 +68,10 @@ class Catalog:
         self._index = CatalogIndex(index_path)
         self._close = weakref.finalize(self, _close_index, self._index, owned)
         self._recent: OrderedDict[RevisionId, RegisteredRevision] = OrderedDict()
+        self._changes = 0
+        """How many times what the index holds has changed: `desired()`'s answer is kept
+        until it does (or the base is changed)."""
+        self._desired: tuple[tuple[int, str | None], frozenset[RevisionId]] | None = None
         self._lock = threading.Lock()
         self.snapshot: Snapshot | None = None
         """The snapshot this catalog started from, if any."""
@@ -100,6 +104,7 @@ class Catalog:
             return None
         with self._lock:
             self._recent.clear()
+            self._changes += 1
             self.snapshot = snapshot
         return snapshot
 
@@ -111,6 +116,9 @@ class Catalog:
         except RegistryError as e:
             self.unreachable = str(e)
             raise
+        if changed:
+            with self._lock:
+                self._changes += 1
         self.last_sync = time.time()
         self.unreachable = None
         return [adapter.adapter for adapter in changed]
@@ -127,8 +135,16 @@ class Catalog:
 
     def desired(self) -> set[RevisionId]:
         """What this worker should hold: the `production` and `candidate` revisions of every
-        adapter on its base, and the pins."""
-        return self._index.named(DESIRED_ALIASES, self.base_digest) | self.pins
+        adapter on its base, and the pins. Asked every sync interval: the index is queried
+        only after a sync brought changes."""
+        with self._lock:
+            key = (self._changes, self.base_digest)
+            kept = self._desired[1] if self._desired and self._desired[0] == key else None
+        if kept is None:
+            kept = frozenset(self._index.named(DESIRED_ALIASES, self.base_digest))
+            with self._lock:
+                self._desired = (key, kept)  # if a change came meanwhile, `key` is already old
+        return set(kept | self.pins)
 
     def alias_target(self, adapter: str, alias: str) -> int | None:
         return self._index.alias_target(adapter, alias)

@@ -58,6 +58,14 @@ CREATE TABLE IF NOT EXISTS revisions (
 );
 CREATE UNIQUE INDEX IF NOT EXISTS revisions_by_id ON revisions (adapter, number);
 """
+_REVISION = """
+SELECT artifact_uri, policy, tags, (
+    SELECT group_concat(alias) FROM aliases
+    WHERE aliases.adapter = revisions.adapter AND aliases.number = revisions.number
+) FROM revisions WHERE adapter = ? AND number = ?
+"""
+"""A revision's row and the aliases naming it, in one statement: a lookup is one call into
+sqlite. (MLflow allows no commas in alias names.)"""
 # `revisions` keeps sqlite's rowid: its rows (~0.7 KB) are too large for a WITHOUT ROWID table
 # to pay off, so a small unique index finds them.
 
@@ -178,24 +186,17 @@ class CatalogIndex:
         """The revision's record, with the aliases naming it now; None if the index does not
         hold it. Its `tags` are the ones `put_revisions` keeps."""
         with self._lock:
-            found = self._db.execute(
-                "SELECT artifact_uri, policy, tags FROM revisions WHERE adapter = ? AND number = ?",
-                (revision.adapter, revision.number),
-            ).fetchone()
-            if found is None:
-                return None
-            aliases = self._db.execute(
-                "SELECT alias FROM aliases WHERE adapter = ? AND number = ? ORDER BY alias",
-                (revision.adapter, revision.number),
-            ).fetchall()
-        uri, policy, tags = found
+            found = self._db.execute(_REVISION, (revision.adapter, revision.number)).fetchone()
+        if found is None:
+            return None
+        uri, policy, tags, aliases = found
         tags = json.loads(tags)
         return RegisteredRevision(
             id=revision,
             policy=PolicyRecord.from_json(policy),
             artifact_uri=uri,
             stage=Stage(tags.get(STAGE_TAG, Stage.REGISTERED.value)),
-            aliases=tuple(alias for (alias,) in aliases),
+            aliases=tuple(sorted(aliases.split(","))) if aliases else (),
             tags=tags,
         )
 

@@ -180,6 +180,7 @@ def test_a_catalog_follows_the_registry_from_its_snapshot(
     catalog = Catalog(counting, base_digest=BASE)
     assert catalog.start_from_snapshot(store) == snapshot
     assert catalog.alias_target("later", PRODUCTION) == 1  # as of the snapshot
+    assert RevisionId("later", 1) in catalog.desired()
     changed = catalog.sync()
 
     assert counting.since == [snapshot.cursor_ms - 2000]  # from its cursor, not from 0
