@@ -85,10 +85,10 @@ class Catalog:
         self._close()
 
     def start_from_snapshot(self, store: ArtifactStore) -> Snapshot | None:
-        """Hold the current snapshot in `store` in place of everything this catalog holds; the
-        next sync goes on from its cursor. None, with what this catalog holds unchanged (so
-        the first sync reads the whole registry), if there is no snapshot or it is damaged or
-        out of reach: a warning says why."""
+        """At a worker's start: hold the current snapshot in `store` in place of everything
+        this catalog holds; the next sync goes on from its cursor. None if there is no snapshot
+        or it is damaged or out of reach (a warning says why): the catalog then follows the
+        registry from what it holds, so a new one's first sync reads the whole registry."""
         staging = self._index.path.with_name(self._index.path.name + ".snapshot")
         try:
             snapshot = catalog_snapshot.fetch(store, staging)

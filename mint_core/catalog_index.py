@@ -66,7 +66,7 @@ SELECT artifact_uri, policy, tags, (
 """
 """A revision's row and the aliases naming it, in one statement: a lookup is one call into
 sqlite. (MLflow allows no commas in alias names.)"""
-# `revisions` keeps sqlite's rowid: its rows (~0.7 KB) are too large for a WITHOUT ROWID table
+# `revisions` keeps sqlite's rowid: its rows (~1 KB) are too large for a WITHOUT ROWID table
 # to pay off, so a small unique index finds them.
 
 
