@@ -311,7 +311,7 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
     evict(store.root / snapshot.name)
     before = rss()
     start = time.perf_counter()
-    catalog = Catalog(registry, base_digest=base_digest(0), index_path=work / "worker.sqlite")
+    catalog = Catalog(registry, base_digest=base_digest(0), folder=work)
     if catalog.start_from_snapshot(store) != snapshot:
         raise SystemExit("the catalog did not start from the published snapshot")
     catalog.resolve(RevisionRef("bench-000000"))
@@ -355,11 +355,11 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
           f"{statistics.median(kept_s) * 1000:.3f} ms (medians of 20); for every base: "
           f"{len(every_base):,} in {desired_every_base_s * 1000:.0f} ms", flush=True)  # fmt: skip
 
-    fresh = Catalog(registry, base_digest=base_digest(0), index_path=work / "fresh.sqlite")
+    fresh = Catalog(registry, base_digest=base_digest(0), folder=work)
     start = time.perf_counter()
     fresh.sync()
     full_sync_s = time.perf_counter() - start
-    synced = check(work / "fresh.sqlite").revisions
+    synced = check(fresh.index_path).revisions
     if synced != mlflow_versions:
         raise SystemExit(f"the full sync holds {synced} of the {mlflow_versions} versions")
     start = time.perf_counter()

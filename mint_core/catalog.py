@@ -52,7 +52,7 @@ class Catalog:
         registry: Registry,
         pins: Iterable[RevisionId] = (),
         base_digest: str | None = None,
-        index_path: Path | None = None,
+        folder: Path | None = None,
     ) -> None:
         self.registry = registry
         self.pins = frozenset(pins)
@@ -60,13 +60,15 @@ class Catalog:
         self.base_digest = base_digest
         """The serving base: adapters of other bases are addressable but never desired here
         (their workers hold them). None: every adapter's."""
-        owned = index_path is None
-        if index_path is None:
-            handle, name = tempfile.mkstemp(prefix="mint-catalog-", suffix=".sqlite")
-            os.close(handle)
-            index_path = Path(name)
-        self._index = CatalogIndex(index_path)
-        self._close = weakref.finalize(self, _close_index, self._index, owned)
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        # The index file is this catalog's alone (a worker's is a copy of the snapshot, then
+        # kept current), made in `folder` (else the system's temporary folder) and removed
+        # when the catalog closes or is collected.
+        handle, name = tempfile.mkstemp(prefix="mint-catalog-", suffix=".sqlite", dir=folder)
+        os.close(handle)
+        self._index = CatalogIndex(Path(name))
+        self._close = weakref.finalize(self, _close_index, self._index)
         self._recent: OrderedDict[RevisionId, RegisteredRevision] = OrderedDict()
         self._changes = 0
         """How many times what the index holds has changed: `desired()`'s answer is kept
@@ -80,8 +82,13 @@ class Catalog:
         self.unreachable: str | None = None
         """Why the last sync failed; None once one succeeds."""
 
+    @property
+    def index_path(self) -> Path:
+        """The index file: sqlite, `catalog_index`'s layout."""
+        return self._index.path
+
     def close(self) -> None:
-        """Close the index (and remove it if this catalog made it). Idempotent."""
+        """Close and remove the index. Idempotent."""
         self._close()
 
     def start_from_snapshot(self, store: ArtifactStore) -> Snapshot | None:
@@ -220,11 +227,10 @@ def build_snapshot(registry: Registry, store: ArtifactStore, folder: Path) -> Sn
         index.close()
         return catalog_snapshot.publish(store, path)
     finally:
-        _close_index(index, owned=True)
+        _close_index(index)
 
 
-def _close_index(index: CatalogIndex, owned: bool) -> None:
+def _close_index(index: CatalogIndex) -> None:
     index.close()
-    if owned:
-        for suffix in ("", "-wal", "-shm"):
-            Path(f"{index.path}{suffix}").unlink(missing_ok=True)
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{index.path}{suffix}").unlink(missing_ok=True)

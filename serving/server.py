@@ -40,7 +40,9 @@ def build_worker(config: MintConfig) -> Worker:
     and syncs with the registry at once (admitting what it says)."""
     backend = build_backend(config)
     store = open_store(config)
-    catalog = Catalog(Registry(config.tracking_uri), config.pins, backend.text.digest)
+    catalog = Catalog(
+        Registry(config.tracking_uri), config.pins, backend.text.digest, config.home / "catalog"
+    )
     catalog.start_from_snapshot(store)
     return Worker(
         backend,
