@@ -230,6 +230,19 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
         print("stopped: " + ", ".join(service.name for service in reversed(started)), flush=True)
 
 
+def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.artifact_store import open_store
+    from mint_core.catalog import build_snapshot
+    from mint_core.registry import Registry
+
+    snapshot = build_snapshot(
+        Registry(config.tracking_uri), open_store(config), config.work_root / "catalog"
+    )
+    print(f"catalog snapshot {snapshot.digest}: {snapshot.adapters} adapters, "
+          f"{snapshot.revisions} revisions, {snapshot.size / 1e6:.1f} MB; workers starting "
+          "now begin from it")  # fmt: skip
+
+
 def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
     print(format_table(worker_rows(config)))
     print()
@@ -518,6 +531,14 @@ def build_parser() -> argparse.ArgumentParser:
     _backend_store_option(up)
     up.set_defaults(run=cmd_up, service=True)
 
+    catalog = commands.add_parser("catalog", help="the catalog workers start from")
+    catalog_commands = catalog.add_subparsers(dest="catalog_command", required=True)
+    snapshot = catalog_commands.add_parser(
+        "snapshot",
+        help="read the whole registry into a catalog index and publish it in the artifact store",
+    )
+    snapshot.set_defaults(run=cmd_catalog_snapshot, needs=(REGISTRY,))
+
     status = commands.add_parser("status", help="every revision with aliases, stage, readiness")
     status.set_defaults(run=cmd_status, needs=(REGISTRY,))
 
@@ -534,7 +555,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = args.command + (f" {args.flows_command}" if args.command == "flows" else "")
+    subcommand = getattr(args, f"{args.command}_command", None)  # `mint flows serve`
+    command = args.command + (f" {subcommand}" if subcommand else "")
     log_path: Path | None = None
     with _signals_stop_the_command():
         try:

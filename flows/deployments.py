@@ -4,6 +4,7 @@
 parameter form; each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>`
 deployment on its cron. Serving needs no work pool, but the serving process must keep running:
 flow runs start as its subprocesses, with its environment (MinT's configuration included).
+`catalog-snapshot` publishes the catalog snapshot workers start from.
 """
 
 import sys
@@ -12,6 +13,7 @@ import prefect
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
+from flows.catalog import catalog_snapshot
 from flows.promote import promote, rollback
 from flows.release import release, retrain
 from flows.repair import repair
@@ -44,6 +46,11 @@ def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
         repair.to_deployment(
             name="repair",
             description="Export a revision again from its frozen files and re-admit it.",
+            **_BY_MODULE,
+        ),
+        catalog_snapshot.to_deployment(
+            name="catalog-snapshot",
+            description="Publish the catalog snapshot workers start from.",
             **_BY_MODULE,
         ),
     ]

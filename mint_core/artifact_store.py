@@ -39,6 +39,16 @@ class ArtifactStore(Protocol):
         """Whether the store itself (not a local cache of it) has an intact, complete copy."""
         ...
 
+    def put_file(self, name: str, path: Path) -> None:
+        """Store the file at `path` as `name` (a relative path, e.g. `catalog/latest.json`),
+        replacing any file of that name in one step: a reader gets the old one or the new one,
+        never part of either."""
+        ...
+
+    def get_file(self, name: str, target: Path) -> bool:
+        """Copy the stored file `name` to `target`; False if the store has no such file."""
+        ...
+
 
 class LocalArtifactStore:
     """A folder: `<root>/sha256/<hex>/` per revision, written atomically, never overwritten
@@ -90,6 +100,25 @@ class LocalArtifactStore:
             verify(self.fetch(uri))
         except (NotFoundError, IntegrityError):
             return False
+        return True
+
+    def put_file(self, name: str, path: Path) -> None:
+        target = self.root / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging_name = tempfile.mkstemp(prefix=".put-", dir=target.parent)
+        os.close(handle)
+        staging = Path(staging_name)
+        try:
+            shutil.copyfile(path, staging)
+            os.replace(staging, target)
+        finally:
+            staging.unlink(missing_ok=True)
+
+    def get_file(self, name: str, target: Path) -> bool:
+        stored = self.root / name
+        if not stored.is_file():
+            return False
+        shutil.copyfile(stored, target)
         return True
 
     def fetch(self, uri: str) -> Path:
@@ -241,6 +270,22 @@ class S3ArtifactStore:
 
     def holds(self, uri: str) -> bool:
         return self._complete(self.digest_of(uri))
+
+    def put_file(self, name: str, path: Path) -> None:
+        # An S3 object appears whole when its upload completes, multipart or not.
+        with self._service(f"store {name}"):
+            self.s3.upload_file(str(path), self.bucket, self._key(name))
+
+    def get_file(self, name: str, target: Path) -> bool:
+        key = self._key(name)
+        with self._service(f"read {key}"):
+            try:
+                self.s3.download_file(self.bucket, key, str(target))
+            except ClientError as e:
+                if _missing(e):
+                    return False
+                raise
+        return True
 
     def digest_of(self, uri: str) -> str:
         parsed = urlparse(uri)

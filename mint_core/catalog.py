@@ -8,25 +8,51 @@ down: the catalog keeps the last state it saw and says how old it is. While the 
 failed, a name the catalog has not seen is refused at once (RegistryError) instead of being
 asked of a registry that is known not to answer, which would hold the request for as long as
 MLflow's client retries.
+
+What the catalog holds lives in a sqlite index (`catalog_index`), not in Python objects, so a
+million revisions cost what sqlite's page cache is allowed, plus a few thousand recently used
+records. A worker starts from the snapshot the control plane publishes in the artifact store
+(`build_snapshot`, `start_from_snapshot`) and syncs on from the snapshot's cursor; without one,
+its first sync reads every revision from MLflow. A revision registered after that is read from
+MLflow when first named, and kept.
 """
 
+import logging
+import os
+import tempfile
 import threading
 import time
+import weakref
+from collections import OrderedDict
 from collections.abc import Iterable
+from pathlib import Path
 
-from mint_core.errors import RegistryError
-from mint_core.registry import RegisteredRevision, Registry
+from mint_core import catalog_snapshot
+from mint_core.artifact_store import ArtifactStore
+from mint_core.catalog_index import CatalogIndex
+from mint_core.catalog_snapshot import Snapshot
+from mint_core.errors import IntegrityError, RegistryError, ServiceError
+from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
+
+log = logging.getLogger(__name__)
 
 DESIRED_ALIASES = (PRODUCTION, CANDIDATE)
 _OVERLAP_MS = 2000
 """Each sync asks again for this much of the time before the last change it saw: two changes
 in one millisecond, or a commit that lands late, are not missed. Seeing one twice is harmless."""
+RECENT_RECORDS = 4096
+"""Records kept as objects, most recently used: the revisions a worker serves, without a
+lookup in the index each time."""
 
 
 class Catalog:
     def __init__(
-        self, registry: Registry, pins: Iterable[RevisionId] = (), base_digest: str | None = None
+        self,
+        registry: Registry,
+        pins: Iterable[RevisionId] = (),
+        base_digest: str | None = None,
+        folder: Path | None = None,
     ) -> None:
         self.registry = registry
         self.pins = frozenset(pins)
@@ -34,31 +60,74 @@ class Catalog:
         self.base_digest = base_digest
         """The serving base: adapters of other bases are addressable but never desired here
         (their workers hold them). None: every adapter's."""
-        self._aliases: dict[str, dict[str, int]] = {}
-        self._bases: dict[str, str] = {}
-        self._records: dict[RevisionId, RegisteredRevision] = {}
-        self._cursor_ms = 0
+        if folder is not None:
+            folder.mkdir(parents=True, exist_ok=True)
+        # The index file is this catalog's alone (a worker's is a copy of the snapshot, then
+        # kept current), made in `folder` (else the system's temporary folder) and removed
+        # when the catalog closes or is collected.
+        handle, name = tempfile.mkstemp(prefix="mint-catalog-", suffix=".sqlite", dir=folder)
+        os.close(handle)
+        self._index = CatalogIndex(Path(name))
+        self._close = weakref.finalize(self, _close_index, self._index)
+        self._recent: OrderedDict[RevisionId, RegisteredRevision] = OrderedDict()
+        self._changes = 0
+        """How many times what the index holds has changed: `desired()`'s answer is kept
+        until it does (or the base is changed)."""
+        self._desired: tuple[tuple[int, str | None], frozenset[RevisionId]] | None = None
         self._lock = threading.Lock()
+        self.snapshot: Snapshot | None = None
+        """The snapshot this catalog started from, if any."""
         self.last_sync: float | None = None
         """Unix time of the last successful sync."""
         self.unreachable: str | None = None
         """Why the last sync failed; None once one succeeds."""
 
+    @property
+    def index_path(self) -> Path:
+        """The index file: sqlite, `catalog_index`'s layout."""
+        return self._index.path
+
+    def close(self) -> None:
+        """Close and remove the index. Idempotent."""
+        self._close()
+
+    def start_from_snapshot(self, store: ArtifactStore) -> Snapshot | None:
+        """At a worker's start: hold the current snapshot in `store` in place of everything
+        this catalog holds; the next sync goes on from its cursor. None if there is no snapshot
+        or it is damaged or out of reach (a warning says why): the catalog then follows the
+        registry from what it holds, so a new one's first sync reads the whole registry."""
+        staging = self._index.path.with_name(self._index.path.name + ".snapshot")
+        try:
+            snapshot = catalog_snapshot.fetch(store, staging)
+            if snapshot is not None:
+                self._index.replace_with(staging)
+        except (IntegrityError, ServiceError) as e:
+            log.warning("starting without a catalog snapshot, from the registry alone: %s", e)
+            return None
+        finally:
+            staging.unlink(missing_ok=True)
+        if snapshot is None:
+            log.info("no catalog snapshot in the store; the first sync reads the whole registry")
+            return None
+        with self._lock:
+            self._recent.clear()
+            self._changes += 1
+            self.snapshot = snapshot
+        return snapshot
+
     def sync(self) -> list[str]:
         """Catch up with the registry; the adapters that changed. RegistryError if it is down
         (the catalog keeps what it had)."""
         try:
-            changed = self.registry.adapters_changed_since(max(0, self._cursor_ms - _OVERLAP_MS))
+            changed = catch_up(self._index, self.registry)
         except RegistryError as e:
             self.unreachable = str(e)
             raise
-        with self._lock:
-            for adapter in changed:
-                self._aliases[adapter.adapter] = dict(adapter.aliases)
-                self._bases[adapter.adapter] = adapter.base_digest
-                self._cursor_ms = max(self._cursor_ms, adapter.updated_ms)
-            self.last_sync = time.time()
-            self.unreachable = None
+        if changed:
+            with self._lock:
+                self._changes += 1
+        self.last_sync = time.time()
+        self.unreachable = None
         return [adapter.adapter for adapter in changed]
 
     def _ask_registry(self, name: RevisionRef | RevisionId | str) -> Registry:
@@ -73,20 +142,19 @@ class Catalog:
 
     def desired(self) -> set[RevisionId]:
         """What this worker should hold: the `production` and `candidate` revisions of every
-        adapter on its base, and the pins."""
+        adapter on its base, and the pins. Asked every sync interval: the index is queried
+        only after a sync brought changes."""
         with self._lock:
-            named = {
-                RevisionId(adapter, number)
-                for adapter, aliases in self._aliases.items()
-                for alias, number in aliases.items()
-                if alias in DESIRED_ALIASES
-                and self.base_digest in (None, self._bases.get(adapter) or self.base_digest)
-            }
-        return named | self.pins
+            key = (self._changes, self.base_digest)
+            kept = self._desired[1] if self._desired and self._desired[0] == key else None
+        if kept is None:
+            kept = frozenset(self._index.named(DESIRED_ALIASES, self.base_digest))
+            with self._lock:
+                self._desired = (key, kept)  # if a change came meanwhile, `key` is already old
+        return set(kept | self.pins)
 
     def alias_target(self, adapter: str, alias: str) -> int | None:
-        with self._lock:
-            return self._aliases.get(adapter, {}).get(alias)
+        return self._index.alias_target(adapter, alias)
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         """The revision `ref` names, from the catalog when it knows; asks the registry only for
@@ -96,30 +164,73 @@ class Catalog:
         number = self.alias_target(ref.adapter, str(ref.alias))
         if number is None:
             registered = self._ask_registry(ref).resolve(ref)
-            with self._lock:
-                self._records[registered.id] = registered
+            self._index.put_revisions([registered])
+            self._remember(registered)
             return registered
         return self.record(RevisionId(ref.adapter, number))
 
     def record(self, revision: RevisionId) -> RegisteredRevision:
         """A revision's registry record, fetched once: a revision's bytes and policy never
-        change (its stage and aliases in the copy kept here may be old)."""
+        change (its stage and aliases in the copy kept here may be old, and the index keeps no
+        history tags: `mint history` reads those from the registry)."""
         with self._lock:
-            known = self._records.get(revision)
-        if known is not None:
-            return known
-        registered = self._ask_registry(revision).get(revision)
+            known = self._recent.get(revision)
+            if known is not None:
+                self._recent.move_to_end(revision)
+                return known
+        known = self._index.revision(revision)
+        if known is None:
+            known = self._ask_registry(revision).get(revision)
+            self._index.put_revisions([known])
+        self._remember(known)
+        return known
+
+    def _remember(self, registered: RegisteredRevision) -> None:
         with self._lock:
-            self._records[revision] = registered
-        return registered
+            self._recent[registered.id] = registered
+            if len(self._recent) > RECENT_RECORDS:
+                self._recent.popitem(last=False)
 
     def adapters(self) -> list[str]:
-        with self._lock:
-            return sorted(self._aliases)
+        return self._index.adapters()
 
     def knows(self, adapter: str) -> bool:
         """Whether `adapter` is registered (asking the registry if not synced yet)."""
-        with self._lock:
-            if adapter in self._aliases:
-                return True
+        if self._index.knows(adapter):
+            return True
         return self._ask_registry(f"adapter {adapter!r}").has_adapter(adapter)
+
+
+def catch_up(index: CatalogIndex, registry: Registry) -> list[AdapterAliases]:
+    """Write into `index` what changed in `registry` since its cursor (everything, every
+    revision included, when it holds nothing yet); the adapters that changed."""
+    cursor = index.cursor_ms
+    changed = registry.adapters_changed_since(max(0, cursor - _OVERLAP_MS))
+    if cursor == 0:
+        for page in registry.all_revisions():
+            index.put_revisions(page)
+    index.put_adapters(changed)  # last: the cursor moves only once the revisions are in
+    return changed
+
+
+def build_snapshot(registry: Registry, store: ArtifactStore, folder: Path) -> Snapshot:
+    """Read the whole registry into a new index under `folder` and publish it as the current
+    catalog snapshot in `store` (what `mint catalog snapshot` runs)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    handle, name = tempfile.mkstemp(prefix="catalog-", suffix=".sqlite", dir=folder)
+    os.close(handle)
+    path = Path(name)
+    index = CatalogIndex(path)
+    try:
+        catch_up(index, registry)
+        index.seal()
+        index.close()
+        return catalog_snapshot.publish(store, path)
+    finally:
+        _close_index(index)
+
+
+def _close_index(index: CatalogIndex) -> None:
+    index.close()
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{index.path}{suffix}").unlink(missing_ok=True)

@@ -7,6 +7,7 @@ weights stay in the artifact store and the version's `source` points at them.
 
 import functools
 import json
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -19,9 +20,11 @@ from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from mint_core.errors import BaseMismatchError, NotFoundError, RegistryError
+from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError, RegistryError
 from mint_core.revisions import PRODUCTION, TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage, transition
+
+log = logging.getLogger(__name__)
 
 STAGE_TAG = TAG_PREFIX + "stage"
 KIND_TAG = TAG_PREFIX + "kind"
@@ -37,6 +40,12 @@ does; registered-model tags, which every worker sync reads, hold none of it."""
 FAILURE_TAG = TAG_PREFIX + "failure_reason"
 _REASON_CHARS = 1000
 """Reasons are cut to this length in history records, keeping each one small."""
+MODELS_PAGE_MAX = 1000
+"""The most registered models MLflow's server returns per page (its `search_registered_models`
+refuses more)."""
+VERSIONS_PAGE = 1000
+"""Model versions per page when reading every revision: a few MB of JSON per request. (MLflow
+accepts up to 200,000; larger pages were no faster.)"""
 _ADAPTER_KIND = "adapter"
 _EXPERIMENT = "mint-releases"
 _POLICY_ARTIFACT = "policy.json"
@@ -448,8 +457,10 @@ class Registry:
 
     def adapters_changed_since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
         """Every adapter updated (new revision, alias moved) at or after `since_ms` on the
-        registry's clock, newest first: what a worker needs to catch up. Pages are small, as a
-        sync usually finds a few changes at most. RegistryError if MLflow cannot answer."""
+        registry's clock, newest first: what a worker needs to catch up. The first page is
+        small, as a sync usually finds a few changes at most; each next one is larger, up to
+        MLflow's largest, so reading every adapter takes few requests. RegistryError if MLflow
+        cannot answer."""
         changed: list[AdapterAliases] = []
         page_token = None
         try:
@@ -471,8 +482,38 @@ class Registry:
                 page_token = page.token
                 if not page_token:
                     return changed
+                # Page tokens are offsets, so the size may change from page to page.
+                page_size = min(page_size * 10, MODELS_PAGE_MAX)
         except (MlflowException, OSError) as e:  # OSError: the server does not answer
             raise RegistryError(f"MLflow at {self.tracking_uri} cannot list adapters: {e}") from e
+
+    def all_revisions(self, page_size: int = VERSIONS_PAGE) -> Iterator[list[RegisteredRevision]]:
+        """Every revision of every adapter, a page at a time, in name and number order: what a
+        catalog is built from. Versions that carry no policy record (models that are not MinT
+        adapters) are left out. A revision registered while this runs may be missed: a catalog
+        asks for one it lacks when it is named. RegistryError if MLflow cannot answer."""
+        page_token = None
+        while True:
+            with self._failing("list every revision"):
+                page = self._client.search_model_versions(
+                    max_results=page_size,
+                    order_by=["name ASC", "version_number ASC"],
+                    page_token=page_token,
+                )
+            revisions = []
+            for version in page:
+                if (version.tags or {}).get(TAG_PREFIX + "content_digest") is None:
+                    continue
+                try:
+                    revisions.append(self._revision(version, tuple(sorted(version.aliases or ()))))
+                except ConfigurationError as e:  # asked for by name, it fails there, as today
+                    log.warning(
+                        "left %s:r%s out of the catalog: %s", version.name, version.version, e
+                    )
+            yield revisions
+            page_token = page.token
+            if not page_token:
+                return
 
     def alias_history(self, adapter: str) -> list[AliasMove]:
         """Every alias move of `adapter` that happened, oldest first (see `move_alias`)."""

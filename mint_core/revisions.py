@@ -114,7 +114,10 @@ class PolicyRecord:
     eval_metrics: Mapping[str, float] = field(default_factory=dict)
     schema_version: int = POLICY_SCHEMA_VERSION
 
-    def to_json(self) -> str:
+    def to_json(self, compact: bool = False) -> str:
+        """Indented for people (the release's artifact); compact for indexes."""
+        if compact:
+            return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod

@@ -36,12 +36,18 @@ def build_backend(config: MintConfig) -> Backend:
 
 
 def build_worker(config: MintConfig) -> Worker:
-    """A worker that starts syncing with the registry at once (and admitting what it says)."""
+    """A worker that starts from the catalog snapshot in the artifact store, if there is one,
+    and syncs with the registry at once (admitting what it says)."""
     backend = build_backend(config)
+    store = open_store(config)
+    catalog = Catalog(
+        Registry(config.tracking_uri), config.pins, backend.text.digest, config.home / "catalog"
+    )
+    catalog.start_from_snapshot(store)
     return Worker(
         backend,
-        Catalog(Registry(config.tracking_uri), config.pins, backend.text.digest),
-        open_store(config),
+        catalog,
+        store,
         admission_k=config.admission_k,
         sync_interval_s=config.sync_interval_s,
     )

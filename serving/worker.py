@@ -336,6 +336,7 @@ class Worker:
         self.backend.close()
         for thread in self._threads:
             thread.join(timeout=10)
+        self.catalog.close()
 
     # Prewarm.
 

@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 
 from mint_core.access import EVERYONE
 from mint_core.artifact_store import open_store, read_data
+from mint_core.catalog import build_snapshot
+from mint_core.catalog_snapshot import Snapshot
 from mint_core.config import MintConfig
 from mint_core.errors import (
     IntegrityError,
@@ -364,3 +366,10 @@ def ensure_exported(
     log.info("exported %s again from its frozen files (%s)", revision, frozen_path)
     store.put(packed_dir, index.content_digest)
     return True
+
+
+@task(name="catalog-snapshot", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def snapshot_catalog(config: MintConfig) -> Snapshot:
+    """Publish the whole registry as the catalog snapshot workers start from."""
+    registry = Registry(config.tracking_uri)
+    return build_snapshot(registry, open_store(config), config.work_root / "catalog")

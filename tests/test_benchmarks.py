@@ -109,3 +109,20 @@ def test_sync_benchmark_times_both_paths_to_an_answer(tmp_path: Path) -> None:
     # alone is 151,936 x 1,024), and the merged path starts a process to serve them.
     assert result["merged_bytes"] > 20 * result["adapter_bytes"]
     assert result["speedup"] > 1, result
+
+
+def test_catalog_benchmark_writes_its_figures(tmp_path: Path) -> None:
+    result = run_bench(
+        "catalog.py", "--adapters", "200", "--bases", "50", "--lookups", "500",
+        "--mlflow-adapters", "4", "--mlflow-revisions", "3", "--moves", "2",
+        out=tmp_path / "catalog.json",
+    )  # fmt: skip
+    assert result["revisions"] == 2000
+    # Base 0 holds adapters 0, 50, 100 and 150: production and candidate (one in ten has it).
+    assert result["desired_revisions"] == 8
+    assert result["desired_every_base_revisions"] == 200 + 20
+    assert result["mlflow_versions"] == 12
+    assert result["sync_versions_per_s"] == pytest.approx(12 / result["sync_full_s"])
+    samples = result["alias_visible_samples_s"]
+    assert len(samples) == 2 and result["alias_visible_s"] == statistics.median(samples)
+    assert result["resolve_p50_us"] <= result["resolve_p99_us"] <= result["resolve_max_us"]

@@ -1,0 +1,15 @@
+"""Catalog snapshot: the whole registry as one index file in the artifact store, which workers
+start from instead of reading every revision from MLflow (`mint_core.catalog_snapshot`). Run it
+on a schedule, or after many releases; a worker syncs on from whichever snapshot it started
+from, so an old one costs only a longer first sync."""
+
+from prefect import flow
+
+from mint_core.config import MintConfig
+from tasks.pipeline import snapshot_catalog
+
+
+@flow(name="catalog-snapshot")
+def catalog_snapshot() -> str:
+    """Publish a new catalog snapshot; its digest."""
+    return snapshot_catalog(MintConfig.from_env()).digest
