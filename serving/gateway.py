@@ -40,6 +40,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.errors import (
@@ -207,6 +208,8 @@ class Gateway:
         finally:
             refresher.cancel()
             self._closed.set()
+            sync.join(timeout=30)  # a sync under way finishes before its index goes
+            self.catalog.close()
             if self._http is not None:
                 await self._http.close()
 
@@ -398,7 +401,10 @@ def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView) -> StreamingRe
 
 
 def build_gateway(config: MintConfig) -> Gateway:
-    catalog = Catalog(Registry(config.tracking_uri))  # every base's revisions
+    """A gateway whose catalog (every base's revisions) starts from the snapshot in the
+    artifact store, if there is one, like a worker's."""
+    catalog = Catalog(Registry(config.tracking_uri), folder=config.home / "catalog")
+    catalog.start_from_snapshot(open_store(config))
     return Gateway(
         config.worker_urls,
         catalog,
