@@ -101,6 +101,7 @@ ADMIN_ROUTES = [
     ("POST", "/admin/admit", {"adapter": "private-bot", "revision": 1}, 202),
     ("POST", "/admin/sync", None, 202),
     ("GET", "/admin/events", None, 200),
+    ("GET", "/admin/routing", None, 200),
 ]
 """Every admin route, what it is sent and how it answers an admin."""
 
