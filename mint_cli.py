@@ -31,7 +31,13 @@ from typing import TYPE_CHECKING, TypeVar
 from mint_core.config import BackendKind, check_registry_db
 from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.revisions import check_adapter_name
-from serving.status import format_stage_times, format_table, status_rows, worker_rows
+from serving.status import (
+    fleet_health,
+    format_stage_times,
+    format_table,
+    status_rows,
+    worker_rows,
+)
 
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
@@ -231,6 +237,7 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:
+    # Not through the Prefect task: that module imports torch, which this needs not.
     from mint_core.artifact_store import open_store
     from mint_core.catalog import build_snapshot
     from mint_core.registry import Registry
@@ -244,9 +251,10 @@ def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
-    print(format_table(worker_rows(config)))
+    fleet = fleet_health(config)
+    print(format_table(worker_rows(config, fleet)))
     print()
-    print(format_table(status_rows(config)))
+    print(format_table(status_rows(config, fleet)))
 
 
 def cmd_demo(args: argparse.Namespace, config: MintConfig) -> None:

@@ -18,14 +18,35 @@ if TYPE_CHECKING:
     from serving.client import WorkerClient
 
 
-def status_rows(config: MintConfig) -> list[list[str]]:
+Health = list[tuple["WorkerClient", dict[str, object] | None]]
+"""Each worker with its `/health`, None for one that does not answer."""
+
+
+def fleet_health(config: MintConfig) -> Health:
+    """Every worker's `/health`, asked once for both tables."""
+    from serving.client import WorkerClient
+
+    fleet: Health = []
+    for url in config.worker_urls:
+        worker = WorkerClient(url, config.worker_api_key)
+        try:
+            fleet.append((worker, worker.health()))
+        except MintError:
+            fleet.append((worker, None))
+    return fleet
+
+
+def status_rows(config: MintConfig, fleet: Health | None = None) -> list[list[str]]:
     """A header row, then one row per revision, grouped by base: base, adapter, revision,
     aliases, stage, and readiness on each worker of that base ("no worker" when none answers
     for it)."""
     from mint_core.registry import Registry
 
+    by_base: dict[str, list[WorkerClient]] = {}
+    for worker, health in fleet if fleet is not None else fleet_health(config):
+        if health is not None:
+            by_base.setdefault(str(health["base_digest"]), []).append(worker)
     registry = Registry(config.tracking_uri)
-    by_base = _workers_by_base(config)
     rows = []
     for adapter in registry.adapters():
         for revision in registry.revisions(adapter):
@@ -49,35 +70,16 @@ def status_rows(config: MintConfig) -> list[list[str]]:
     return [["base", "adapter", "revision", "aliases", "stage", "readiness"], *rows]
 
 
-def worker_rows(config: MintConfig) -> list[list[str]]:
+def worker_rows(config: MintConfig, fleet: Health | None = None) -> list[list[str]]:
     """A header row, then one row per worker, grouped by base: base, worker, backend, status."""
-    from serving.client import WorkerClient
-
     rows = []
-    for url in config.worker_urls:
-        try:
-            health = WorkerClient(url, config.worker_api_key).health()
-            rows.append(
-                [str(health["base_model"]), url, str(health["backend"]), str(health["status"])]
-            )
-        except MintError:
-            rows.append(["?", url, "?", "unreachable"])
+    for worker, health in fleet if fleet is not None else fleet_health(config):
+        if health is None:
+            rows.append(["?", worker.url, "?", "unreachable"])
+        else:
+            rows.append([str(health["base_model"]), worker.url, str(health["backend"]),
+                         str(health["status"])])  # fmt: skip
     return [["base", "worker", "backend", "status"], *sorted(rows)]
-
-
-def _workers_by_base(config: MintConfig) -> dict[str, list[WorkerClient]]:
-    """The workers that answer, by the digest of the base they serve."""
-    from serving.client import WorkerClient
-
-    by_base: dict[str, list[WorkerClient]] = {}
-    for url in config.worker_urls:
-        worker = WorkerClient(url, config.worker_api_key)
-        try:
-            digest = str(worker.health()["base_digest"])
-        except MintError:
-            continue
-        by_base.setdefault(digest, []).append(worker)
-    return by_base
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:
