@@ -1,28 +1,22 @@
 """Promote and rollback: put an existing revision in front of users, never retraining.
 
-promote = (re-export if its artifact is lost) -> admit -> prewarm -> activate.
-rollback = promote of the revision `production` pointed at before (or the one named).
+promote = (re-export if its artifact is lost) -> the roll-out (admit -> prewarm -> gates ->
+activate). rollback = promote of the revision `production` pointed at before (or the one named),
+past the gates.
 """
-
-import contextlib
 
 from prefect import flow
 
+from flows.rollout import roll_out
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError, MintError, RolloutBusyError
+from mint_core.errors import ConfigurationError
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId, check_adapter_name
 from mint_core.states import Stage
-from tasks.pipeline import (
-    activate_revision,
-    admit_revision,
-    ensure_exported,
-    prewarm_revision,
-    rollout_lock,
-)
+from tasks.pipeline import ensure_exported
 
 
-def roll_out(
+def promote_to_production(
     config: MintConfig, revision: RevisionId, actor: str, reason: str, rollback: bool = False
 ) -> str:
     """Make `revision` what `name@production` serves, once every worker has it ready. Workers
@@ -36,18 +30,7 @@ def roll_out(
             f"--revision {revision.number}"
         )
     ensure_exported(config, revision)
-    try:
-        with rollout_lock(revision.adapter):
-            admit_revision(config, revision, rollback=rollback)
-            prewarm_revision(config, revision)
-            activate_revision(config, revision, actor=actor, reason=reason)
-    except RolloutBusyError:
-        raise  # it only waited: the revision's stage stays as it was
-    except Exception as e:
-        # The alias has not moved; record why the revision could not be rolled out.
-        with contextlib.suppress(MintError):
-            registry.mark_failed(revision, f"{type(e).__name__}: {e}", actor)
-        raise
+    roll_out(config, revision, actor, reason, rollback)
     return str(revision)
 
 
@@ -55,7 +38,9 @@ def roll_out(
 def promote(adapter: str, revision: int, actor: str = "mint", reason: str = "promote") -> str:
     """Serve `adapter:r<revision>` as `adapter@production`."""
     config = MintConfig.from_env()
-    return roll_out(config, RevisionId(check_adapter_name(adapter), revision), actor, reason)
+    return promote_to_production(
+        config, RevisionId(check_adapter_name(adapter), revision), actor, reason
+    )
 
 
 @flow(name="rollback")
@@ -70,4 +55,4 @@ def rollback(
         if to_revision is not None
         else Registry(config.tracking_uri).previous(adapter)
     )
-    return roll_out(config, target, actor, reason, rollback=True)
+    return promote_to_production(config, target, actor, reason, rollback=True)

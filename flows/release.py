@@ -4,40 +4,30 @@ Registering makes a revision addressable (`name:rN`) but no user reaches it thro
 `name@production` until every worker reports it ready and `activate` moves the alias.
 """
 
-import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ParamSpec, TypeVar
 
 import prefect.runtime
 from prefect import flow
 
+from flows.rollout import StageClock, roll_out
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError, MintError, RolloutBusyError
+from mint_core.errors import ConfigurationError
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter, TrainingConfig
-from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, check_adapter_name
 from tasks.pipeline import (
-    activate_revision,
-    admit_revision,
     check_import,
     export_adapter,
     freeze_adapter,
     load_data,
     pack_adapter,
-    prewarm_revision,
     register_revision,
-    rollout_lock,
     train_adapter,
 )
-
-P = ParamSpec("P")
-R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -49,19 +39,6 @@ class ReleaseReport:
     """Held-out `eval_loss` and `eval_exact_match` of a trained revision; empty for an
     imported one."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
-
-
-class _StageClock:
-    """Runs pipeline steps and records how long each took."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    def __call__(self, stage: str, step: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        start = time.perf_counter()
-        result = step(*args, **kwargs)
-        self.seconds[stage] = time.perf_counter() - start
-        return result
 
 
 @flow(name="release")
@@ -110,7 +87,7 @@ def release(
     )
     if not 0 < eval_fraction < 1:
         raise ConfigurationError(f"eval_fraction={eval_fraction} must be between 0 and 1")
-    timed = _StageClock()
+    timed = StageClock()
     rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, seed)
     trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
     revision = _ship(config, adapter, trained, actor, principals, timed, "release")
@@ -130,7 +107,7 @@ def import_adapter(
     MINT_BASE_MODEL's)."""
     config = on_base(MintConfig.from_env(), base_model)
     check_adapter_name(adapter)
-    timed = _StageClock()
+    timed = StageClock()
     imported = timed("check", check_import, config, Path(path))
     revision = _ship(config, adapter, imported, actor, principals, timed, "import")
     return ReleaseReport(str(revision), {}, timed.seconds)
@@ -150,7 +127,7 @@ def _ship(
     source: TrainedAdapter | ImportedAdapter,
     actor: str,
     principals: list[str] | None,
-    timed: _StageClock,
+    timed: StageClock,
     reason: str,
 ) -> RevisionId:
     """freeze -> pack -> export -> register -> admit -> prewarm -> activate."""
@@ -161,18 +138,8 @@ def _ship(
     revision = timed(
         "register", register_revision, config, adapter, source, frozen, exported, actor, allowed
     )
-    try:
-        with rollout_lock(adapter):
-            timed("admit", admit_revision, config, revision)
-            timed("prewarm", prewarm_revision, config, revision)
-            timed("activate", activate_revision, config, revision, actor=actor, reason=reason)
-    except RolloutBusyError:
-        raise  # it only waited: the revision stays registered, and promote can roll it out
-    except Exception as e:
-        # Record the failure on the revision, but never let recording it hide the cause.
-        with contextlib.suppress(MintError):
-            Registry(config.tracking_uri).mark_failed(revision, f"{type(e).__name__}: {e}")
-        raise
+    # From here on the revision stays registered whatever happens: promote can roll it out.
+    roll_out(config, revision, actor, reason, timed=timed)
     return revision
 
 

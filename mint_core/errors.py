@@ -61,5 +61,10 @@ class RolloutBusyError(MintError):
     TimeoutError: Prefect would report the flow run itself as timed out.)"""
 
 
+class RejectedError(MintError):
+    """A gate (evaluation, approval or canary) stopped a revision before activation; the
+    message carries the figures or the decision. `production` did not move."""
+
+
 class DatasetError(ConfigurationError):
     """Training data that cannot be used: the message names `FILE:LINE` and the reason."""

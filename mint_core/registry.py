@@ -21,6 +21,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError, RegistryError
+from mint_core.gates import GATES_TAG, Gates
 from mint_core.revisions import PRODUCTION, TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage, transition
 
@@ -38,6 +39,8 @@ ALIAS_MOVE_TAG = TAG_PREFIX + "alias_move."
 `mint.alias_move.000042` is the adapter's 42nd move. History grows without bound and no tag
 does; registered-model tags, which every worker sync reads, hold none of it."""
 FAILURE_TAG = TAG_PREFIX + "failure_reason"
+APPROVAL_RUN_TAG = TAG_PREFIX + "approval_run"
+"""The Prefect flow run paused for a revision's approval: what `mint approve` resumes."""
 _REASON_CHARS = 1000
 """Reasons are cut to this length in history records, keeping each one small."""
 MODELS_PAGE_MAX = 1000
@@ -374,6 +377,10 @@ class Registry:
             registered.id.adapter, str(registered.id.number), STAGE_HISTORY_TAG, json.dumps(history)
         )
 
+    def set_revision_tag(self, revision: RevisionId, key: str, value: str) -> None:
+        with self._failing(f"tag {revision} with {key}"):
+            self._client.set_model_version_tag(revision.adapter, str(revision.number), key, value)
+
     def stage_history(self, revision: RevisionId) -> list[dict[str, str]]:
         return json.loads(self.get(revision).tags.get(STAGE_HISTORY_TAG, "[]"))
 
@@ -563,6 +570,23 @@ class Registry:
                 if not page_token:
                     break
         return sorted(records, key=lambda record: record.move.number)
+
+    def gates(self, adapter: str) -> Gates:
+        """What `adapter`'s roll-outs must pass (defaults if none were set: no approval)."""
+        model = self._registered_model(adapter)
+        if model is None:
+            raise NotFoundError(f"adapter {adapter!r} is not registered")
+        raw = (model.tags or {}).get(GATES_TAG)
+        return Gates.from_json(raw) if raw else Gates()
+
+    def set_gates(self, adapter: str, gates: Gates) -> None:
+        if self._registered_model(adapter) is None:
+            raise NotFoundError(
+                f"adapter {adapter!r} is not registered; release its first revision, then set "
+                "its gates"
+            )
+        with self._failing(f"set the gates of {adapter!r}"):
+            self._client.set_registered_model_tag(adapter, GATES_TAG, gates.to_json())
 
     def has_adapter(self, adapter: str) -> bool:
         return self._registered_model(adapter) is not None

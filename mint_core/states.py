@@ -37,6 +37,9 @@ class Stage(StrEnum):
     """It was active and has been replaced; still addressable as `name:rN`."""
     FAILED = "failed"
     """A step failed; the reason is recorded."""
+    REJECTED = "rejected"
+    """Stopped before activation by a gate (evaluation, approval or canary); the figures or
+    the reviewer's decision are the recorded reason. Still addressable as `name:rN`."""
 
 
 _STAGE_MOVES: Mapping[Stage, frozenset[Stage]] = {
@@ -48,11 +51,13 @@ _STAGE_MOVES: Mapping[Stage, frozenset[Stage]] = {
     Stage.ADMITTED: frozenset({Stage.PREWARMING, Stage.FAILED}),
     Stage.PREWARMING: frozenset({Stage.READY, Stage.FAILED}),
     # A ready revision that was not activated can be promoted later.
-    Stage.READY: frozenset({Stage.ACTIVE, Stage.ADMITTED, Stage.FAILED}),
+    Stage.READY: frozenset({Stage.ACTIVE, Stage.ADMITTED, Stage.FAILED, Stage.REJECTED}),
     Stage.ACTIVE: frozenset({Stage.RETIRED}),
     # A retired or failed revision can be promoted again (rollback, retry).
     Stage.RETIRED: frozenset({Stage.ADMITTED}),
     Stage.FAILED: frozenset({Stage.ADMITTED}),
+    # A rejected revision can be promoted again (another try at the gates).
+    Stage.REJECTED: frozenset({Stage.ADMITTED}),
 }
 
 
