@@ -33,11 +33,11 @@ from mint_core.catalog_index import CatalogIndex
 from mint_core.catalog_snapshot import Snapshot
 from mint_core.errors import IntegrityError, RegistryError, ServiceError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
-from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
+from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 
 log = logging.getLogger(__name__)
 
-DESIRED_ALIASES = (PRODUCTION, CANDIDATE)
+DESIRED_ALIASES = (PRODUCTION, CANDIDATE, CANARY)
 _OVERLAP_MS = 2000
 """Each sync asks again for this much of the time before the last change it saw: two changes
 in one millisecond, or a commit that lands late, are not missed. Seeing one twice is harmless."""
@@ -141,8 +141,8 @@ class Catalog:
         return self.registry
 
     def desired(self) -> set[RevisionId]:
-        """What this worker should hold: the `production` and `candidate` revisions of every
-        adapter on its base, and the pins. Asked every sync interval: the index is queried
+        """What this worker should hold: the `production`, `candidate` and `canary` revisions
+        of every adapter on its base, and the pins. Asked every sync interval: the index is queried
         only after a sync brought changes."""
         with self._lock:
             key = (self._changes, self.base_digest)
@@ -155,6 +155,15 @@ class Catalog:
 
     def alias_target(self, adapter: str, alias: str) -> int | None:
         return self._index.alias_target(adapter, alias)
+
+    def canary(self, adapter: str) -> tuple[RevisionId, float] | None:
+        """The revision that takes a share of `adapter@production`'s requests, and the share
+        in percent, as of the last sync; None when the adapter has no canary."""
+        found = self._index.canary(adapter)
+        if found is None:
+            return None
+        number, percent = found
+        return RevisionId(adapter, number), percent
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         """The revision `ref` names, from the catalog when it knows; asks the registry only for

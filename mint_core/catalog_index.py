@@ -1,9 +1,9 @@
 """The catalog's index: what the registry says, in one sqlite file rather than Python objects.
 
-One row per adapter (its base and last-updated time), per alias, and per revision (its artifact,
-its policy record as compact JSON, its other tags). A lookup is a primary-key search in a
-B-tree: fast at a million revisions, and the memory it takes is sqlite's page cache (bounded
-here), not an object per revision. The same file is the catalog snapshot the control plane
+One row per adapter (its base, last-updated time and canary share), per alias, and per revision
+(its artifact, its policy record as compact JSON, its other tags). A lookup is a primary-key
+search in a B-tree: fast at a million revisions, and the memory it takes is sqlite's page cache
+(bounded here), not an object per revision. The same file is the catalog snapshot the control plane
 publishes (`catalog_snapshot`): a worker starts from a copy of it and keeps it current.
 
 Workers look revisions up from many threads: one connection, used under a lock (a lookup holds
@@ -26,11 +26,12 @@ from mint_core.registry import (
     AdapterAliases,
     RegisteredRevision,
 )
-from mint_core.revisions import TAG_PREFIX, PolicyRecord, RevisionId
+from mint_core.revisions import CANARY, TAG_PREFIX, PolicyRecord, RevisionId
 from mint_core.states import Stage
 
-FORMAT = 1
-"""The index's layout; a file of another format is refused (rebuild the snapshot)."""
+FORMAT = 2
+"""The index's layout; a file of another format is refused (rebuild the snapshot). 2: adapters
+carry their canary share. A worker refusing an older snapshot reads the registry instead."""
 CACHE_KIB = 16 << 10
 """sqlite's page cache per index: what its memory is bounded by, whatever it indexes."""
 _POLICY_TAGS = frozenset(TAG_PREFIX + spec.name for spec in fields(PolicyRecord))
@@ -40,7 +41,8 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL) WITH
 CREATE TABLE IF NOT EXISTS adapters (
     name TEXT PRIMARY KEY,
     base TEXT NOT NULL,
-    updated_ms INTEGER NOT NULL
+    updated_ms INTEGER NOT NULL,
+    canary_percent REAL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS adapters_by_base ON adapters (base);
 CREATE TABLE IF NOT EXISTS aliases (
@@ -66,6 +68,11 @@ SELECT artifact_uri, policy, tags, (
 """
 """A revision's row and the aliases naming it, in one statement: a lookup is one call into
 sqlite. (MLflow allows no commas in alias names.)"""
+_CANARY = """
+SELECT aliases.number, adapters.canary_percent FROM adapters JOIN aliases
+ON aliases.adapter = adapters.name AND aliases.alias = ?
+WHERE adapters.name = ? AND adapters.canary_percent IS NOT NULL
+"""
 # `revisions` keeps sqlite's rowid: its rows (~1 KB) are too large for a WITHOUT ROWID table
 # to pay off, so a small unique index finds them.
 
@@ -133,16 +140,16 @@ class CatalogIndex:
         return int(found[0]) if found else 0
 
     def put_adapters(self, adapters: Sequence[AdapterAliases]) -> None:
-        """These adapters' bases and aliases as the registry has them now; moves the cursor to
-        the newest of their last-updated times."""
+        """These adapters' bases, aliases and canary shares as the registry has them now; moves
+        the cursor to the newest of their last-updated times."""
         if not adapters:
             return
         newest = max(adapter.updated_ms for adapter in adapters)
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.executemany(
-                "INSERT OR REPLACE INTO adapters VALUES (?, ?, ?)",
-                [(a.adapter, a.base_digest, a.updated_ms) for a in adapters],
+                "INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?)",
+                [(a.adapter, a.base_digest, a.updated_ms, a.canary_percent) for a in adapters],
             )
             self._db.executemany(
                 "DELETE FROM aliases WHERE adapter = ?", [(a.adapter,) for a in adapters]
@@ -181,6 +188,12 @@ class CatalogIndex:
                 "SELECT number FROM aliases WHERE adapter = ? AND alias = ?", (adapter, alias)
             ).fetchone()
         return found[0] if found else None
+
+    def canary(self, adapter: str) -> tuple[int, float] | None:
+        """The revision number `adapter@canary` names and its share in percent; None unless
+        both are set."""
+        with self._lock:
+            return self._db.execute(_CANARY, (CANARY, adapter)).fetchone()
 
     def revision(self, revision: RevisionId) -> RegisteredRevision | None:
         """The revision's record, with the aliases naming it now; None if the index does not

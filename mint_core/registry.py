@@ -22,7 +22,14 @@ from mlflow.tracking import MlflowClient
 
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError, RegistryError
 from mint_core.gates import GATES_TAG, Gates
-from mint_core.revisions import PRODUCTION, TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
+from mint_core.revisions import (
+    CANARY,
+    PRODUCTION,
+    TAG_PREFIX,
+    PolicyRecord,
+    RevisionId,
+    RevisionRef,
+)
 from mint_core.states import Stage, transition
 
 log = logging.getLogger(__name__)
@@ -41,6 +48,9 @@ does; registered-model tags, which every worker sync reads, hold none of it."""
 FAILURE_TAG = TAG_PREFIX + "failure_reason"
 APPROVAL_RUN_TAG = TAG_PREFIX + "approval_run"
 """The Prefect flow run paused for a revision's approval: what `mint approve` resumes."""
+CANARY_PERCENT_TAG = TAG_PREFIX + "canary_percent"
+"""The share, in percent, of `name@production` requests that workers send to `name@canary`: a
+registered-model tag, so that every worker reads the same share at the same sync as the alias."""
 _REASON_CHARS = 1000
 """Reasons are cut to this length in history records, keeping each one small."""
 MODELS_PAGE_MAX = 1000
@@ -146,6 +156,8 @@ class AdapterAliases:
     """The registry's last-updated time of the adapter, in milliseconds (its clock)."""
     base_digest: str = ""
     """The base every revision of the adapter was trained on."""
+    canary_percent: float | None = None
+    """The share of `production`'s requests sent to the `canary` revision; None: no canary."""
 
 
 @dataclass(frozen=True)
@@ -425,7 +437,8 @@ class Registry:
             self._client.set_model_version_tag(adapter, version, move.tag, record.to_tag())
             self._client.set_registered_model_alias(adapter, alias, version)
             self._touch(adapter, model)
-            self._client.set_model_version_tag(adapter, version, ACTIVATED_AT_TAG, move.at)
+            if alias != CANARY:  # a canary's moves (its start, its end) activate nothing
+                self._client.set_model_version_tag(adapter, version, ACTIVATED_AT_TAG, move.at)
             done = _MoveRecord(move, done=True)
             self._client.set_model_version_tag(adapter, version, move.tag, done.to_tag())
         return move.from_revision
@@ -453,6 +466,59 @@ class Registry:
             if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                 raise RegistryError(f"MLflow failed to remove {adapter}@{alias}: {e}") from e
         self._touch(adapter)
+
+    def start_canary(
+        self, revision: RevisionId, percent: float, actor: str = "mint", reason: str = ""
+    ) -> int | None:
+        """Send `percent` of `adapter@production`'s requests to `revision` on every worker that
+        has it ready: `adapter@canary` moves to it (recorded in the alias history) and the share
+        is set beside it. The revision `canary` named before, if any. Workers follow at their
+        next sync; a worker that does not have `revision` ready keeps serving production."""
+        check_canary_percent(percent)
+        if self._registered_model(revision.adapter) is None:
+            raise NotFoundError(f"adapter {revision.adapter!r} is not registered")
+        with self._failing(f"set the canary share of {revision.adapter!r}"):
+            # The share first: a worker that syncs in between sees it with the old canary, or
+            # with none (no canary traffic), never a new canary at a stale share.
+            self._client.set_registered_model_tag(
+                revision.adapter, CANARY_PERCENT_TAG, str(float(percent))
+            )
+        return self.move_alias(revision, CANARY, actor, reason)
+
+    def end_canary(self, adapter: str, actor: str = "mint", reason: str = "") -> RevisionId | None:
+        """Stop sending `adapter@production`'s requests to a canary: the share is removed, the
+        end is recorded in the alias history as a move of `canary` to the `production` revision
+        with `reason` (the decision and its figures), and the alias is dropped. The revision the
+        canary named; None, and nothing recorded, if there was no canary. Idempotent."""
+        model = self._registered_model(adapter)
+        if model is None:
+            raise NotFoundError(f"adapter {adapter!r} is not registered")
+        aliases = model.aliases or {}
+        canary = aliases.get(CANARY)
+        if CANARY_PERCENT_TAG in (model.tags or {}):
+            with self._failing(f"remove the canary share of {adapter!r}"):
+                self._client.delete_registered_model_tag(adapter, CANARY_PERCENT_TAG)
+            if canary is None:
+                self._touch(adapter, model)  # the moves below touch it otherwise
+        if canary is None:
+            return None
+        # Without `production` the end is recorded on the canary revision itself.
+        landing = int(aliases.get(PRODUCTION, canary))
+        self.move_alias(RevisionId(adapter, landing), CANARY, actor, reason)
+        self.drop_alias(adapter, CANARY)
+        return RevisionId(adapter, int(canary))
+
+    def canary(self, adapter: str) -> tuple[RevisionId, float] | None:
+        """The canary revision of `adapter` and its share in percent, as the registry has them
+        now; None when there is no canary."""
+        model = self._registered_model(adapter)
+        if model is None:
+            raise NotFoundError(f"adapter {adapter!r} is not registered")
+        canary = (model.aliases or {}).get(CANARY)
+        percent = _canary_percent(model)
+        if canary is None or percent is None:
+            return None
+        return RevisionId(adapter, int(canary)), percent
 
     def _touch(self, adapter: str, model: RegisteredModel | None = None) -> None:
         # MLflow does not count an alias or tag change as an update of the registered model;
@@ -484,7 +550,13 @@ class Registry:
                         aliases = {a: int(v) for a, v in (model.aliases or {}).items()}
                         base = model.tags.get(TAG_PREFIX + "base_digest", "")
                         changed.append(
-                            AdapterAliases(model.name, aliases, model.last_updated_timestamp, base)
+                            AdapterAliases(
+                                model.name,
+                                aliases,
+                                model.last_updated_timestamp,
+                                base,
+                                _canary_percent(model),
+                            )
                         )
                 page_token = page.token
                 if not page_token:
@@ -631,6 +703,31 @@ class Registry:
             aliases=aliases,
             tags=tags,
         )
+
+
+def check_canary_percent(percent: float) -> float:
+    """`percent` if it is a share a canary can have: more than 0, at most 100."""
+    if not 0 < percent <= 100:  # NaN fails too
+        raise ConfigurationError(
+            f"canary share {percent}% is not valid; give a percentage of production's "
+            "requests above 0 and at most 100 (e.g. 10)"
+        )
+    return percent
+
+
+def _canary_percent(model: RegisteredModel) -> float | None:
+    """The canary share recorded on `model`; None if none, or if it is not a valid share (set
+    by hand in the MLflow UI): a share nobody set on purpose sends no requests anywhere."""
+    raw = (model.tags or {}).get(CANARY_PERCENT_TAG)
+    if raw is None:
+        return None
+    try:
+        return check_canary_percent(float(raw))
+    except (ValueError, ConfigurationError):
+        log.warning(
+            "ignoring %s=%r on %s: not a share in (0, 100]", CANARY_PERCENT_TAG, raw, model.name
+        )
+        return None
 
 
 def _now() -> str:

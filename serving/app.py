@@ -9,12 +9,17 @@ ask, and the wiring from each protocol's requests to the worker and back.
   `/v1/models` (ready revisions, `parent` = the base's model id); `model` names the revision or
   the base.
 - MinT: `GET /v1/adapters/{name}` (readiness and residency of each revision the caller may
-  use), `/health`, `/metrics` (Prometheus), and the admin endpoints under `/admin` (admit,
-  sync, events), which need a key of an admin principal whenever the worker has API keys.
+  use), `POST /v1/feedback` (a score in [0, 1] for an answer, by its request id), `/health`,
+  `/metrics` (Prometheus), and the admin endpoints under `/admin` (admit, sync, routing, events,
+  outcomes), which need a key of an admin principal whenever the worker has API keys.
 
 Generation answers carry `X-Mint-Revision`: what served them, the exact revision or the base's
-model id. Errors, inside streams too, are JSON in TGI's shape, `error` and `error_type`, with
-the status codes of `serving.answers`.
+model id, chosen once per request (a canary's share included), streams and multi-prompt
+completions too; and `X-Mint-Request-Id`, which OpenAI answers also carry as their `id`: what
+feedback names. Each answer's outcome is kept per revision (`serving.outcomes`).
+
+Errors, inside streams too, are JSON in TGI's shape, `error` and `error_type`, with the status
+codes of `serving.answers`.
 
 Hostile input is refused early, each time naming the limit: a body over `max_request_bytes`
 answers 413 (declared or not: a chunked body is counted as it arrives), so no prompt costs an
@@ -30,11 +35,12 @@ answer holds.
 import logging
 import time
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import anyio
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
@@ -55,7 +61,6 @@ from serving.answers import (
 )
 from serving.generation import Request as Generating
 from serving.protocols import openai, tgi
-from serving.sampling import SamplingParams
 from serving.worker import ReadinessEntry, Worker
 
 __all__ = ["ECHO_LIMIT", "MAX_REQUEST_BYTES", "create_app"]
@@ -63,6 +68,7 @@ __all__ = ["ECHO_LIMIT", "MAX_REQUEST_BYTES", "create_app"]
 log = logging.getLogger(__name__)
 
 REVISION_HEADER = "X-Mint-Revision"
+REQUEST_ID_HEADER = "X-Mint-Request-Id"
 HANDLER_THREADS = 256
 """Blocking handlers (each waits on its generation) run in threads: allow many at once."""
 MAX_REQUEST_BYTES = 1 << 20
@@ -73,6 +79,30 @@ class AdmitRequest(BaseModel):
     adapter: str
     revision: int = Field(ge=1)
     priority: Literal["normal", "rollback"] = "normal"
+
+
+class FeedbackRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=200)
+    """An answer's `X-Mint-Request-Id`."""
+    score: float = Field(ge=0, le=1, allow_inf_nan=False)
+    """How good the answer was, from 0 (wrong) to 1 (right)."""
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A generation request once routed: what serves it, for its whole life."""
+
+    served: str
+    """The exact revision, or the base's model id."""
+    key: str
+    """Its engine key."""
+    request_id: str
+    at: float
+    """perf_counter() when it was routed: its latency counts from here."""
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {REVISION_HEADER: self.served, REQUEST_ID_HEADER: self.request_id}
 
 
 class BodyLimit:
@@ -172,53 +202,77 @@ def create_app(
     for raised in (MintError, RequestValidationError, HTTPException, Exception):
         app.add_exception_handler(raised, _answer_error)
 
-    def start(
-        prompt_ids: list[int], model: str | None, params: SamplingParams, who: str, stream: bool
-    ) -> tuple[str, Generating]:
+    def route(model: str | None, who: str, kind: str) -> Routed:
         """Route `model` (a revision reference, or none/the base id for the base) through the
-        readiness gate and queue the generation of `prompt_ids` (`stream`: for a client that
-        reads its tokens as they come); the name of what serves it, and the request."""
+        readiness gate, once for the whole request, and give the answer its request id
+        (`<kind>-<hex>`)."""
         ref = None if model in (None, "", base_id, "base") else RevisionRef.parse(model)
         revision, key = worker.route(ref, who)
-        generating = worker.generate(prompt_ids, key, params, streamed=stream)
-        return (str(revision) if revision else base_id), generating
+        served = str(revision) if revision else base_id
+        return Routed(served, key, worker.outcomes.started(served, who, kind), time.perf_counter())
 
-    def streamed(events: Iterator[str], generating: Generating, served: str) -> StreamingResponse:
+    def finished(routed: Routed, error: Exception | None) -> None:
+        """Record the answer's outcome: its latency, and whether it failed on the worker's
+        side (a refusal of the request itself, 4xx, is the caller's)."""
+        failed = error is not None and error_answer(error).status >= 500
+        worker.outcomes.finished(routed.served, time.perf_counter() - routed.at, failed)
+
+    @contextmanager
+    def answering(routed: Routed, streaming: bool = False) -> Iterator[None]:
+        """Around the work of an answer: records its outcome if it fails here, or when it ends
+        here (a stream that starts records its own end)."""
+        try:
+            yield
+        except Exception as e:
+            finished(routed, e)
+            raise
+        if not streaming:
+            finished(routed, None)
+
+    def streamed(
+        events: Iterator[str], generating: Generating, routed: Routed
+    ) -> StreamingResponse:
         """A protocol's events of `generating` as they come; an error after the answer has
         started is its last event."""
 
         def body() -> Iterator[str]:
+            error = None
             try:
                 yield from events
             except Exception as e:
                 if not isinstance(e, MintError):
-                    log.exception("stream from %s failed", served)  # the server never sees it
+                    # The server never sees it: log it here.
+                    log.exception("stream from %s failed", routed.served)
+                error = e
                 yield sse(error_answer(e).body)
             finally:
                 generating.cancel()  # a no-op once finished; frees the row if the client left
+                finished(routed, error)
 
-        return StreamingResponse(
-            body(), media_type="text/event-stream", headers={REVISION_HEADER: served}
-        )
+        return StreamingResponse(body(), media_type="text/event-stream", headers=routed.headers)
 
     # TGI.
 
-    def tgi_start(body: tgi.GenerateRequest, who: str, stream: bool) -> tuple[str, Generating]:
+    def tgi_answer(body: tgi.GenerateRequest, who: str) -> tuple[dict[str, object], Routed]:
         params = body.parameters.sampling(context_length)
-        return start(codec.encode(body.inputs), body.parameters.adapter_id, params, who, stream)
-
-    def tgi_answer(body: tgi.GenerateRequest, who: str) -> tuple[dict[str, object], str]:
-        served, generating = tgi_start(body, who, stream=False)
-        return tgi.generated(generating.events(), body, special), served
+        prompt_ids = codec.encode(body.inputs)
+        routed = route(body.parameters.adapter_id, who, "gen")
+        with answering(routed):
+            generating = worker.generate(prompt_ids, routed.key, params, streamed=False)
+            return tgi.generated(generating.events(), body, special), routed
 
     def tgi_stream(body: tgi.GenerateRequest, who: str) -> StreamingResponse:
-        served, generating = tgi_start(body, who, stream=True)
-        return streamed(tgi.stream(generating.events(), body, special), generating, served)
+        params = body.parameters.sampling(context_length)
+        prompt_ids = codec.encode(body.inputs)
+        routed = route(body.parameters.adapter_id, who, "gen")
+        with answering(routed, streaming=True):
+            generating = worker.generate(prompt_ids, routed.key, params, streamed=True)
+        return streamed(tgi.stream(generating.events(), body, special), generating, routed)
 
     @app.post("/generate")
     def generate(body: tgi.GenerateRequest, who: Principal) -> JSONAnswer:
-        payload, served = tgi_answer(body, who)
-        return JSONAnswer(payload, headers={REVISION_HEADER: served})
+        payload, routed = tgi_answer(body, who)
+        return JSONAnswer(payload, headers=routed.headers)
 
     @app.post("/generate_stream")
     def generate_stream(body: tgi.GenerateRequest, who: Principal) -> StreamingResponse:
@@ -230,8 +284,8 @@ def create_app(
         or the stream when `stream` is true."""
         if body.stream:
             return tgi_stream(body, who)
-        payload, served = tgi_answer(body, who)
-        return JSONAnswer([payload], headers={REVISION_HEADER: served})
+        payload, routed = tgi_answer(body, who)
+        return JSONAnswer([payload], headers=routed.headers)
 
     # OpenAI.
 
@@ -239,40 +293,52 @@ def create_app(
     def completions(body: openai.CompletionRequest, who: Principal) -> Response:
         params = body.sampling(context_length)
         encoded = [codec.encode(prompt) for prompt in body.prompts()]
+        routed = route(body.model, who, "cmpl")
+        head = openai.Head.new(routed.request_id, routed.served)
         if body.stream:
-            served, generating = start(encoded[0], body.model, params, who, stream=True)
-            head = openai.Head.new("cmpl", served)
+            with answering(routed, streaming=True):
+                generating = worker.generate(encoded[0], routed.key, params, streamed=True)
             events = openai.completion_stream(generating.events(), head, params.stop)
-            return streamed(events, generating, served)
+            return streamed(events, generating, routed)
         # Every prompt joins the batch before any answer is awaited; if one is refused or
         # fails, the others stop too: nobody is left to read them.
-        started: list[tuple[str, Generating]] = []
-        try:
-            for prompt_ids in encoded:
-                started.append(start(prompt_ids, body.model, params, who, stream=False))
-            generations = [generating.result() for _, generating in started]
-        finally:
-            for _, generating in started:
-                generating.cancel()
-        head = openai.Head.new("cmpl", started[0][0])
+        started: list[Generating] = []
+        with answering(routed):
+            try:
+                for prompt_ids in encoded:
+                    started.append(worker.generate(prompt_ids, routed.key, params, streamed=False))
+                generations = [generating.result() for generating in started]
+            finally:
+                for generating in started:
+                    generating.cancel()
         payload = openai.completion(head, encoded, generations, params.stop, body.return_token_ids)
-        return JSONAnswer(payload, headers={REVISION_HEADER: head.model})
+        return JSONAnswer(payload, headers=routed.headers)
 
     @app.post("/v1/chat/completions", response_model=None)
     def chat_completions(body: openai.ChatRequest, who: Principal) -> Response:
         params = body.sampling(context_length)
         # ConfigurationError (422) naming the base when it has no chat template.
         prompt_ids = codec.encode_chat(body.conversation())
-        served, generating = start(prompt_ids, body.model, params, who, body.stream)
-        head = openai.Head.new("chatcmpl", served)
+        routed = route(body.model, who, "chatcmpl")
+        head = openai.Head.new(routed.request_id, routed.served)
         if body.stream:
+            with answering(routed, streaming=True):
+                generating = worker.generate(prompt_ids, routed.key, params, streamed=True)
             events = openai.chat_stream(generating.events(), head, params.stop)
-            return streamed(events, generating, served)
-        generation = generating.result()
+            return streamed(events, generating, routed)
+        with answering(routed):
+            generation = worker.generate(prompt_ids, routed.key, params, streamed=False).result()
         payload = openai.chat_completion(
             head, prompt_ids, generation, params.stop, body.return_token_ids
         )
-        return JSONAnswer(payload, headers={REVISION_HEADER: served})
+        return JSONAnswer(payload, headers=routed.headers)
+
+    @app.post("/v1/feedback")
+    def feedback(body: FeedbackRequest, who: Principal) -> dict[str, object]:
+        """A client's score of one answer, by its request id: one per answer, from the
+        principal that asked."""
+        served = worker.outcomes.score(body.request_id, body.score, who)
+        return {"request_id": body.request_id, "revision": served, "score": body.score}
 
     @app.get("/v1/models")
     def models(who: Principal) -> dict[str, object]:
@@ -372,6 +438,14 @@ def create_app(
                 for e in worker.events()
             ]
         }
+
+    @admin_api.get("/outcomes")
+    def outcomes(since: Annotated[float, Query(ge=0)] = 0.0) -> dict[str, object]:
+        """Per revision, the requests answered at or after `since` (Unix time): requests,
+        errors and their rate, p50/p95 latency in seconds, feedback and its mean score. What a
+        canary is watched by."""
+        summary = worker.outcomes.summary(since)
+        return {"since": since, "revisions": {name: o.to_json() for name, o in summary.items()}}
 
     app.include_router(admin_api)
     return app

@@ -8,6 +8,7 @@ import httpx
 from mint_core.errors import NotReadyError, ServiceError
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
+from serving.outcomes import RevisionOutcomes
 
 _ADMIN_KEY_HINT = (
     "; the pipeline presents MINT_WORKER_API_KEY, which must be a key of the worker whose "
@@ -57,6 +58,22 @@ class WorkerClient:
         if response.status_code == 503:
             raise ServiceError(f"worker {self.url} cannot sync: {response.json()['error']}")
         return response.json()["admitted"]
+
+    def outcomes(self, since: float = 0.0) -> dict[str, RevisionOutcomes]:
+        """Per revision, what happened to the requests this worker answered at or after `since`
+        (Unix time): what a canary is watched by (`serving.outcomes.merge` adds up workers)."""
+        path = "/admin/outcomes"
+        payload = self._call("GET", path, _ADMIN_KEY_HINT, params={"since": since}).json()
+        return {
+            name: RevisionOutcomes.from_json(values)
+            for name, values in payload["revisions"].items()
+        }
+
+    def feedback(self, request_id: str, score: float) -> str:
+        """Score the answer `request_id` (its X-Mint-Request-Id) from 0 to 1; the revision that
+        served it."""
+        body = {"request_id": request_id, "score": score}
+        return self._call("POST", "/v1/feedback", json=body).json()["revision"]
 
     def readiness(self, revision: RevisionId) -> tuple[Readiness, str | None]:
         """This worker's state for `revision`, and the reason when it failed."""

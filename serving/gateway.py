@@ -11,6 +11,11 @@ authorises its callers) to a worker of that base, in this order of preference:
    the worker's last reported load);
 3. any other worker of that base: it answers its own "not ready" (503 with the revision's state).
 
+Feedback (`POST /v1/feedback`) goes to the worker that answered the request: the gateway asks
+each worker up in turn, and the first whose answer is not 404 (an id it does not know) answers.
+Request ids are random, so no other worker claims one; a fleet is a few workers, so this is a
+few loopback calls at most, and no state to keep in the gateway.
+
 A 503 from a worker (not ready, engine restarting) or a worker that does not take the
 connection is retried on the next worker; once a worker has the request, its failure is the
 request's (a generation is not replayed), answered as a clean 502 or, in a stream that has
@@ -54,7 +59,7 @@ from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
 from serving.answers import ErrorAnswer, error_answer, sse
-from serving.app import MAX_REQUEST_BYTES, REVISION_HEADER, BodyLimit
+from serving.app import MAX_REQUEST_BYTES, REQUEST_ID_HEADER, REVISION_HEADER, BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +70,7 @@ CONNECT_TIMEOUT_S = 2.0
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
 GENERATION_TIMEOUT_S = 600.0
-_PASSED_ON = ("content-type", "retry-after", REVISION_HEADER.lower())
+_PASSED_ON = ("content-type", "retry-after", REVISION_HEADER.lower(), REQUEST_ID_HEADER.lower())
 """Response headers a worker's answer keeps through the gateway."""
 _BASE_NAMES = (None, "", "base")
 """What a request names to get a base without adapter."""
@@ -279,6 +284,27 @@ class Gateway:
             + "; ".join(f"{w.url}: {w.problem}" for w in workers)
         )
 
+    async def feedback(self, request: Request, body: bytes) -> Response:
+        """A score for a request id, from the worker that answered it (see the module's doc)."""
+        http = self._client()
+        headers = {"content-type": "application/json"}
+        if authorization := request.headers.get("authorization"):
+            headers["authorization"] = authorization
+        unknown: Response | None = None
+        for worker in [w for w in self.fleet.workers if w.up]:
+            url = worker.url + request.url.path
+            try:
+                async with http.post(url, data=body, headers=headers) as answer:
+                    content = await answer.read()
+                    if answer.status != 404:
+                        return _whole(answer, worker, content)
+                    unknown = _whole(answer, worker, content)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                worker.down(f"{type(e).__name__}: {e}")
+        if unknown is not None:
+            return unknown
+        raise ServiceError("no worker is up to take the feedback; send it again shortly")
+
     async def models(self, request: Request) -> dict[str, object]:
         """The union of every worker's `/v1/models` for this caller."""
         http = self._client()
@@ -325,6 +351,14 @@ class Gateway:
         async def models(request: Request) -> Response:
             return _json(await self.models(request))
 
+        async def feedback(request: Request) -> Response:
+            try:
+                return await self.feedback(request, await request.body())
+            except Exception as e:
+                if not isinstance(e, MintError):
+                    log.exception("gateway failed on %s", request.url.path)
+                return error_answer(e, request).response()
+
         async def health(_: Request) -> Response:
             return _json(self.health())
 
@@ -336,6 +370,7 @@ class Gateway:
         paths = ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions")
         routes = [Route(path, generation, methods=["POST"]) for path in paths]
         routes += [Route("/v1/models", models), Route("/health", health)]
+        routes.append(Route("/v1/feedback", feedback, methods=["POST"]))
         app = Starlette(routes=routes, lifespan=lifespan)
         app.add_middleware(BodyLimit, limit=max_request_bytes)
         return app

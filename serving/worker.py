@@ -15,6 +15,10 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   the same: fetches from the artifact store made outside prewarm (the gate keeps them at zero)
   and adapter copies into a device slot made for a user's request (by design when more
   adapters are in use than there are slots; the tier counters break loads down further).
+- **Canary**: while an adapter has one (`Registry.start_canary`), `route` sends its share of
+  the requests for `name@production` to the canary revision, if that is ready here and the
+  caller may use it; otherwise to production, so the canary never fails a request. Each
+  answer's outcome is kept per revision (`outcomes`), which is how a canary is judged.
 - **Engine restarts**: a backend whose engine dies (vLLM) reports it; every ready revision goes
   back to not admitted, and once the engine is back the watcher admits and prewarms again what
   the registry wants.
@@ -28,6 +32,7 @@ see what happened and when.
 import contextlib
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -50,11 +55,12 @@ from mint_core.errors import (
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.packing import load as load_packed
-from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
+from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, transition
 from serving.backend import Backend
 from serving.engine import BASE
 from serving.generation import Request
+from serving.outcomes import Outcomes
 from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -101,6 +107,11 @@ class Worker:
         self.store = store
         self.residency = backend.residency
         self.metrics = backend.metrics
+        self.outcomes = Outcomes()
+        """Request ids and what happened to each answer, per revision."""
+        self.metrics.registry.register(self.outcomes)
+        self._draw = random.Random()
+        """Which requests for `production` go to a canary."""
         self._table: dict[RevisionId, ReadinessEntry] = {}
         self._policies: dict[RevisionId, PolicyRecord] = {}
         self._events: list[ReadinessEntry] = []
@@ -263,7 +274,8 @@ class Worker:
         self, ref: RevisionRef | None, principal: str = ANONYMOUS
     ) -> tuple[RevisionId | None, str]:
         """The revision `ref` names and its engine key, if `principal` may use it and it is
-        ready here; never loads. NotFoundError for an unknown adapter or revision,
+        ready here (for `name@production`, the canary revision for the canary's share of the
+        requests: see `_canary`); never loads. NotFoundError for an unknown adapter or revision,
         AccessDeniedError, or RevisionNotReady."""
         if ref is None:
             return None, BASE
@@ -271,6 +283,8 @@ class Worker:
         revision = registered.id
         check_access(registered.policy, principal, revision)
         self.check_base(registered.policy, revision)
+        if ref.alias == PRODUCTION and (canary := self._canary(ref.adapter, principal)):
+            return canary, str(canary)
         entry = self.readiness(revision)
         if entry.state is not Readiness.READY:
             self.metrics.not_ready.inc()
@@ -279,6 +293,24 @@ class Worker:
             self.metrics.not_ready.inc()
             raise EngineUnavailableError(f"{revision} cannot be served right now: {problem}")
         return revision, str(revision)
+
+    def _canary(self, adapter: str, principal: str) -> RevisionId | None:
+        """The canary revision, for this request to `adapter@production` if it is drawn into
+        the canary's share and the canary can serve it here: ready (so of this worker's base:
+        prewarm checked it), allowed to `principal`, the engine up. None: production serves."""
+        canary = self.catalog.canary(adapter)
+        if canary is None:
+            return None
+        revision, percent = canary
+        if self._draw.random() * 100 >= percent:
+            return None
+        with self._lock:
+            entry = self._table.get(revision)
+            if entry is None or entry.state is not Readiness.READY:
+                return None
+            if not allows(self._policies[revision], principal):
+                return None
+        return revision if self.backend.problem() is None else None
 
     def check_base(self, policy: PolicyRecord, revision: RevisionId) -> None:
         """BaseMismatchError naming both bases unless `revision` was trained on this worker's

@@ -21,7 +21,6 @@ Quirks kept, as OpenAI clients expect them:
 """
 
 import time
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -126,8 +125,9 @@ class Head:
     """What serves it: the exact revision (`name:rN`) or the base's model id."""
 
     @classmethod
-    def new(cls, kind: Literal["cmpl", "chatcmpl"], model: str) -> "Head":
-        return cls(f"{kind}-{uuid.uuid4().hex}", int(time.time()), model)
+    def new(cls, request_id: str, model: str) -> "Head":
+        """The head of an answer to the request `request_id` (its `X-Mint-Request-Id`)."""
+        return cls(request_id, int(time.time()), model)
 
     def json(self, kind: str) -> dict[str, object]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
