@@ -102,6 +102,7 @@ ADMIN_ROUTES = [
     ("POST", "/admin/sync", None, 202),
     ("GET", "/admin/events", None, 200),
     ("GET", "/admin/routing", None, 200),
+    ("GET", "/admin/outcomes", None, 200),
 ]
 """Every admin route, what it is sent and how it answers an admin."""
 
