@@ -160,6 +160,31 @@ def test_the_gateway_answers_each_request_from_a_worker_of_its_base(
     assert generate(fleet.gateway.url, None).status_code == 422
 
 
+def test_feedback_through_the_gateway_reaches_the_worker_that_answered(
+    two_bases: TwoBases, released: dict[str, RevisionId]
+) -> None:
+    fleet = two_bases
+    admin = {"Authorization": "Bearer key-admin"}
+    # Base B's worker is the fleet's last: base A's workers are asked first, and answer 404.
+    answered = generate(fleet.gateway.url, "on-b@production")
+    assert answered.headers[WORKER_HEADER] == fleet.worker_b.url
+    request_id = answered.headers["X-Mint-Request-Id"]
+    body = {"request_id": request_id, "score": 0.5}
+    url = fleet.gateway.url + "/v1/feedback"
+    scored = httpx.post(url, json=body, headers=admin, timeout=60)
+    assert scored.status_code == 200, scored.text
+    assert scored.headers[WORKER_HEADER] == fleet.worker_b.url
+    assert scored.json() == {"request_id": request_id, "revision": "on-b:r1", "score": 0.5}
+    outcomes = httpx.get(fleet.worker_b.url + "/admin/outcomes", headers=admin).json()
+    assert outcomes["revisions"]["on-b:r1"]["feedback"] == 1
+    again = httpx.post(url, json=body, headers=admin, timeout=60)
+    assert again.status_code == 422
+    assert "scored already" in again.json()["error"]
+    unknown = httpx.post(url, json=body | {"request_id": "gen-0"}, headers=admin, timeout=60)
+    assert unknown.status_code == 404
+    assert "'gen-0' is not one this worker answered" in unknown.json()["error"]
+
+
 def test_a_worker_refuses_another_bases_revision_with_409(
     two_bases: TwoBases, released: dict[str, RevisionId]
 ) -> None:
