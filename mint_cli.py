@@ -48,6 +48,12 @@ TRAINING_OPTIONS = (
     "steps", "batch_size", "gradient_accumulation", "max_length", "seed",
 )  # fmt: skip
 """`mint release` options passed to the release flow as they are, when given."""
+GATE_OPTIONS = (
+    "eval_data", "regression_data", "max_regression", "requires_approval", "approvers",
+    "self_approval", "approval_timeout_s", "canary_max_error_increase", "canary_max_p95_ratio",
+    "canary_max_score_drop",
+)  # fmt: skip
+"""`mint gates` options: each given one changes that gate of the adapter (mint_core/gates.py)."""
 REGISTRY = "registry"
 WORKERS = "workers"
 """What a command needs running (`needs`), checked before it starts anything."""
@@ -157,6 +163,42 @@ def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
             [move.at, move.alias, before, f"r{move.to_revision}", move.actor, move.reason or "-"]
         )
     print(format_table(rows))
+
+
+def cmd_gates(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.registry import Registry
+
+    registry = Registry(config.tracking_uri)
+    changes = {name: getattr(args, name) for name in GATE_OPTIONS}
+    gates = registry.gates(args.adapter)
+    if any(value is not None for value in changes.values()):
+        gates = gates.changed(**changes)
+        registry.set_gates(args.adapter, gates)
+    print(format_table([["gate", "value"]] + [[k, str(v)] for k, v in vars(gates).items()]))
+
+
+def cmd_approve(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.approval import Verdict, answer_approval
+    from mint_core.revisions import RevisionId
+
+    verdict = Verdict.REJECT if args.reject else Verdict.APPROVE
+    revision = RevisionId(args.adapter, args.revision)
+    run_id = answer_approval(config, revision, verdict, args.reviewer, args.comment)
+    print(f"{verdict} of {revision} sent to its paused roll-out (Prefect flow run {run_id})")
+
+
+def cmd_canary(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.canary import canary
+
+    report = canary(
+        args.adapter,
+        args.revision,
+        percent=args.percent,
+        window_s=args.window,
+        min_requests=args.min_requests,
+        actor=args.actor,
+    )
+    print(f"{report.revision} {report.reason}")
 
 
 def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
@@ -495,6 +537,78 @@ def build_parser() -> argparse.ArgumentParser:
     history = commands.add_parser("history", help="every alias move of an adapter")
     history.add_argument("adapter", type=ADAPTER)
     history.set_defaults(run=cmd_history, needs=(REGISTRY,))
+
+    gates = commands.add_parser(
+        "gates",
+        help="show an adapter's gates (evaluation, approval, canary margins); options change them",
+    )
+    gates.add_argument("adapter", type=ADAPTER)
+    gates.add_argument("--eval-data", type=DATA, help="rows both revisions are scored on")
+    gates.add_argument("--regression-data", type=DATA, help="further rows gated the same way")
+    gates.add_argument(
+        "--max-regression",
+        type=_real("max regression", 0, 1, closed_low=True),
+        help="how far the candidate's exact match may fall below production's",
+    )
+    flag = argparse.BooleanOptionalAction
+    gates.add_argument("--requires-approval", action=flag, help="pause roll-outs for approval")
+    gates.add_argument(
+        "--approver",
+        dest="approvers",
+        type=PRINCIPAL,
+        action="append",
+        help="who may approve (repeat; replaces the list)",
+    )
+    gates.add_argument("--self-approval", action=flag, help="the releaser may approve")
+    gates.add_argument(
+        "--approval-timeout",
+        dest="approval_timeout_s",
+        type=_number("approval timeout"),
+        help="seconds to wait for an answer before rejecting",
+    )
+    gates.add_argument(
+        "--canary-max-error-increase", type=_real("error increase", 0, 1, closed_low=True)
+    )
+    gates.add_argument("--canary-max-p95-ratio", type=_real("p95 ratio", 1, closed_low=True))
+    gates.add_argument("--canary-max-score-drop", type=_real("score drop", 0, 1, closed_low=True))
+    gates.set_defaults(run=cmd_gates, needs=(REGISTRY,))
+
+    approve = commands.add_parser(
+        "approve", help="answer a roll-out paused for approval (as the Prefect UI's form does)"
+    )
+    approve.add_argument("adapter", type=ADAPTER)
+    approve.add_argument("--revision", type=REVISION, required=True, help="N or rN")
+    approve.add_argument("--reject", action="store_true", help="reject instead of approving")
+    approve.add_argument("--comment", default="", help="recorded with the decision")
+    approve.add_argument(
+        "--reviewer", type=PRINCIPAL, default=getpass.getuser(), help="who answers (recorded)"
+    )
+    approve.set_defaults(run=cmd_approve, needs=(REGISTRY,))
+
+    canary = commands.add_parser(
+        "canary",
+        help="send a share of production's requests to a revision for a window, then promote it "
+        "or roll it back on the figures (the adapter's canary margins: mint gates)",
+    )
+    canary.add_argument("adapter", type=ADAPTER)
+    canary.add_argument("--revision", type=REVISION, required=True, help="N or rN")
+    canary.add_argument(
+        "--percent",
+        type=_real("percent", 0),
+        default=10.0,
+        help="share of production's requests it gets, above 0 and at most 100 (default 10)",
+    )
+    canary.add_argument(
+        "--window", type=_real("window", 0), default=300.0, help="seconds to watch (default 300)"
+    )
+    canary.add_argument(
+        "--min-requests",
+        type=_number("min requests"),
+        default=50,
+        help="requests it must serve to be judged; the window grows up to 3x to get them",
+    )
+    canary.add_argument("--actor", default=getpass.getuser())
+    canary.set_defaults(run=cmd_canary, needs=(REGISTRY, WORKERS))
 
     serve = commands.add_parser("serve", help="run a serving worker in the foreground")
     serve.add_argument("--host", default="127.0.0.1")

@@ -9,6 +9,7 @@ from enum import StrEnum
 from uuid import UUID
 
 import prefect.runtime
+from prefect import flow
 from prefect.exceptions import FlowPauseTimeout, NotPausedError
 from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.input import RunInput
@@ -17,7 +18,7 @@ from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
 from mint_core.gates import Gates
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
-from mint_core.revisions import RevisionId
+from mint_core.revisions import RevisionId, check_adapter_name
 from mint_core.states import Stage
 
 POLL_S = 2
@@ -121,3 +122,18 @@ def _releaser(registry: Registry, revision: RevisionId) -> str:
         if move["reason"].startswith("awaiting approval"):
             return move["actor"]
     return ""
+
+
+@flow(name="approve")
+def approve(
+    adapter: str, revision: int, reviewer: str, reject: bool = False, comment: str = ""
+) -> str:
+    """Approve (or, with `reject`, reject) the paused roll-out of `adapter:r<revision>` as
+    `reviewer`: the same answer as the form on the paused run, for a reviewer who starts it
+    from the deployment or `mint approve`."""
+    config = MintConfig.from_env()
+    verdict = Verdict.REJECT if reject else Verdict.APPROVE
+    run_id = answer_approval(
+        config, RevisionId(check_adapter_name(adapter), revision), verdict, reviewer, comment
+    )
+    return f"{verdict} sent to flow run {run_id}"

@@ -1,8 +1,9 @@
 """MinT's flows as Prefect deployments: what `mint flows serve` (and `mint up`) serves.
 
-`release`, `promote`, `rollback`, `repair` and `retrain` run from the Prefect UI with a
-parameter form; each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>`
-deployment on its cron. Serving needs no work pool, but the serving process must keep running:
+`release`, `promote`, `rollback`, `canary`, `repair`, `retrain` and `approve` run from the
+Prefect UI with a parameter form (a roll-out paused for approval also shows its own form on its
+run); each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>` deployment on
+its cron. Serving needs no work pool, but the serving process must keep running:
 flow runs start as its subprocesses, with its environment (MinT's configuration included).
 `catalog-snapshot` publishes the catalog snapshot workers start from.
 """
@@ -13,6 +14,8 @@ import prefect
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
+from flows.approval import approve
+from flows.canary import canary
 from flows.catalog import catalog_snapshot
 from flows.promote import promote, rollback
 from flows.release import release, retrain
@@ -38,6 +41,12 @@ def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
             description="Return production to its previous revision (or the one named).",
             **_BY_MODULE,
         ),
+        canary.to_deployment(
+            name="canary",
+            description="Give a revision a share of production's requests, then promote it or "
+            "roll it back on the figures.",
+            **_BY_MODULE,
+        ),
         retrain.to_deployment(
             name="retrain",
             description="Retrain an adapter on its data file as it is now.",
@@ -46,6 +55,11 @@ def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
         repair.to_deployment(
             name="repair",
             description="Export a revision again from its frozen files and re-admit it.",
+            **_BY_MODULE,
+        ),
+        approve.to_deployment(
+            name="approve",
+            description="Approve or reject a roll-out paused for approval.",
             **_BY_MODULE,
         ),
         catalog_snapshot.to_deployment(
@@ -77,7 +91,7 @@ def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProces
     """`mint flows serve` in a child process; returns once its deployments are registered."""
     env = config.to_env() | {"PREFECT_API_URL": prefect_api_url}
     names = ["release/release", "promote/promote", "rollback/rollback", "retrain/retrain"]
-    names += ["repair/repair"]
+    names += ["repair/repair", "approve/approve", "canary/canary"]
     names += [f"retrain/retrain-{schedule.adapter}" for schedule in config.retrain]
     return start_process(
         "flow server",

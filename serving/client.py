@@ -5,10 +5,10 @@ import time
 
 import httpx
 
+from mint_core.canary import RevisionOutcomes
 from mint_core.errors import NotReadyError, ServiceError
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
-from serving.outcomes import RevisionOutcomes
 
 _ADMIN_KEY_HINT = (
     "; the pipeline presents MINT_WORKER_API_KEY, which must be a key of the worker whose "
@@ -61,7 +61,7 @@ class WorkerClient:
 
     def outcomes(self, since: float = 0.0) -> dict[str, RevisionOutcomes]:
         """Per revision, what happened to the requests this worker answered at or after `since`
-        (Unix time): what a canary is watched by (`serving.outcomes.merge` adds up workers)."""
+        (Unix time): what a canary is watched by (`mint_core.canary.merge` adds up workers)."""
         path = "/admin/outcomes"
         payload = self._call("GET", path, _ADMIN_KEY_HINT, params={"since": since}).json()
         return {

@@ -6,7 +6,8 @@ the answer ends (`finished`) its latency and whether it failed on the worker's s
 recorded; the client may score it once, in [0, 1] (`score`, `POST /v1/feedback`).
 
 `summary(since)` reads the recorded events of a window: per revision, requests, errors, error
-rate, p50/p95 latency and feedback (`GET /admin/outcomes`); `merge` adds up several workers'.
+rate, p50/p95 latency and feedback (`GET /admin/outcomes`); `mint_core.canary.merge` adds up
+several workers'.
 The same totals since the worker started are in `/metrics` (this is a Prometheus collector).
 Memory is bounded whatever the traffic: the last `capacity` request ids and events, and one
 set of totals per revision served.
@@ -17,79 +18,19 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import NamedTuple, Self
+from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
+from mint_core.canary import RevisionOutcomes
 from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundError
 
 CAPACITY = 100_000
 """Request ids, and events, a worker remembers: at about 200 bytes each, some 40 MB at most."""
-
-
-@dataclass(frozen=True)
-class RevisionOutcomes:
-    """One revision's requests over a window, as `GET /admin/outcomes` reports them."""
-
-    revision: str
-    """The exact revision (`name:rN`), or the base's model id."""
-    requests: int
-    """Answers that ended (failed ones included)."""
-    errors: int
-    """Answers that failed on the worker's side after routing (a 5xx, or a stream's error
-    event); a request the worker refused as malformed is the caller's, not counted."""
-    latency_p50_s: float | None
-    """From routing to the answer's end; None without requests."""
-    latency_p95_s: float | None
-    feedback: int
-    """Scores received."""
-    mean_score: float | None
-    """None without feedback."""
-
-    @property
-    def error_rate(self) -> float | None:
-        return self.errors / self.requests if self.requests else None
-
-    def to_json(self) -> dict[str, object]:
-        return asdict(self) | {"error_rate": self.error_rate}
-
-    @classmethod
-    def from_json(cls, values: Mapping[str, object]) -> Self:
-        return cls(**{k: v for k, v in values.items() if k != "error_rate"})  # type: ignore[arg-type]
-
-
-def merge(summaries: Iterable[Mapping[str, RevisionOutcomes]]) -> dict[str, RevisionOutcomes]:
-    """Several workers' summaries as one: counts add up, mean scores are weighted by their
-    counts. Latency quantiles cannot be added up from quantiles: each is the slowest worker's,
-    an upper bound on the fleet's."""
-    merged: dict[str, RevisionOutcomes] = {}
-    for summary in summaries:
-        for name, theirs in summary.items():
-            ours = merged.get(name)
-            merged[name] = theirs if ours is None else _added(ours, theirs)
-    return merged
-
-
-def _added(a: RevisionOutcomes, b: RevisionOutcomes) -> RevisionOutcomes:
-    feedback = a.feedback + b.feedback
-    scores = [(o.mean_score, o.feedback) for o in (a, b) if o.mean_score is not None]
-    return replace(
-        a,
-        requests=a.requests + b.requests,
-        errors=a.errors + b.errors,
-        latency_p50_s=_slowest(a.latency_p50_s, b.latency_p50_s),
-        latency_p95_s=_slowest(a.latency_p95_s, b.latency_p95_s),
-        feedback=feedback,
-        mean_score=sum(m * n for m, n in scores) / feedback if feedback else None,
-    )
-
-
-def _slowest(a: float | None, b: float | None) -> float | None:
-    return max((v for v in (a, b) if v is not None), default=None)
 
 
 class _Kind(StrEnum):

@@ -84,11 +84,13 @@ def tiny_base(spec: TinySpec, home: Path) -> BaseModel:
 
 
 def register_step_by_step(
-    config: MintConfig, adapter: str, task: Task | str
+    config: MintConfig, adapter: str, task: Task | str, rows: int = 64, **training: object
 ) -> tuple[RevisionId, Exported, PackedIndex]:
-    """Train (briefly) through register by calling the pipeline's tasks one at a time."""
-    data, held_out = load_data.fn(config, *toy_data(config.home, task, rows=64), 0.1, 0)
-    trained = train_adapter.fn(config, adapter, data, held_out, TrainingConfig(steps=5))
+    """Train (briefly, unless `training` options say otherwise) through register by calling
+    the pipeline's tasks one at a time."""
+    data, held_out = load_data.fn(config, *toy_data(config.home, task, rows=rows), 0.1, 0)
+    options = TrainingConfig(**({"steps": 5} | training))  # type: ignore[arg-type]
+    trained = train_adapter.fn(config, adapter, data, held_out, options)
     frozen = freeze_adapter.fn(config, trained.path)
     packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from flows.promote import promote
+from mint_core.canary import RevisionOutcomes, merge
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.digests import sha256_json
@@ -23,7 +24,7 @@ from mint_core.revisions import CANARY, PRODUCTION, RevisionId
 from mint_core.services import ManagedProcess
 from serving.app import REQUEST_ID_HEADER, REVISION_HEADER
 from serving.client import WorkerClient
-from serving.outcomes import Outcomes, RevisionOutcomes, merge
+from serving.outcomes import Outcomes
 from tests.helpers import make_policy, register_random_adapter
 
 BASE = "sha256:" + "c" * 64

@@ -1,0 +1,142 @@
+"""The canary: a candidate takes a share of `name@production`'s live requests for a window,
+then is promoted or rolled back on the figures, with no one watching.
+
+admit -> prewarm (every worker of the base) -> `canary` alias + share -> watch -> verdict:
+promote (through the approval gate, if the adapter requires one) or roll back (the share goes
+back to production and the candidate is `rejected`). Both decisions, with the figures that led
+to them, are in the adapter's alias history and the flow run's artifacts.
+"""
+
+import time
+from dataclasses import dataclass
+
+from prefect import flow
+from prefect.artifacts import create_table_artifact
+
+from flows.approval import await_approval
+from mint_core.canary import RevisionOutcomes, judge, merge
+from mint_core.config import MintConfig
+from mint_core.errors import ConfigurationError, NotFoundError
+from mint_core.registry import Registry, check_canary_percent
+from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
+from mint_core.states import Stage
+from tasks.pipeline import (
+    activate_revision,
+    admit_revision,
+    base_fleet,
+    ensure_exported,
+    prewarm_revision,
+    rollout_lock,
+)
+
+POLL_S = 2.0
+"""How often the watch reads the workers' figures while waiting for enough requests."""
+
+
+@dataclass(frozen=True)
+class CanaryReport:
+    revision: str
+    promoted: bool
+    reason: str
+
+
+@flow(name="canary")
+def canary(
+    adapter: str,
+    revision: int,
+    percent: float = 10.0,
+    window_s: float = 300.0,
+    min_requests: int = 50,
+    actor: str = "mint",
+) -> CanaryReport:
+    """Send `percent`% of `adapter@production`'s requests to `adapter:r<revision>` for
+    `window_s` seconds (longer, up to three windows, until it has served `min_requests`), then
+    promote it or roll it back by the adapter's canary margins (`mint gates`)."""
+    config = MintConfig.from_env()
+    candidate = RevisionId(check_adapter_name(adapter), revision)
+    registry = Registry(config.tracking_uri)
+    try:
+        production = registry.resolve(RevisionRef(adapter)).id
+    except NotFoundError as e:
+        raise ConfigurationError(
+            f"{adapter} has no production revision to compare a canary with; promote "
+            f"{candidate} instead"
+        ) from e
+    if production == candidate:
+        raise ConfigurationError(f"{candidate} is already {adapter}@{PRODUCTION}")
+    check_canary_percent(percent)
+    if min_requests < 1 or window_s <= 0:
+        raise ConfigurationError(
+            f"window_s={window_s} and min_requests={min_requests} must both be positive"
+        )
+    gates = registry.gates(adapter)
+    ensure_exported(config, candidate)
+    with rollout_lock(adapter):
+        admit_revision(config, candidate)
+        prewarm_revision(config, candidate)
+        started = time.time()
+        registry.start_canary(
+            candidate, percent, actor, f"canary: {percent:g}% of {adapter}@{PRODUCTION}"
+        )
+    _nudge(config, candidate)
+    figures = _watch(config, candidate, production, started, window_s, min_requests)
+    verdict = judge(
+        figures.get(str(candidate), RevisionOutcomes.empty(str(candidate))),
+        figures.get(str(production), RevisionOutcomes.empty(str(production))),
+        gates,
+        min_requests,
+    )
+    _publish(adapter, figures, (candidate, production), verdict.reason)
+    if verdict.promote and gates.requires_approval:
+        await_approval(config, candidate, gates, actor)  # RejectedError ends it rejected
+    with rollout_lock(adapter):
+        if verdict.promote:
+            activate_revision(config, candidate, PRODUCTION, actor, f"canary {verdict.reason}")
+        registry.end_canary(adapter, actor, verdict.reason)
+        if not verdict.promote:
+            registry.set_stage(candidate, Stage.REJECTED, actor, verdict.reason)
+    _nudge(config, candidate)
+    return CanaryReport(str(candidate), verdict.promote, verdict.reason)
+
+
+def _watch(
+    config: MintConfig,
+    candidate: RevisionId,
+    production: RevisionId,
+    since: float,
+    window_s: float,
+    min_requests: int,
+) -> dict[str, RevisionOutcomes]:
+    """The fleet's figures per revision since `since`, once the window has passed and the
+    candidate has served `min_requests` (or three windows have passed)."""
+    workers = base_fleet(config, candidate)
+    end, last_chance = since + window_s, since + 3 * window_s
+    while True:
+        time.sleep(POLL_S)
+        now = time.time()
+        if now < end:
+            continue
+        figures = merge(worker.outcomes(since) for worker in workers)
+        served = figures.get(str(candidate))
+        if (served and served.requests >= min_requests) or now >= last_chance:
+            return figures
+
+
+def _nudge(config: MintConfig, revision: RevisionId) -> None:
+    """Have the workers follow the registry now rather than at their next sync."""
+    for worker in base_fleet(config, revision):
+        worker.sync()
+
+
+def _publish(
+    adapter: str,
+    figures: dict[str, RevisionOutcomes],
+    revisions: tuple[RevisionId, RevisionId],
+    verdict: str,
+) -> None:
+    """The canary's figures as a table in the flow run's artifacts (the Prefect UI)."""
+    rows = []
+    for role, revision in zip(("canary", "production"), revisions, strict=True):
+        outcome = figures.get(str(revision), RevisionOutcomes.empty(str(revision)))
+        rows.append({"role": role, **outcome.to_json()})
+    create_table_artifact(rows, key=f"canary-{adapter}", description=verdict)

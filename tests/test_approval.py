@@ -1,0 +1,154 @@
+"""Approval through a real Prefect server: a roll-out of an adapter whose gates require approval
+pauses before `activate` with a form; only an allowed reviewer's answer resumes it for good, and
+every answer lands in the revision's stage history in MLflow."""
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+from uuid import UUID
+
+import pytest
+from prefect import get_client
+from prefect.flow_runs import resume_flow_run
+
+from flows.approval import Verdict, answer_approval
+from flows.promote import promote
+from mint_core.config import MintConfig
+from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
+from mint_core.gates import Gates
+from mint_core.model.base import BaseModel
+from mint_core.registry import APPROVAL_RUN_TAG, Registry
+from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from mint_core.states import Stage
+from tests.helpers import register_random_adapter
+from tests.helpers import toy_release as release
+
+pytestmark = pytest.mark.slow
+
+RELEASER = "carol"
+GATES = Gates(requires_approval=True, approvers=("alice", RELEASER), approval_timeout_s=60)
+"""Short enough that a failed test does not wait long for its paused roll-out to end."""
+
+
+@pytest.fixture
+def background() -> Iterator[ThreadPoolExecutor]:
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        yield pool
+
+
+@pytest.fixture
+def gated(
+    fleet_config: MintConfig, base: BaseModel, tmp_path: Path
+) -> Callable[[str], tuple[Registry, RevisionId]]:
+    """An adapter with r1 in production (no gates yet), then gates requiring approval and a
+    registered r2 waiting to be rolled out."""
+
+    def make(name: str) -> tuple[Registry, RevisionId]:
+        registry = Registry(fleet_config.tracking_uri)
+        first = register_random_adapter(fleet_config, base, name, tmp_path / "r1", seed=1)
+        promote(name, first.number)
+        registry.set_gates(name, GATES)
+        second = register_random_adapter(fleet_config, base, name, tmp_path / "r2", seed=2)
+        return registry, second
+
+    return make
+
+
+def paused_run(registry: Registry, revision: RevisionId, pauses: int = 1) -> UUID:
+    """The flow run paused for `revision`'s approval, once it has paused `pauses` times."""
+    deadline = time.monotonic() + 180
+    run_id = None
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            with suppress(NotFoundError):  # a release registers it after training
+                run_id = registry.get(revision).tags.get(APPROVAL_RUN_TAG)
+            if run_id is not None:
+                run = client.read_flow_run(UUID(run_id))
+                paused = sum(s.is_paused() for s in client.read_flow_run_states(run.id))
+                if run.state is not None and run.state.is_paused() and paused >= pauses:
+                    return run.id
+            time.sleep(0.5)
+    raise AssertionError(f"{revision}'s roll-out never paused {pauses} time(s) for approval")
+
+
+def production(registry: Registry, adapter: str) -> int:
+    return registry.resolve(RevisionRef(adapter)).id.number
+
+
+def decisions(registry: Registry, revision: RevisionId) -> list[tuple[str, str, str]]:
+    return [(m["actor"], m["to"], m["reason"]) for m in registry.stage_history(revision)]
+
+
+def test_a_release_waits_for_an_allowed_approver(
+    gated: Callable[[str], tuple[Registry, RevisionId]],
+    background: ThreadPoolExecutor,
+    fleet_config: MintConfig,
+) -> None:
+    registry, registered = gated("approved-bot")
+    # A release (training r3) of the gated adapter, started by carol.
+    releasing: Future[object] = background.submit(
+        release, "approved-bot", "upper", steps=5, actor=RELEASER
+    )
+    candidate = RevisionId("approved-bot", registered.number + 1)
+    run_id = paused_run(registry, candidate)
+    assert registry.get(candidate).stage is Stage.READY  # admitted and prewarmed, not active
+    assert production(registry, "approved-bot") == 1
+
+    # Refused before it reaches the run: not an approver, or approving one's own roll-out.
+    with pytest.raises(ConfigurationError, match=r"'mallory' is not an approver.*alice, carol"):
+        answer_approval(fleet_config, candidate, Verdict.APPROVE, "mallory", "")
+    with pytest.raises(ConfigurationError, match="'carol' started this roll-out"):
+        answer_approval(fleet_config, candidate, Verdict.APPROVE, RELEASER, "")
+    # Through the Prefect API directly (as the UI's form does): the run refuses it and pauses
+    # again; production stays.
+    resume_flow_run(run_id, run_input={"decision": "approve", "reviewer": "mallory"})
+    assert paused_run(registry, candidate, pauses=2) == run_id
+    assert production(registry, "approved-bot") == 1
+    assert not releasing.done()
+
+    resume_flow_run(
+        run_id, run_input={"decision": "approve", "reviewer": "alice", "comment": "looks right"}
+    )
+    assert releasing.result(timeout=120).revision == str(candidate)  # type: ignore[attr-defined]
+    assert production(registry, "approved-bot") == candidate.number
+    history = decisions(registry, candidate)
+    assert ("mallory", "ready", "refused approve: 'mallory' is not an approver of this adapter; "
+            "its approvers: alice, carol; still waiting") in history  # fmt: skip
+    assert ("alice", "ready", "approved: looks right") in history
+    assert history[-1][:2] == (RELEASER, "active")
+
+
+def test_a_rejection_leaves_production_where_it_was(
+    gated: Callable[[str], tuple[Registry, RevisionId]],
+    background: ThreadPoolExecutor,
+    fleet_config: MintConfig,
+) -> None:
+    registry, candidate = gated("rejected-bot")
+    promoting = background.submit(promote, "rejected-bot", candidate.number, actor=RELEASER)
+    paused_run(registry, candidate)
+    # What `mint approve rejected-bot --revision 2 --reject --comment ...` does.
+    answer_approval(fleet_config, candidate, Verdict.REJECT, "alice", "answers are wrong")
+    with pytest.raises(RejectedError, match="rejected by alice: answers are wrong"):
+        promoting.result(timeout=120)
+    assert production(registry, "rejected-bot") == 1
+    assert registry.get(candidate).stage is Stage.REJECTED
+    assert decisions(registry, candidate)[-1] == (
+        "alice", "rejected", "rejected by alice: answers are wrong"
+    )  # fmt: skip
+    # Nobody can answer it any more.
+    with pytest.raises(ConfigurationError, match="not waiting for an answer"):
+        answer_approval(fleet_config, candidate, Verdict.APPROVE, "alice", "")
+
+
+def test_no_answer_before_the_timeout_is_a_rejection(
+    gated: Callable[[str], tuple[Registry, RevisionId]],
+) -> None:
+    registry, candidate = gated("timeout-bot")
+    registry.set_gates("timeout-bot", GATES.changed(approval_timeout_s=3))
+    with pytest.raises(RejectedError, match="no allowed answer within 3 s"):
+        promote("timeout-bot", candidate.number, actor=RELEASER)
+    assert production(registry, "timeout-bot") == 1
+    assert registry.get(candidate).stage is Stage.REJECTED
+    assert PRODUCTION not in registry.get(candidate).aliases
