@@ -73,12 +73,11 @@ class SetScore:
     name: EvalSet
     rows: int
     candidate: float
-    production: float | None
-    """None when no revision serves `production` (or the candidate already does)."""
+    production: float
 
     def regression(self) -> float:
         """How far the candidate falls below production (negative: it does better)."""
-        return 0.0 if self.production is None else self.production - self.candidate
+        return self.production - self.candidate
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ class Evaluation:
     """The gate's verdict on `candidate` against `production` over each set."""
 
     candidate: RevisionId
-    production: RevisionId | None
+    production: RevisionId
     scores: tuple[SetScore, ...]
     max_regression: float
 
@@ -97,53 +96,36 @@ class Evaluation:
 
     def reason(self) -> str:
         """Both revisions' scores per set and the verdict, for the stage history."""
-        parts = []
-        for s in self.scores:
-            against = (
-                "(no production revision to compare with)"
-                if s.production is None
-                else f"vs production {self.production} {s.production:.2f}"
-            )
-            parts.append(
-                f"{self.candidate} exact {s.candidate:.2f} {against} on {s.rows} {s.name} rows"
-            )
+        parts = [
+            f"{self.candidate} exact {s.candidate:.2f} vs production {self.production} "
+            f"{s.production:.2f} on {s.rows} {s.name} rows"
+            for s in self.scores
+        ]
         verdict = "passed" if self.passed else "rejected"
         return f"evaluation {verdict}: {'; '.join(parts)} (max regression {self.max_regression})"
 
     def tags(self) -> dict[str, str]:
         """Model-version tags of both revisions' scores."""
-        tags: dict[str, str] = {}
-        if self.production is not None:
-            tags[PRODUCTION_REVISION_TAG] = str(self.production)
+        tags = {PRODUCTION_REVISION_TAG: str(self.production)}
         for s in self.scores:
-            for role, score in (("candidate", s.candidate), ("production", s.production)):
-                if score is not None:
-                    tags[metric_tag(role, s.name)] = f"{score:.4f}"
+            tags[metric_tag("candidate", s.name)] = f"{s.candidate:.4f}"
+            tags[metric_tag("production", s.name)] = f"{s.production:.4f}"
         return tags
 
     def table(self) -> list[dict[str, object]]:
         """One row per set and revision: what the Prefect UI's table shows."""
-        table: list[dict[str, object]] = []
-        for s in self.scores:
-            table.append(_table_row(s, "candidate", self.candidate, s.candidate))
-            if s.production is not None:
-                table.append(_table_row(s, "production", self.production, s.production))
-        return table
+        return [
+            {"set": str(s.name), "rows": s.rows, "role": role, "revision": str(revision),
+             "exact_match": round(score, 4)}
+            for s in self.scores
+            for role, revision, score in (
+                ("candidate", self.candidate, s.candidate),
+                ("production", self.production, s.production),
+            )
+        ]  # fmt: skip
 
 
 def metric_tag(role: str, name: EvalSet) -> str:
     """`mint.eval.<role>.exact_match` for the eval set, `...<set>_exact_match` for others."""
     prefix = "" if name is EvalSet.EVAL else f"{name}_"
     return f"mint.eval.{role}.{prefix}exact_match"
-
-
-def _table_row(
-    s: SetScore, role: str, revision: RevisionId | None, score: float
-) -> dict[str, object]:
-    return {
-        "set": str(s.name),
-        "rows": s.rows,
-        "role": role,
-        "revision": str(revision),
-        "exact_match": round(score, 4),
-    }

@@ -341,21 +341,24 @@ def evaluate_revision(
     rows, else the candidate's own) and the gates' `regression_data`. Both scores go on the
     candidate's model version and into a Prefect table artifact `eval-<adapter>`. RejectedError
     (stage `rejected`) when the candidate falls behind by more than `gates.max_regression` on
-    any set. None, noted in the stage history, when there are no rows to score."""
+    any set. None, noted in the stage history, when there is nothing to compare: no
+    production revision (training already scored a first revision on its held-out rows) or
+    no rows."""
     registry = Registry(config.tracking_uri)
     try:
-        production: RevisionId | None = registry.resolve(RevisionRef(revision.adapter)).id
+        production = registry.resolve(RevisionRef(revision.adapter)).id
     except NotFoundError:
         production = None
-    if production == revision:
-        production = None
+    if production in (None, revision):
+        registry.note_stage(revision, actor, "evaluation passed: no other revision in production")
+        return None
     sets = _eval_sets(config, registry, revision, production, gates)
     if not sets:
         registry.note_stage(
             revision,
             actor,
-            "evaluation gate passed with nothing to score: no eval rows (an imported adapter "
-            "without the adapter's gates naming eval_data)",
+            f"evaluation passed: no rows to score {revision} and {production} on (neither has "
+            "held-out rows, and the adapter's gates name no eval_data)",
         )
         return None
     worker = base_fleet(config, revision)[0]
@@ -368,7 +371,7 @@ def evaluate_revision(
             name,
             len(rows),
             exact_match(rows, served(revision)),
-            None if production is None else exact_match(rows, served(production)),
+            exact_match(rows, served(production)),
         )
         for name, rows in sets.items()
     )
@@ -389,7 +392,7 @@ def _eval_sets(
     config: MintConfig,
     registry: Registry,
     revision: RevisionId,
-    production: RevisionId | None,
+    production: RevisionId,
     gates: Gates,
 ) -> dict[EvalSet, tuple[Row, ...]]:
     """Each set's rows, at most EVAL_GENERATION_ROWS (each is a generation per revision)."""
@@ -402,7 +405,7 @@ def _eval_sets(
     if EvalSet.EVAL not in sets:
         # Production's rows first: a candidate trained on another task would pass on its own.
         for holder in (production, revision):
-            stored = None if holder is None else _stored_rows(config, registry, holder)
+            stored = _stored_rows(config, registry, holder)
             if stored is not None:
                 sets[EvalSet.EVAL] = stored
                 break
