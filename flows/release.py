@@ -16,6 +16,7 @@ from flows.rollout import StageClock, roll_out
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
+from mint_core.model.datasets import Dataset
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.revisions import RevisionId, check_adapter_name
@@ -90,7 +91,7 @@ def release(
     timed = StageClock()
     rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, seed)
     trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
-    revision = _ship(config, adapter, trained, actor, principals, timed, "release")
+    revision = _ship(config, adapter, trained, actor, principals, timed, "release", held_out)
     return ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds)
 
 
@@ -129,6 +130,7 @@ def _ship(
     principals: list[str] | None,
     timed: StageClock,
     reason: str,
+    held_out: Dataset | None = None,
 ) -> RevisionId:
     """freeze -> pack -> export -> register -> admit -> prewarm -> activate."""
     frozen = timed("freeze", freeze_adapter, config, source.path)
@@ -136,7 +138,16 @@ def _ship(
     exported = timed("export", export_adapter, config, packed_dir, index)
     allowed = tuple(principals) if principals else (EVERYONE,)
     revision = timed(
-        "register", register_revision, config, adapter, source, frozen, exported, actor, allowed
+        "register",
+        register_revision,
+        config,
+        adapter,
+        source,
+        frozen,
+        exported,
+        actor,
+        allowed,
+        held_out,
     )
     # From here on the revision stays registered whatever happens: promote can roll it out.
     roll_out(config, revision, actor, reason, timed=timed)

@@ -17,7 +17,13 @@ from mint_core.config import MintConfig
 from mint_core.errors import MintError, RejectedError, RolloutBusyError
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
-from tasks.pipeline import activate_revision, admit_revision, prewarm_revision, rollout_lock
+from tasks.pipeline import (
+    activate_revision,
+    admit_revision,
+    evaluate_revision,
+    prewarm_revision,
+    rollout_lock,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -53,10 +59,11 @@ def roll_out(
         with rollout_lock(revision.adapter):
             timed("admit", admit_revision, config, revision, rollback=rollback)
             timed("prewarm", prewarm_revision, config, revision)
-        if not rollback:
-            gates = registry.gates(revision.adapter)
-            if gates.requires_approval:
-                timed("approval", await_approval, config, revision, gates, actor)
+            gates = None if rollback else registry.gates(revision.adapter)
+            if gates is not None:
+                timed("evaluate", evaluate_revision, config, revision, gates, actor)
+        if gates is not None and gates.requires_approval:
+            timed("approval", await_approval, config, revision, gates, actor)
         with rollout_lock(revision.adapter):
             timed("activate", activate_revision, config, revision, PRODUCTION, actor, reason)
     except (RolloutBusyError, RejectedError):

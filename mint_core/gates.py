@@ -19,9 +19,10 @@ GATES_TAG = "mint.gates"
 @dataclass(frozen=True)
 class Gates:
     eval_data: str = ""
-    """JSONL rows (a path or s3:// URI) both revisions are scored on; "" = the rows the
-    candidate was evaluated on when it was trained (none for an imported adapter: then the
-    gate has nothing to score and says so)."""
+    """JSONL rows (a path or s3:// URI) both revisions are scored on; "" = the held-out rows
+    production was trained with, else the candidate's own (a candidate trained on another
+    task would pass on its own rows). Imported revisions have none: with neither, the gate has
+    nothing to score and says so."""
     regression_data: str = ""
     """Optional further rows, scored and gated the same way (e.g. what earlier revisions
     learned and must not forget)."""

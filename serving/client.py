@@ -2,6 +2,8 @@
 revisions and read readiness."""
 
 import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -14,6 +16,10 @@ _ADMIN_KEY_HINT = (
     "; the pipeline presents MINT_WORKER_API_KEY, which must be a key of the worker whose "
     "principal is in its MINT_ADMIN_PRINCIPALS"
 )
+
+
+_PROMPTS_PER_REQUEST = 64
+"""Prompts in one `/v1/completions` request: the worker's most (MAX_PROMPTS)."""
 
 
 class WorkerClient:
@@ -114,6 +120,51 @@ class WorkerClient:
         if response.status_code == 503:
             raise NotReadyError(f"worker {self.url}: {response.json()['error']}")
         return response.json()["generated_text"], response.headers["X-Mint-Revision"]
+
+    def answers(
+        self, model: str, prompts: Sequence[str | Sequence[Mapping[str, str]]], max_tokens: int
+    ) -> list[str | None]:
+        """The greedy answers `model` (an exact revision, `name:rN`) serves to `prompts`, in
+        order: each text, or None where it stopped at `max_tokens` instead of ending by
+        itself. Plain prompts go to `/v1/completions` a batch at a time, conversations to
+        `/v1/chat/completions`; the requests are sent at once, so the worker batches them."""
+        body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
+
+        def batch(start: int) -> list[str | None]:
+            chunk = prompts[start : start + _PROMPTS_PER_REQUEST]
+            if all(isinstance(p, str) for p in chunk):
+                choices = self._answer(model, "/v1/completions", body | {"prompt": chunk})
+                return [c["text"] if c["finish_reason"] == "stop" else None for c in choices]
+            return [self._answer_one(model, body, prompt) for prompt in chunk]
+
+        starts = range(0, len(prompts), _PROMPTS_PER_REQUEST)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            return [answer for answers in pool.map(batch, starts) for answer in answers]
+
+    def _answer_one(
+        self, model: str, body: dict[str, object], prompt: str | Sequence[Mapping[str, str]]
+    ) -> str | None:
+        if isinstance(prompt, str):
+            (choice,) = self._answer(model, "/v1/completions", body | {"prompt": prompt})
+            text = choice["text"]
+        else:
+            chat = body | {"messages": list(prompt)}
+            (choice,) = self._answer(model, "/v1/chat/completions", chat)
+            text = choice["message"]["content"]
+        return text if choice["finish_reason"] == "stop" else None
+
+    def _answer(self, model: str, path: str, body: dict[str, object]) -> list[dict[str, object]]:
+        """The choices of an OpenAI-style answer, checked to come from `model`."""
+        response = self._call("POST", path, json=body)
+        if response.status_code == 503:
+            raise NotReadyError(f"worker {self.url}: {response.json()['error']}")
+        payload = response.json()
+        if payload["model"] != model:
+            raise ServiceError(
+                f"worker {self.url} answered {path} for {model} with {payload['model']}; "
+                "ask for an exact revision (name:rN)"
+            )
+        return payload["choices"]
 
     def close(self) -> None:
         self._http.close()

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from prefect import get_client, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
@@ -31,15 +32,32 @@ from mint_core.errors import (
     IntegrityError,
     NotFoundError,
     NotReadyError,
+    RejectedError,
     RolloutBusyError,
     ServiceError,
     TransitionError,
 )
+from mint_core.evaluation import (
+    EVAL_ROWS_TAG,
+    EvalSet,
+    Evaluation,
+    Generate,
+    SetScore,
+    exact_match,
+    rows_name,
+    to_jsonl,
+)
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
+from mint_core.gates import Gates
 from mint_core.model.base import identity, load_base
-from mint_core.model.datasets import Dataset, parse_jsonl
+from mint_core.model.datasets import Dataset, Row, parse_jsonl
 from mint_core.model.imports import ImportedAdapter, inspect_import
-from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
+from mint_core.model.training import (
+    EVAL_GENERATION_ROWS,
+    TrainedAdapter,
+    TrainingConfig,
+    train_lora,
+)
 from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
 from mint_core.registry import DatasetLog, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, PolicyRecord, RevisionId, RevisionRef
@@ -184,7 +202,11 @@ def register_revision(
     exported: Exported,
     actor: str,
     principals: tuple[str, ...] = (EVERYONE,),
+    held_out: Dataset | None = None,
 ) -> RevisionId:
+    """Register the next revision of `adapter`, with the `held_out` rows a trained one was
+    evaluated on kept in the artifact store: its evaluation gate, and later candidates', score
+    on them."""
     registry = Registry(config.tracking_uri)
     try:
         parent: int | None = registry.resolve(RevisionRef(adapter, alias=PRODUCTION)).id.number
@@ -202,7 +224,24 @@ def register_revision(
     )
     serving_base = identity(config.base, config.home).digest
     run_id = source.run_id if isinstance(source, TrainedAdapter) else None
-    return registry.register(policy, exported.uri, serving_base, run_id).id
+    revision = registry.register(policy, exported.uri, serving_base, run_id).id
+    if held_out is not None:
+        registry.set_revision_tag(revision, EVAL_ROWS_TAG, _store_rows(config, held_out))
+    return revision
+
+
+def _store_rows(config: MintConfig, rows: Dataset) -> str:
+    """Keep `rows` in the artifact store, named by their content; the name."""
+    jsonl = to_jsonl(rows.rows)
+    name = rows_name(jsonl)
+    staging = config.work_root / "eval-rows" / f".{uuid.uuid4().hex}.jsonl"
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        staging.write_bytes(jsonl)
+        open_store(config).put_file(name, staging)
+    finally:
+        staging.unlink(missing_ok=True)
+    return name
 
 
 ROLLOUT_TIMEOUT_S = 900.0
@@ -291,6 +330,107 @@ def wait_fleet_ready(config: MintConfig, revision: RevisionId, timeout_s: float)
             problems.append(str(e))
     if problems:
         raise NotReadyError(f"{revision} is not ready on the fleet: {'; '.join(problems)}")
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_revision(
+    config: MintConfig, revision: RevisionId, gates: Gates, actor: str = "mint"
+) -> Evaluation | None:
+    """Score `revision` and the revision serving `production` on the same rows, through one
+    worker of their base: the eval set (the gates' `eval_data`, else production's held-out
+    rows, else the candidate's own) and the gates' `regression_data`. Both scores go on the
+    candidate's model version and into a Prefect table artifact `eval-<adapter>`. RejectedError
+    (stage `rejected`) when the candidate falls behind by more than `gates.max_regression` on
+    any set. None, noted in the stage history, when there is nothing to compare: no
+    production revision (training already scored a first revision on its held-out rows) or
+    no rows."""
+    registry = Registry(config.tracking_uri)
+    try:
+        production = registry.resolve(RevisionRef(revision.adapter)).id
+    except NotFoundError:
+        production = None
+    if production in (None, revision):
+        registry.note_stage(revision, actor, "evaluation passed: no other revision in production")
+        return None
+    sets = _eval_sets(config, registry, revision, production, gates)
+    if not sets:
+        registry.note_stage(
+            revision,
+            actor,
+            f"evaluation passed: no rows to score {revision} and {production} on (neither has "
+            "held-out rows, and the adapter's gates name no eval_data)",
+        )
+        return None
+    worker = base_fleet(config, revision)[0]
+
+    def served(which: RevisionId) -> Generate:
+        return lambda prompts, budget: worker.answers(str(which), prompts, budget)
+
+    scores = tuple(
+        SetScore(
+            name,
+            len(rows),
+            exact_match(rows, served(revision)),
+            exact_match(rows, served(production)),
+        )
+        for name, rows in sets.items()
+    )
+    evaluation = Evaluation(revision, production, scores, gates.max_regression)
+    for key, value in evaluation.tags().items():
+        registry.set_revision_tag(revision, key, value)
+    create_table_artifact(
+        evaluation.table(), key=f"eval-{revision.adapter}", description=evaluation.reason()
+    )
+    if not evaluation.passed:
+        registry.set_stage(revision, Stage.REJECTED, actor, evaluation.reason())
+        raise RejectedError(f"{evaluation.reason()}; production did not move")
+    registry.note_stage(revision, actor, evaluation.reason())
+    return evaluation
+
+
+def _eval_sets(
+    config: MintConfig,
+    registry: Registry,
+    revision: RevisionId,
+    production: RevisionId,
+    gates: Gates,
+) -> dict[EvalSet, tuple[Row, ...]]:
+    """Each set's rows, at most EVAL_GENERATION_ROWS (each is a generation per revision)."""
+    located = {EvalSet.EVAL: gates.eval_data, EvalSet.REGRESSION: gates.regression_data}
+    sets = {
+        name: parse_jsonl(read_data(config, where), _located(where)).rows
+        for name, where in located.items()
+        if where
+    }
+    if EvalSet.EVAL not in sets:
+        # Production's rows first: a candidate trained on another task would pass on its own.
+        for holder in (production, revision):
+            stored = _stored_rows(config, registry, holder)
+            if stored is not None:
+                sets[EvalSet.EVAL] = stored
+                break
+    return {name: sets[name][:EVAL_GENERATION_ROWS] for name in EvalSet if name in sets}
+
+
+def _stored_rows(
+    config: MintConfig, registry: Registry, revision: RevisionId
+) -> tuple[Row, ...] | None:
+    """The held-out rows `revision` was trained with, from the artifact store; None if it has
+    none (an imported adapter)."""
+    name = registry.get(revision).tags.get(EVAL_ROWS_TAG)
+    if name is None:
+        return None
+    staging = config.work_root / "eval-rows" / f".{uuid.uuid4().hex}.jsonl"
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if not open_store(config).get_file(name, staging):
+            raise NotFoundError(
+                f"the eval rows of {revision} ({name}) are gone from the artifact store; name "
+                f"the eval rows of {revision.adapter!r} in its gates (eval_data)"
+            )
+        return parse_jsonl(staging.read_bytes(), f"{revision}'s eval rows ({name})").rows
+    finally:
+        staging.unlink(missing_ok=True)
 
 
 _ACTIVATABLE = (Stage.ADMITTED, Stage.PREWARMING, Stage.READY)
