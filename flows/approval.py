@@ -19,7 +19,6 @@ from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
 from mint_core.gates import Gates
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId, check_adapter_name
-from mint_core.states import Stage
 
 POLL_S = 2
 """How often a paused run looks for its answer (Prefect's default, 10 s, slows every
@@ -71,7 +70,7 @@ def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, relea
             answer = pause_flow_run(wait_for_input=form, timeout=left, poll_interval=POLL_S)
         except FlowPauseTimeout:
             reason = f"rejected: no allowed answer within {gates.approval_timeout_s} s"
-            registry.set_stage(revision, Stage.REJECTED, "mint", reason)
+            registry.reject(revision, "mint", reason)
             raise RejectedError(f"{revision} {reason}; production did not move") from None
         refused = gates.may_approve(answer.reviewer, releaser)
         if refused is not None:
@@ -83,7 +82,7 @@ def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, relea
             registry.note_stage(revision, answer.reviewer, f"approved: {answer.comment}")
             return
         reason = f"rejected by {answer.reviewer}: {answer.comment}"
-        registry.set_stage(revision, Stage.REJECTED, answer.reviewer, reason)
+        registry.reject(revision, answer.reviewer, reason)
         raise RejectedError(f"{revision} {reason}; production did not move")
 
 

@@ -19,7 +19,6 @@ from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
 from mint_core.registry import Registry, check_canary_percent
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
-from mint_core.states import Stage
 from tasks.pipeline import (
     activate_revision,
     admit_revision,
@@ -94,7 +93,7 @@ def canary(
             activate_revision(config, candidate, PRODUCTION, actor, f"canary {verdict.reason}")
         registry.end_canary(adapter, actor, verdict.reason)
         if not verdict.promote:
-            registry.set_stage(candidate, Stage.REJECTED, actor, verdict.reason)
+            registry.reject(candidate, actor, verdict.reason)
     _nudge(config, candidate)
     return CanaryReport(str(candidate), verdict.promote, verdict.reason)
 

@@ -24,6 +24,7 @@ from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundErro
 from mint_core.gates import GATES_TAG, Gates
 from mint_core.revisions import (
     CANARY,
+    CANDIDATE,
     PRODUCTION,
     TAG_PREFIX,
     PolicyRecord,
@@ -395,6 +396,14 @@ class Registry:
 
     def stage_history(self, revision: RevisionId) -> list[dict[str, str]]:
         return json.loads(self.get(revision).tags.get(STAGE_HISTORY_TAG, "[]"))
+
+    def reject(self, revision: RevisionId, actor: str, reason: str) -> None:
+        """Record that a gate (evaluation, approval, canary) stopped `revision` before
+        activation, and why; it stops being the adapter's `candidate`, so workers stop keeping
+        it for a roll-out that will not come."""
+        self.set_stage(revision, Stage.REJECTED, actor, reason)
+        if CANDIDATE in self.get(revision).aliases:
+            self.drop_alias(revision.adapter, CANDIDATE)
 
     def mark_failed(self, revision: RevisionId, reason: str, actor: str = "mint") -> None:
         """Record that a pipeline step failed for `revision`, and why."""

@@ -160,7 +160,8 @@ def create_app(
 
     With keys, the admin endpoints take only principals in `admin_principals`, and
     `/v1/adapters/{name}` shows a caller the revisions its policy records let it use (admins:
-    all of them, as the pipeline reads readiness with its admin key). Without keys there is no
+    all of them, as the pipeline reads readiness with its admin key); admins may also generate
+    with every revision (the evaluation gate scores each team's). Without keys there is no
     telling callers apart: both are open to all, as before keys existed."""
 
     @asynccontextmanager
@@ -207,7 +208,7 @@ def create_app(
         readiness gate, once for the whole request, and give the answer its request id
         (`<kind>-<hex>`)."""
         ref = None if model in (None, "", base_id, "base") else RevisionRef.parse(model)
-        revision, key = worker.route(ref, who)
+        revision, key = worker.route(ref, who, admin=bool(keys) and who in admins)
         served = str(revision) if revision else base_id
         return Routed(served, key, worker.outcomes.started(served, who, kind), time.perf_counter())
 

@@ -271,9 +271,10 @@ class Worker:
         return self.backend.batch_size
 
     def route(
-        self, ref: RevisionRef | None, principal: str = ANONYMOUS
+        self, ref: RevisionRef | None, principal: str = ANONYMOUS, admin: bool = False
     ) -> tuple[RevisionId | None, str]:
-        """The revision `ref` names and its engine key, if `principal` may use it and it is
+        """The revision `ref` names and its engine key, if `principal` may use it (an `admin`
+        may use every revision: the evaluation gate scores revisions of any team) and it is
         ready here (for `name@production`, the canary revision for the canary's share of the
         requests: see `_canary`); never loads. NotFoundError for an unknown adapter or revision,
         AccessDeniedError, or RevisionNotReady."""
@@ -281,9 +282,10 @@ class Worker:
             return None, BASE
         registered = self.catalog.resolve(ref)
         revision = registered.id
-        check_access(registered.policy, principal, revision)
+        if not admin:
+            check_access(registered.policy, principal, revision)
         self.check_base(registered.policy, revision)
-        if ref.alias == PRODUCTION and (canary := self._canary(ref.adapter, principal)):
+        if ref.alias == PRODUCTION and (canary := self._canary(ref.adapter, principal, admin)):
             return canary, str(canary)
         entry = self.readiness(revision)
         if entry.state is not Readiness.READY:
@@ -294,7 +296,7 @@ class Worker:
             raise EngineUnavailableError(f"{revision} cannot be served right now: {problem}")
         return revision, str(revision)
 
-    def _canary(self, adapter: str, principal: str) -> RevisionId | None:
+    def _canary(self, adapter: str, principal: str, admin: bool) -> RevisionId | None:
         """The canary revision, for this request to `adapter@production` if it is drawn into
         the canary's share and the canary can serve it here: ready (so of this worker's base:
         prewarm checked it), allowed to `principal`, the engine up. None: production serves."""
@@ -308,7 +310,7 @@ class Worker:
             entry = self._table.get(revision)
             if entry is None or entry.state is not Readiness.READY:
                 return None
-            if not allows(self._policies[revision], principal):
+            if not admin and not allows(self._policies[revision], principal):
                 return None
         return revision if self.backend.problem() is None else None
 

@@ -382,7 +382,7 @@ def evaluate_revision(
         evaluation.table(), key=f"eval-{revision.adapter}", description=evaluation.reason()
     )
     if not evaluation.passed:
-        registry.set_stage(revision, Stage.REJECTED, actor, evaluation.reason())
+        registry.reject(revision, actor, evaluation.reason())
         raise RejectedError(f"{evaluation.reason()}; production did not move")
     registry.note_stage(revision, actor, evaluation.reason())
     return evaluation
