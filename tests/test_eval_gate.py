@@ -18,6 +18,7 @@ from mint_core.evaluation import (
     exact_match,
     to_jsonl,
 )
+from mint_core.gates import Gates
 from mint_core.model.datasets import Row, parse_jsonl
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
@@ -26,6 +27,7 @@ from serving.client import WorkerClient
 from tests.helpers import toy_release as release
 
 NAME = "upper-gate-bot"
+MARGIN = 0.2
 """An `upper` adapter like test_release's upper-bot, under its own name: that module counts
 upper-bot's revisions."""
 
@@ -117,18 +119,22 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     first = RevisionId(NAME, 1)
     assert release(NAME, "upper").revision == str(first)
     assert registry.resolve(RevisionRef(NAME)).id == first
+    # Room for the recipe's spread between seeds (bench/results/recipe.json: 0.875 to 1.0 on
+    # reverse), far less than a revision of another task falls behind.
+    registry.set_gates(NAME, Gates(max_regression=MARGIN))
     assert EVAL_ROWS_TAG in registry.get(first).tags
     assert gate_reason(registry, first) == "evaluation passed: no other revision in production"
     assert "mint.eval.candidate.exact_match" not in registry.get(first).tags
 
     with pytest.raises(RejectedError) as rejected:
         release(NAME, "reverse", steps=40)
+    print(rejected.value)  # the figures, for `pytest -s`
     bad = RevisionId(NAME, 2)
     candidate, production = recorded(registry, bad)
     assert candidate <= 0.05 and production >= 0.8
     assert str(rejected.value) == (
         f"evaluation rejected: {bad} exact {candidate:.2f} vs production {first} "
-        f"{production:.2f} on 64 eval rows (max regression 0.05); production did not move"
+        f"{production:.2f} on 64 eval rows (max regression {MARGIN}); production did not move"
     )
     assert registry.get(bad).stage is Stage.REJECTED
     assert registry.stage_history(bad)[-1]["to"] == "rejected"
@@ -149,6 +155,6 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     assert release(NAME, "upper", seed=1).revision == str(good)
     assert registry.resolve(RevisionRef(NAME)).id == good
     candidate, production = recorded(registry, good)
-    assert candidate >= production - 0.05
+    assert candidate >= production - MARGIN
     assert gate_reason(registry, good).startswith(f"evaluation passed: {good} exact")
     assert [row["revision"] for row in eval_artifact(NAME)] == [str(good), str(first)]
