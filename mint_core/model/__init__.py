@@ -8,4 +8,6 @@
   tokenized with a loss mask; `toy` writes the embedded default's generated datasets.
 - `training`: a PEFT LoRA trained on those rows (the `train` step), `imports` checks one made
   elsewhere; `generate` is greedy decoding for evaluation.
+- `routing` records and replays which experts an MoE base routed each token to (R3), and `rl`
+  is the policy-gradient loss with IcePop's per-token mask: RL on sampled completions.
 """
