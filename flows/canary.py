@@ -7,6 +7,7 @@ back to production and the candidate is `rejected`). Both decisions, with the fi
 to them, are in the adapter's alias history and the flow run's artifacts.
 """
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ from prefect.artifacts import create_table_artifact
 from flows.approval import await_approval
 from mint_core.canary import RevisionOutcomes, judge, merge
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError, NotFoundError
+from mint_core.errors import ConfigurationError, MintError, NotFoundError, RejectedError
 from mint_core.registry import Registry, check_canary_percent
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
 from tasks.pipeline import (
@@ -78,22 +79,33 @@ def canary(
             candidate, percent, actor, f"canary: {percent:g}% of {adapter}@{PRODUCTION}"
         )
     _nudge(config, candidate)
-    figures = _watch(config, candidate, production, started, window_s, min_requests)
-    verdict = judge(
-        figures.get(str(candidate), RevisionOutcomes.empty(str(candidate))),
-        figures.get(str(production), RevisionOutcomes.empty(str(production))),
-        gates,
-        min_requests,
-    )
-    _publish(adapter, figures, (candidate, production), verdict.reason)
-    if verdict.promote and gates.requires_approval:
-        await_approval(config, candidate, gates, actor)  # RejectedError ends it rejected
-    with rollout_lock(adapter):
-        if verdict.promote:
-            activate_revision(config, candidate, PRODUCTION, actor, f"canary {verdict.reason}")
-        registry.end_canary(adapter, actor, verdict.reason)
-        if not verdict.promote:
-            registry.reject(candidate, actor, verdict.reason)
+    try:
+        figures = _watch(config, candidate, production, started, window_s, min_requests)
+        verdict = judge(
+            figures.get(str(candidate), RevisionOutcomes.empty(str(candidate))),
+            figures.get(str(production), RevisionOutcomes.empty(str(production))),
+            gates,
+            min_requests,
+        )
+        _publish(adapter, figures, (candidate, production), verdict.reason)
+        if verdict.promote and gates.requires_approval:
+            await_approval(config, candidate, gates, actor)  # RejectedError: it is rejected
+        with rollout_lock(adapter):
+            if verdict.promote:
+                activate_revision(config, candidate, PRODUCTION, actor, f"canary {verdict.reason}")
+            registry.end_canary(adapter, actor, verdict.reason)
+            if not verdict.promote:
+                registry.reject(candidate, actor, verdict.reason)
+    except BaseException as e:
+        # Whatever stopped it (a worker gone, a rejected approval, Ctrl-C in `mint canary`),
+        # the candidate's share goes back to production: nothing decided it should go on.
+        stopped = f"stopped: {type(e).__name__}: {e}"
+        with contextlib.suppress(MintError):
+            registry.end_canary(adapter, actor, stopped)
+        if not isinstance(e, RejectedError):
+            with contextlib.suppress(MintError):
+                registry.mark_failed(candidate, stopped, actor)
+        raise
     _nudge(config, candidate)
     return CanaryReport(str(candidate), verdict.promote, verdict.reason)
 

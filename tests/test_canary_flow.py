@@ -14,6 +14,7 @@ import pytest
 
 from flows.canary import canary
 from mint_core.config import MintConfig
+from mint_core.errors import RejectedError
 from mint_core.gates import Gates
 from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for
 from mint_core.registry import Registry
@@ -27,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 ADAPTER = "canary-bot"
 WORDS = held_out_words(32)
+SETTINGS = {"percent": 25, "window_s": 15, "min_requests": 20}
 
 
 @dataclass
@@ -96,7 +98,7 @@ def canary_under_traffic(
 ) -> tuple[bool, str, ScoringClient]:
     client = ScoringClient(worker.url)
     with client.running():
-        report = canary(ADAPTER, candidate.number, percent=25, window_s=15, min_requests=20)
+        report = canary(ADAPTER, candidate.number, **SETTINGS)
     return report.promoted, report.reason, client
 
 
@@ -136,3 +138,16 @@ def test_a_good_candidate_is_promoted_and_a_bad_one_rolled_back(
     (promotion,) = [m for m in registry.alias_history(ADAPTER) if m.to_revision == good.number
                     and m.alias == "production"]  # fmt: skip
     assert promotion.reason.startswith("canary promoted: within every margin")
+
+    # A canary stopped on its way (here: promotion needs an approval that never comes) hands
+    # its share back to production and leaves production where it was.
+    registry.set_gates(ADAPTER, registry.gates(ADAPTER).changed(
+        requires_approval=True, approvers=["alice"], approval_timeout_s=2))  # fmt: skip
+    client = ScoringClient(worker.url)
+    with client.running(), pytest.raises(RejectedError, match="no allowed answer within 2 s"):
+        canary(ADAPTER, first.number, **SETTINGS)  # r1, as good as r2: promoted, pending approval
+    assert client.failures == []
+    assert registry.canary(ADAPTER) is None
+    assert registry.resolve(RevisionRef(ADAPTER)).id == good
+    assert registry.get(first).stage is Stage.REJECTED
+    assert registry.alias_history(ADAPTER)[-1].reason.startswith("stopped: RejectedError")
