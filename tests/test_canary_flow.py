@@ -1,4 +1,4 @@
-"""The canary flow end to end: while a client sends requests for `canary-bot@production` and
+"""The canary flow end to end: while a client sends requests for `canary-flow-bot@production` and
 scores each answer by whether it is right, a candidate as good as production is promoted and one
 trained on another task is rolled back, with no request failing during either; the alias
 history holds both decisions with their figures."""
@@ -26,14 +26,14 @@ from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
 
-ADAPTER = "canary-bot"
+ADAPTER = "canary-flow-bot"
 WORDS = held_out_words(32)
 SETTINGS = {"percent": 25, "window_s": 15, "min_requests": 20}
 
 
 @dataclass
 class ScoringClient:
-    """Asks for `canary-bot` (= production) over and over from a few threads and scores every
+    """Asks for `canary-flow-bot` (= production) over and over from a few threads and scores every
     answer: 1 if it is the word in upper case, else 0."""
 
     url: str
