@@ -7,7 +7,6 @@ until an allowed reviewer answers; the canary margins judge a candidate on live 
 """
 
 import json
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Self
 
@@ -88,6 +87,4 @@ class Gates:
     def changed(self, **changes: object) -> Self:
         """A copy with `changes` (None values left out: an option not given changes nothing)."""
         values = asdict(self) | {k: v for k, v in changes.items() if v is not None}
-        if isinstance(values["approvers"], Sequence):
-            values["approvers"] = tuple(values["approvers"])
-        return type(self)(**values)
+        return type(self)(**values)  # __post_init__ makes `approvers` a tuple
