@@ -54,7 +54,7 @@ def build_base(scale: float) -> tuple[BaseModel, TinySpec]:
         pretrain_steps=0,
     )
     with seeded(0):
-        model = LlamaForCausalLM(spec.llama_config()).eval().requires_grad_(False)
+        model = LlamaForCausalLM(spec.model_config()).eval().requires_grad_(False)
     codec = TextCodec(byte_tokenizer(), None, spec.name)
     # Never end early: every request generates exactly its --new-tokens in every mode.
     eos = torch.tensor(sorted(codec.eos_ids))

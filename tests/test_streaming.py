@@ -60,7 +60,7 @@ def forced_base_folder(root: Path) -> Path:
         for token, following in itertools.pairwise(chain):
             assert successor.setdefault(token, following) == following, "ambiguous answers"
     with seeded(0):
-        model = LlamaForCausalLM(SPEC.llama_config())
+        model = LlamaForCausalLM(SPEC.model_config())
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(torch.zeros_like(model.lm_head.weight))
     with torch.no_grad():

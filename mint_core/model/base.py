@@ -250,8 +250,11 @@ def load_base(source: BaseSource, home: Path, *, training: bool = False) -> Base
     dtype = getattr(torch, source.dtype) if source.dtype else None
     if dtype is None and device.type == "cpu":
         dtype = torch.float32  # CPU kernels for half precision are slow or missing
+    # Fused MoE experts run transformers' eager per-expert loop: the trainer, the engine's
+    # expert slots (which reproduce that loop) and PEFT then compute alike, and a base row on
+    # the engine equals the base bit for bit. (The default, grouped_mm, is for GPUs.)
     model = AutoModelForCausalLM.from_pretrained(
-        text.path, dtype=dtype or "auto", local_files_only=True
+        text.path, dtype=dtype or "auto", local_files_only=True, experts_implementation="eager"
     ).to(device)
     model.train(training)
     model.requires_grad_(False)

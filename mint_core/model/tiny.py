@@ -22,7 +22,7 @@ from mint_core.folders import publish_folder
 from mint_core.model.toy import Task, training_stream
 
 if TYPE_CHECKING:
-    from transformers import LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast
+    from transformers import PreTrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 PAD, BOS, EOS, IM_START, IM_END = "<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (PAD, BOS, EOS, IM_START, IM_END)
@@ -57,11 +57,21 @@ class TinySpec:
     """Examples per pretraining step."""
     pretrain_learning_rate: float = 3e-3
     """Peak AdamW learning rate of pretraining."""
+    num_experts: int = 0
+    """0: a dense Llama. More: a Qwen3-MoE whose every MLP is this many experts of
+    `intermediate_size`, `experts_per_token` of them per token (top-k weights renormalised, as
+    Qwen3-30B-A3B does)."""
+    experts_per_token: int = 2
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ConfigurationError(f"tiny base {name}={getattr(self, name)} must be > 0")
+        if self.num_experts and not 0 < self.experts_per_token <= self.num_experts:
+            raise ConfigurationError(
+                f"tiny base experts_per_token={self.experts_per_token} must be in "
+                f"1..num_experts={self.num_experts}"
+            )
         if self.hidden_size % self.num_heads:
             raise ConfigurationError(
                 f"tiny base hidden_size={self.hidden_size} is not divisible by "
@@ -71,12 +81,33 @@ class TinySpec:
     @property
     def name(self) -> str:
         """The folder name, and so the model id: a content key of the spec."""
-        canonical = json.dumps(asdict(self), sort_keys=True)
-        return f"mint-tiny-llama-{hashlib.sha256(canonical.encode()).hexdigest()[:16]}"
+        fields = asdict(self)
+        if not self.num_experts:  # dense bases keep the names they had before MoE specs
+            del fields["num_experts"], fields["experts_per_token"]
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        return f"mint-tiny-{'qwen3-moe' if self.num_experts else 'llama'}-{digest}"
 
-    def llama_config(self) -> LlamaConfig:
-        from transformers import LlamaConfig
+    def model_config(self) -> PreTrainedConfig:
+        from transformers import LlamaConfig, Qwen3MoeConfig
 
+        if self.num_experts:
+            return Qwen3MoeConfig(
+                vocab_size=len(SPECIAL_TOKENS) + 256,
+                hidden_size=self.hidden_size,
+                moe_intermediate_size=self.intermediate_size,
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.experts_per_token,
+                norm_topk_prob=True,
+                num_hidden_layers=self.num_layers,
+                num_attention_heads=self.num_heads,
+                num_key_value_heads=self.num_heads,
+                head_dim=self.hidden_size // self.num_heads,
+                max_position_embeddings=self.context_length,
+                tie_word_embeddings=True,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            )
         return LlamaConfig(
             vocab_size=len(SPECIAL_TOKENS) + 256,
             hidden_size=self.hidden_size,
@@ -144,14 +175,14 @@ def ensure_tiny(spec: TinySpec, root: Path) -> Path:
 
 def _pretrain(spec: TinySpec) -> PreTrainedModel:
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from mint_core.model.datasets import collate, tokenize_example
     from mint_core.model.generate import seeded
     from mint_core.model.text import TextCodec
 
     with seeded(spec.seed):
-        model = LlamaForCausalLM(spec.llama_config())
+        model = AutoModelForCausalLM.from_config(spec.model_config())
     if spec.pretrain_steps == 0:
         return model
     codec = TextCodec(byte_tokenizer(), None, spec.name)
