@@ -1,14 +1,16 @@
 """HTTP client for serving workers: what the release pipeline and the CLI use to admit
-revisions and read readiness."""
+revisions and read readiness, and what an RL trainer samples with."""
 
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 
 from mint_core.canary import RevisionOutcomes
-from mint_core.errors import NotReadyError, ServiceError
+from mint_core.errors import ConfigurationError, NotReadyError, ServiceError
+from mint_core.model.generate import Route
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
 
@@ -22,13 +24,36 @@ _PROMPTS_PER_REQUEST = 64
 """Prompts in one `/v1/completions` request: the worker's most (MAX_PROMPTS)."""
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One sampled completion, as an RL trainer scores it."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    """Each token's log-probability under the untempered model that sampled it (the sampling
+    distribution itself at temperature 1)."""
+    routes: tuple[Route, ...] | None
+    """Per token, the experts each MoE layer routed the position that produced it to."""
+    prompt_routes: tuple[Route, ...] | None
+    """The prompt's positions but the last: `prompt_routes + routes` lines up with the prompt
+    followed by all tokens but the last, the input that scores them (`replaying_routes`)."""
+    revision: str
+    """What sampled it (`X-Mint-Revision`): the exact revision, or the base's model id."""
+    finish_reason: str
+    text: str
+
+
 class WorkerClient:
     """One worker, by base URL."""
 
-    def __init__(self, url: str, api_key: str = "", timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, url: str, api_key: str = "", timeout_s: float = 30.0, http: httpx.Client | None = None
+    ) -> None:
+        """`http` sends the calls instead of a client of its own (a test's in-process app)."""
         self.url = url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+        self._http = http or httpx.Client(base_url=self.url, timeout=timeout_s, headers=headers)
+        self._http.headers.update(headers)
 
     def _call(self, method: str, path: str, key_hint: str = "", **kwargs: object) -> httpx.Response:
         """The worker's answer (503 included, which callers read); ServiceError for any other
@@ -121,6 +146,56 @@ class WorkerClient:
             raise NotReadyError(f"worker {self.url}: {response.json()['error']}")
         return response.json()["generated_text"], response.headers["X-Mint-Revision"]
 
+    def sample(
+        self,
+        prompt: str,
+        adapter_id: str | None,
+        n: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        routes: bool = True,
+    ) -> list[Sample]:
+        """`n` completions of `prompt` sampled at `temperature` by `adapter_id` (`name@alias`,
+        `name:rN`, None for the base), with per-token log-probabilities and, with `routes`, the
+        experts each token was routed to (an MoE base on an embedded worker). They are sent at
+        once, so the worker batches them; each names the revision that sampled it. With `seed`,
+        sample i is seeded `seed + i`."""
+        if n < 1 or temperature <= 0:
+            raise ConfigurationError(
+                f"n={n}, temperature={temperature}: sampling needs n >= 1 and temperature > 0"
+            )
+
+        def one(i: int) -> Sample:
+            parameters = {
+                "adapter_id": adapter_id,
+                "max_new_tokens": max_new_tokens,
+                "do_sample": True,
+                "temperature": temperature,
+                "seed": None if seed is None else seed + i,
+                "details": True,
+                "return_routes": routes,
+            }
+            response = self._call(
+                "POST", "/generate", json={"inputs": prompt, "parameters": parameters}
+            )
+            if response.status_code == 503:
+                raise NotReadyError(f"worker {self.url}: {response.json()['error']}")
+            payload = response.json()
+            details = payload["details"]
+            return Sample(
+                token_ids=tuple(t["id"] for t in details["tokens"]),
+                logprobs=tuple(t["logprob"] for t in details["tokens"]),
+                routes=_routes(details.get("routed_experts")),
+                prompt_routes=_routes(details.get("prompt_routed_experts")),
+                revision=response.headers["X-Mint-Revision"],
+                finish_reason=details["finish_reason"],
+                text=payload["generated_text"],
+            )
+
+        with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
+            return list(pool.map(one, range(n)))
+
     def answers(
         self, model: str, prompts: Sequence[str | Sequence[Mapping[str, str]]], max_tokens: int
     ) -> list[str | None]:
@@ -177,3 +252,7 @@ def _message(response: httpx.Response) -> str:
         return str(response.json()["error"])
     except (ValueError, KeyError, TypeError):
         return response.text[:500]
+
+
+def _routes(rows: list[list[list[int]]] | None) -> tuple[Route, ...] | None:
+    return None if rows is None else tuple(tuple(map(tuple, layers)) for layers in rows)

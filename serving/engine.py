@@ -12,6 +12,7 @@ benchmarks). Each takes the engine lock.
 
 import threading
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
 from mint_core.freezing import check_finite
 from mint_core.model.base import BaseModel, servable_modules
 from mint_core.model.generate import Generation, greedy_generate, pad_left
+from mint_core.model.routing import Routes, moe_gates, recording_routes
 from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_linears
 
 BASE = "__base__"
@@ -179,13 +181,16 @@ class TorchEngine:
         attention_mask: torch.Tensor,
         slots: list[int],
         cache: list[tuple[torch.Tensor, torch.Tensor]] | None,
-    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        record_routes: bool = False,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor | None]:
         """One forward pass: `input_ids` `[batch, new]` after `cache` (per layer, keys and values
         `[batch, heads, cached, dim]`, left-padded like `attention_mask` `[batch, cached + new]`),
-        row i through device slot `slots[i]`. Returns the last position's logits `[batch, vocab]`
-        and the cache extended by the new tokens."""
+        row i through device slot `slots[i]`. Returns the last position's logits `[batch, vocab]`,
+        the cache extended by the new tokens, and with `record_routes` the experts each MoE
+        layer routed each new position to, `[batch, new, layers, top_k]` on the CPU (else None:
+        no hook runs then)."""
         position_ids = positions(attention_mask)[:, -input_ids.shape[1] :]
-        with self.lock:
+        with self.lock, self._recording(record_routes) as routes:
             self.batch.use(slots, input_ids.device)
             output = self.base.model(
                 input_ids=input_ids,
@@ -196,7 +201,16 @@ class TorchEngine:
                 logits_to_keep=1,
             )
         extended = [(layer.keys, layer.values) for layer in output.past_key_values.layers]
-        return output.logits[:, -1], extended
+        return output.logits[:, -1], extended, None if routes is None else routes.indices
+
+    def _recording(self, on: bool) -> AbstractContextManager[Routes | None]:
+        """Hooks on every MoE router for one forward while `on` (ConfigurationError on a base
+        without any); nothing at all otherwise."""
+        return recording_routes(self.base.model) if on else nullcontext()
+
+    def check_routes(self) -> None:
+        """ConfigurationError unless this base can record routes (it has MoE routers)."""
+        moe_gates(self.base.model)
 
     @torch.inference_mode()
     def logits(self, prompts: Sequence[str], adapter_keys: Sequence[str]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.model.base import BaseText
-from mint_core.model.generate import FinishReason, Generation
+from mint_core.model.generate import FinishReason, Generation, Route
 from mint_core.model.text import TextCodec
 from serving.sampling import RowSampler, SamplingParams, stop_hit
 
@@ -53,6 +53,11 @@ class Request:
         self.detokenizer = codec.detokenizer()
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
+        self.routes: list[Route] = []
+        """With `return_routes`: each token's route, as `push` got it."""
+        self.prompt_routes: tuple[Route, ...] | None = None
+        """With `return_routes`: the prompt's routes but the last position's, which the backend
+        sets at prefill (see `Generation.prompt_routes`)."""
         self.submitted = time.perf_counter()
         self.finish_reason: FinishReason | None = None
         self.failed = False
@@ -96,10 +101,18 @@ class Request:
         """The text of the tokens so far (less what the detokenizer holds back)."""
         return self.detokenizer.text
 
-    def push(self, token: int, logprob: float) -> bool:
-        """Record one generated token; True when it ends the generation."""
+    def push(self, token: int, logprob: float, route: Route | None = None) -> bool:
+        """Record one generated token (with `return_routes`, its route: the experts each MoE
+        layer routed the position that produced it to); True when it ends the generation."""
+        if self.params.return_routes and (route is None or self.prompt_routes is None):
+            raise ServiceError(
+                f"token {len(self.token_ids)} of a generation that asked for its routes came "
+                "without them; the backend does not record routes"
+            )
         self.token_ids.append(token)
         self.logprobs.append(logprob)
+        if route is not None:
+            self.routes.append(route)
         piece = self.detokenizer.push(token)
         if token in self.eos_ids:
             self.finish_reason = FinishReason.EOS_TOKEN
@@ -115,7 +128,13 @@ class Request:
         self._events.put(TokenEvent(token, piece + self.detokenizer.finish(), logprob))
         seed = None if self.params.greedy else self.sampler.seed
         generation = Generation(
-            self.text, tuple(self.token_ids), tuple(self.logprobs), self.finish_reason, seed
+            self.text,
+            tuple(self.token_ids),
+            tuple(self.logprobs),
+            self.finish_reason,
+            seed,
+            tuple(self.routes) if self.params.return_routes else None,
+            self.prompt_routes,
         )
         self._events.put(generation)
         return True

@@ -40,7 +40,7 @@ from mint_core.errors import (
     NotReadyError,
     ServiceError,
 )
-from mint_core.model.generate import pad_left
+from mint_core.model.generate import Route, pad_left
 from mint_core.residency import Residency, SlotGrant
 from serving.engine import BASE, AdapterWeights, TorchEngine
 from serving.generation import Request, check_prompt
@@ -92,6 +92,8 @@ class Scheduler:
         """Queue a generation; its adapter must be in the host cache (ready) or BASE. `warm_up`
         marks a worker's own prewarm generation."""
         check_prompt(self.engine.base.text, prompt_ids, params)
+        if params.return_routes:
+            self.engine.check_routes()
         request = Request(prompt_ids, key, params, self.engine.codec, warm_up)
         with self._wake:
             if self._stopped:
@@ -217,12 +219,17 @@ class Scheduler:
         input_ids, mask = pad_left([r.prompt_ids for r in joining], self.engine.codec.pad_id)
         input_ids, mask = input_ids.to(self.engine.device), mask.to(self.engine.device)
         slots = [self.engine.slot_of(r.key) for r in joining]
-        logits, cache = self.engine.step(input_ids, mask, slots, None)
+        logits, cache, routes = self.engine.step(input_ids, mask, slots, None, _routes(joining))
         self.steps += 1
-        for request in joining:
+        for row, request in enumerate(joining):
             request.joined_step = self.steps
             self.metrics.first_token(request.submitted)
-        self._sample(joining, logits)
+            if routes is not None and request.params.return_routes:
+                # Left padding: the row's prompt is its last len(prompt_ids) positions, and the
+                # last of them produced the first token (its route goes with that token).
+                prompt = routes[row, mask.shape[1] - len(request.prompt_ids) : -1]
+                request.prompt_routes = tuple(map(_route, prompt))
+        self._sample(joining, logits, routes)
         self._merge(joining, cache, mask)
         self._joining = []
 
@@ -260,17 +267,25 @@ class Scheduler:
         )
         mask = F.pad(self._mask, (0, 1), value=1)
         slots = [self.engine.slot_of(r.key) for r in self._running]
-        logits, self._cache = self.engine.step(input_ids, mask, slots, self._cache)
+        logits, self._cache, routes = self.engine.step(
+            input_ids, mask, slots, self._cache, _routes(self._running)
+        )
         self.steps += 1
         self._mask = mask
-        self._sample(self._running, logits)
+        self._sample(self._running, logits, routes)
         rows = len(self._running)
         self.metrics.batch_size.observe(rows)
         self.metrics.tokens_per_second.set(rows / (time.perf_counter() - started))
 
-    def _sample(self, requests: list[Request], logits: torch.Tensor) -> None:
+    def _sample(
+        self, requests: list[Request], logits: torch.Tensor, routes: torch.Tensor | None
+    ) -> None:
+        """Each row's next token from its last position's `logits`; `routes` (`[batch, new,
+        layers, top_k]`, when recorded) gives each token the route of that position."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        for request, row, row_is_finite in zip(requests, logits, finite, strict=True):
+        for index, (request, row, row_is_finite) in enumerate(
+            zip(requests, logits, finite, strict=True)
+        ):
             if request.done:
                 continue
             if not row_is_finite:
@@ -287,5 +302,16 @@ class Scheduler:
             except RuntimeError as e:  # one request's sampling parameters fail it alone
                 request.fail(ServiceError(f"sampling for {request.key} failed: {e}"))
                 continue
-            request.push(token, logprob)
+            wanted = routes is not None and request.params.return_routes
+            request.push(token, logprob, _route(routes[index, -1]) if wanted else None)
         self.metrics.generated_tokens.inc(len(requests))
+
+
+def _routes(requests: list[Request]) -> bool:
+    """Whether a step records routes: only when one of its rows asked (it costs hooks)."""
+    return any(r.params.return_routes for r in requests)
+
+
+def _route(position: torch.Tensor) -> Route:
+    """One position's `[layers, top_k]` expert indices as plain integers."""
+    return tuple(map(tuple, position.tolist()))

@@ -275,6 +275,11 @@ class VllmBackend:
         warm_up: bool = False,
         streamed: bool = True,
     ) -> Request:
+        if params.return_routes:
+            raise ConfigurationError(
+                "return_routes: routes are not on vllm (this worker's backend does not report "
+                "the experts it routed each token to); sample from an embedded worker"
+            )
         check_prompt(self.text, prompt_ids, params)
         if (problem := self._problem) is not None:
             raise EngineUnavailableError(problem)

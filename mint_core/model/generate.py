@@ -39,6 +39,10 @@ class FinishReason(StrEnum):
     """Its text ended with one of the request's stop sequences."""
 
 
+Route = tuple[tuple[int, ...], ...]
+"""The experts each MoE layer routed one position to: `[layers][top_k]` expert indices."""
+
+
 @dataclass(frozen=True)
 class Generation:
     """One row's continuation."""
@@ -50,6 +54,12 @@ class Generation:
     finish_reason: FinishReason
     seed: int | None = None
     """The sampling seed, when the tokens were sampled."""
+    routes: tuple[Route, ...] | None = None
+    """When asked for (R3): per generated token, the route of the position that produced it
+    (the prompt's last position for the first token, then each generated token but the last)."""
+    prompt_routes: tuple[Route, ...] | None = None
+    """With `routes`: the route of each prompt position but the last, so that `prompt_routes +
+    routes` covers exactly what a trainer feeds to score the tokens (prompt + tokens[:-1])."""
 
     @property
     def finished(self) -> bool:

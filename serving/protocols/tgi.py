@@ -10,6 +10,10 @@ Quirks kept, as TGI clients expect them:
   `do_sample` says so, or when any sampling knob moves off its neutral value.
 - The generated text keeps the stop sequence that ended it (OpenAI's leaves it out), and
   `return_full_text` puts the prompt in front of it.
+- `parameters.return_routes` (a MinT extension, for R3 routing replay in RL) adds to `details`
+  `routed_experts`, per generated token the experts each MoE layer routed it to (`[tokens,
+  layers, top_k]`, vLLM's name), and `prompt_routed_experts`, the same for the prompt's
+  positions but the last (whose route is the first token's).
 - A stream sends each token when the next event comes, so that the last token's event can
   carry `generated_text` and `details`; the events before it carry null for both.
 """
@@ -44,6 +48,7 @@ class GenerateParameters(BaseModel):
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: list[str] | None = None
     return_full_text: bool | None = False
+    return_routes: bool = False
 
     def sampling(self, context_length: int) -> SamplingParams:
         """The worker's parameters; 422 when `max_new_tokens` cannot fit `context_length`."""
@@ -58,6 +63,7 @@ class GenerateParameters(BaseModel):
             top_p=self.top_p,
             seed=self.seed,
             stop=tuple(self.stop or ()),
+            return_routes=self.return_routes,
         )
 
 
@@ -96,11 +102,15 @@ def token(event: TokenEvent, special: frozenset[int]) -> dict[str, object]:
 
 
 def details(generation: Generation) -> dict[str, object]:
-    return {
+    body: dict[str, object] = {
         "finish_reason": generation.finish_reason.value,
         "generated_tokens": len(generation.token_ids),
         "seed": generation.seed,
     }
+    if generation.routes is not None:
+        body["routed_experts"] = generation.routes
+        body["prompt_routed_experts"] = generation.prompt_routes
+    return body
 
 
 def generated(
