@@ -219,7 +219,9 @@ class Scheduler:
         input_ids, mask = pad_left([r.prompt_ids for r in joining], self.engine.codec.pad_id)
         input_ids, mask = input_ids.to(self.engine.device), mask.to(self.engine.device)
         slots = [self.engine.slot_of(r.key) for r in joining]
-        logits, cache, routes = self.engine.step(input_ids, mask, slots, None, _routes(joining))
+        logits, cache, routes = self.engine.step(
+            input_ids, mask, slots, None, _wants_routes(joining)
+        )
         self.steps += 1
         for row, request in enumerate(joining):
             request.joined_step = self.steps
@@ -268,7 +270,7 @@ class Scheduler:
         mask = F.pad(self._mask, (0, 1), value=1)
         slots = [self.engine.slot_of(r.key) for r in self._running]
         logits, self._cache, routes = self.engine.step(
-            input_ids, mask, slots, self._cache, _routes(self._running)
+            input_ids, mask, slots, self._cache, _wants_routes(self._running)
         )
         self.steps += 1
         self._mask = mask
@@ -283,8 +285,9 @@ class Scheduler:
         """Each row's next token from its last position's `logits`; `routes` (`[batch, new,
         layers, top_k]`, when recorded) gives each token the route of that position."""
         finite = torch.isfinite(logits).all(dim=-1).tolist()
-        for index, (request, row, row_is_finite) in enumerate(
-            zip(requests, logits, finite, strict=True)
+        last = [None] * len(requests) if routes is None else routes[:, -1]
+        for request, row, row_is_finite, position in zip(
+            requests, logits, finite, last, strict=True
         ):
             if request.done:
                 continue
@@ -302,12 +305,12 @@ class Scheduler:
             except RuntimeError as e:  # one request's sampling parameters fail it alone
                 request.fail(ServiceError(f"sampling for {request.key} failed: {e}"))
                 continue
-            wanted = routes is not None and request.params.return_routes
-            request.push(token, logprob, _route(routes[index, -1]) if wanted else None)
+            wanted = position is not None and request.params.return_routes
+            request.push(token, logprob, _route(position) if wanted else None)
         self.metrics.generated_tokens.inc(len(requests))
 
 
-def _routes(requests: list[Request]) -> bool:
+def _wants_routes(requests: list[Request]) -> bool:
     """Whether a step records routes: only when one of its rows asked (it costs hooks)."""
     return any(r.params.return_routes for r in requests)
 
