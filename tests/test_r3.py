@@ -6,7 +6,9 @@ worker's HTTP API (`WorkerClient.sample`), and the refusals (dense base, vLLM).
 
 The base's routers are set near-tied (std 1e-3, experts 1 and 2 scoring every token alike) and
 its experts large (std 0.3), so that one small router step flips routes and a flipped token's
-log-probability moves: the measured figures in the issue 16 plan (section 4).
+log-probability moves. Replay's own gap grows with the step (the gate weights are recomputed
+from the moved router), so the step is small: at lr 2e-5 it stays at the engine's float
+rounding here.
 """
 
 import copy
