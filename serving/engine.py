@@ -2,18 +2,19 @@
 
 The engine owns its base model, any Hugging Face causal LM, and adapts it in place: every linear
 layer an adapter may target (all of them but the output embedding, by module name, whatever the
-family calls them) is wrapped (`serving.lora`) so a batch can mix adapters row by row, each row
-naming its device slot, slot 0 being the base alone. Loading an adapter copies its LoRA pairs
-into a slot (the worker's residency plan says which); the base weights are never touched.
+family calls them) is wrapped (`serving.lora`), and so is every fused MoE experts module, so a
+batch can mix adapters row by row, each row naming its device slot, slot 0 being the base alone.
+Loading an adapter copies its LoRA pairs into a slot (the worker's residency plan says which);
+the base weights are never touched.
 `step` is one forward pass over a batch with its key/value cache, what the continuous-batching
 scheduler runs; `generate` and `logits` run one static batch of plain prompts (tests,
 benchmarks). Each takes the engine lock.
 """
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from peft import LoraConfig, get_peft_config
@@ -23,9 +24,10 @@ from transformers.cache_utils import DynamicCache
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
 from mint_core.freezing import check_finite
 from mint_core.model.base import BaseModel, servable_modules
+from mint_core.model.experts import ExpertTarget, expert_lora_targets, expert_stacks
 from mint_core.model.generate import Generation, greedy_generate, pad_left
 from mint_core.model.routing import Routes, moe_gates, recording_routes
-from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_linears
+from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_experts, wrap_linears
 
 BASE = "__base__"
 """Adapter key of rows served by the base model alone."""
@@ -40,10 +42,16 @@ class AdapterWeights:
     key: str
     pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
     """Module name -> (A `[rank, in]`, B `[out, rank]`, scaling)."""
+    experts: Mapping[str, Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]] = field(
+        default_factory=dict
+    )
+    """Experts module name -> fused parameter name -> (A `[experts, rank, in]`, B
+    `[experts, out, rank]`, scaling)."""
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b, _ in self.pairs.values())
+        stacks = [stack for by_name in self.experts.values() for stack in by_name.values()]
+        return sum(a.nbytes + b.nbytes for a, b, _ in [*self.pairs.values(), *stacks])
 
 
 class TorchEngine:
@@ -59,6 +67,7 @@ class TorchEngine:
         # One slot more than adapters: slot 0 stays all zeros for base rows.
         modules = servable_modules(base.model)
         self._wrappers = wrap_linears(base.model, modules, slots + 1, self.batch)
+        self._experts = wrap_experts(base.model, slots + 1, self.batch)
         self._slot_of: dict[str, int] = {}
         self.lock = threading.Lock()
         """Held for each forward pass and each slot copy: a copy waits for at most one step."""
@@ -93,7 +102,13 @@ class TorchEngine:
             raise ConfigurationError(f"adapter {key} is not a plain LoRA adapter: {config}")
         for name, tensor in tensors.items():
             check_finite(name, tensor, f"adapter {key}")
-        return AdapterWeights(key, self._pairs(key, config, tensors))
+        targets = expert_lora_targets(self.base.model, config.target_parameters)
+        linear = {k: v for k, v in tensors.items() if _module_of(k)[0] not in targets}
+        fused = {k: v for k, v in tensors.items() if _module_of(k)[0] in targets}
+        experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = {}
+        for target, (a, b, scaling) in self._expert_pairs(key, config, targets, fused).items():
+            experts.setdefault(target.module, {})[target.parameter] = (a, b, scaling)
+        return AdapterWeights(key, self._pairs(key, config, linear), experts)
 
     def load(self, weights: AdapterWeights, slot: int | None = None) -> int:
         """Copy an adapter into device slot `slot` (whatever held it is dropped), or into the
@@ -118,6 +133,8 @@ class TorchEngine:
                 self._wrappers[module].fill(slot, a, b, scaling)
             for module in self._wrappers.keys() - weights.pairs.keys():
                 self._wrappers[module].clear(slot)
+            for module, experts in self._experts.items():
+                experts.fill(slot, weights.experts.get(module, {}))
             self._slot_of[weights.key] = slot
             # The same rows may now mean different weights: gather them again.
             self.batch.reset()
@@ -127,19 +144,8 @@ class TorchEngine:
         self, key: str, config: LoraConfig, tensors: Mapping[str, torch.Tensor]
     ) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
         """module name -> (A, B, scaling), each checked against the module it adapts."""
-        sides: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in tensors.items():
-            module, _, side = name.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
-            if module not in self._wrappers or side not in ("A.weight", "B.weight"):
-                raise IntegrityError(
-                    f"adapter {key} does not fit the base {self.base.model_id} "
-                    f"({self.base.family}): tensor {name!r} is not a LoRA pair of one of its "
-                    "linear layers (embeddings and lm_head are not servable); the adapter was "
-                    "made for another model"
-                )
-            sides.setdefault(module, {})[side[0]] = tensor
         pairs = {}
-        for module, pair in sides.items():
+        for module, pair in self._sides(key, tensors, self._wrappers.keys()).items():
             base = self._wrappers[module].base
             a, b = pair.get("A"), pair.get("B")
             if a is None or b is None or a.shape[1:] != (base.in_features,) or b.shape != (
@@ -156,12 +162,66 @@ class TorchEngine:
             pairs[module] = (a, b, lora_scaling(alpha, a.shape[0], config.use_rslora))
         return pairs
 
+    def _expert_pairs(
+        self,
+        key: str,
+        config: LoraConfig,
+        targets: Mapping[str, ExpertTarget],
+        tensors: Mapping[str, torch.Tensor],
+    ) -> dict[ExpertTarget, tuple[torch.Tensor, torch.Tensor, float]]:
+        """Fused expert parameter -> (A `[experts, rank, in]`, B `[experts, out, rank]`,
+        scaling), each pair checked against the parameter it adapts (`tensors` are those saved
+        under the PEFT keys of `targets`)."""
+        stacks = {}
+        for module, pair in self._sides(key, tensors, targets.keys()).items():
+            target = targets[module]
+            a, b = pair.get("A"), pair.get("B")
+            if a is None or b is None or a.shape[1:] != (target.in_features,) or b.shape != (
+                target.out_features, a.shape[0]) or a.shape[0] % target.experts:  # fmt: skip
+                raise IntegrityError(
+                    f"adapter {key} does not fit the base {self.base.model_id} "
+                    f"({self.base.family}) at {target.module}.{target.parameter}: "
+                    f"A {None if a is None else list(a.shape)}, B "
+                    f"{None if b is None else list(b.shape)}, base experts "
+                    f"{target.experts}x{target.out_features}x{target.in_features} (A must be "
+                    "[rank*experts, in], B [out, rank*experts])"
+                )
+            a_stack, b_stack = expert_stacks(a, b, target.experts)
+            # PEFT looks a fused parameter's alpha up by its unwrapped `module.parameter` name.
+            name = f"{target.module}.{target.parameter}"
+            alpha = config.alpha_pattern.get(
+                get_pattern_key(config.alpha_pattern.keys(), name), config.lora_alpha
+            )
+            scaling = lora_scaling(alpha, a_stack.shape[1], config.use_rslora)
+            stacks[target] = (a_stack, b_stack, scaling)
+        return stacks
+
+    def _sides(
+        self, key: str, tensors: Mapping[str, torch.Tensor], modules: Iterable[str]
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """PEFT module key -> {"A": lora_A, "B": lora_B} of `tensors`; IntegrityError for a
+        tensor that is not a LoRA pair of one of `modules`."""
+        known = set(modules)
+        sides: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in tensors.items():
+            module, side = _module_of(name)
+            if module not in known or side not in ("A.weight", "B.weight"):
+                raise IntegrityError(
+                    f"adapter {key} does not fit the base {self.base.model_id} "
+                    f"({self.base.family}): tensor {name!r} is not a LoRA pair of one of its "
+                    "linear layers or of the fused experts its target_parameters name "
+                    "(embeddings and lm_head are not servable); the adapter was made for "
+                    "another model"
+                )
+            sides.setdefault(module, {})[side[0]] = tensor
+        return sides
+
     def unload(self, key: str) -> None:
         """Free adapter `key`'s device slot."""
         with self.lock:
             slot = self._slot_of.pop(key, None)
             if slot is not None:
-                for wrapper in self._wrappers.values():
+                for wrapper in [*self._wrappers.values(), *self._experts.values()]:
                     wrapper.clear(slot)
 
     def generate(
@@ -226,6 +286,12 @@ class TorchEngine:
                 logits_to_keep=1,
             )
         return output.logits[:, -1]
+
+
+def _module_of(name: str) -> tuple[str, str]:
+    """A PEFT tensor name's module key (without PEFT's prefix) and side (`A.weight`, ...)."""
+    module, _, side = name.removeprefix(_PEFT_PREFIX).rpartition(".lora_")
+    return module, side
 
 
 def _dense_input(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

@@ -11,16 +11,26 @@ which adds exact zeros and so changes nothing.
 The rows' slots are gathered into contiguous per-row stacks once per batch, at its first forward
 (the prefill), and reused at every decode step: a step then reads each row's adapter once, as
 the base reads its weights, instead of copying them again.
+
+A fused MoE experts module (PEFT's `target_parameters`) is wrapped likewise, with stacks per
+slot and expert, `A: [slots, experts, rank_max, in]`, `B: [slots, experts, out, rank_max]`;
+each token gets, for each expert it is routed to, that expert's delta from its row's slot.
 """
 
 import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from mint_core.errors import ConfigurationError
+from mint_core.model.experts import EXPERT_PARAMETERS, experts_modules
+
 BASE_SLOT = 0
+_Module = TypeVar("_Module", bound=nn.Module)
 
 
 class SlotBatch:
@@ -107,12 +117,16 @@ class SlotLoraLinear(nn.Module):
 
     def _grow(self, rank: int) -> None:
         """Widen every slot to `rank` (at load time, never during a batch)."""
-        slots, old, _ = self.lora_A.shape
-        wider_a = self.lora_A.new_zeros(slots, rank, self.lora_A.shape[2])
-        wider_a[:, :old] = self.lora_A
-        wider_b = self.lora_Bt.new_zeros(slots, rank, self.lora_Bt.shape[2])
-        wider_b[:, :old] = self.lora_Bt
-        self.lora_A, self.lora_Bt = wider_a, wider_b
+        self.lora_A, self.lora_Bt = _widened(self.lora_A, 1, rank), _widened(self.lora_Bt, 1, rank)
+
+
+def _widened(stack: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    """`stack` zero-padded along its rank dimension `dim` to `rank`."""
+    shape = list(stack.shape)
+    shape[dim] = rank
+    wider = stack.new_zeros(shape)
+    wider.narrow(dim, 0, stack.shape[dim]).copy_(stack)
+    return wider
 
 
 def wrap_linears(
@@ -120,13 +134,137 @@ def wrap_linears(
 ) -> dict[str, SlotLoraLinear]:
     """Replace each of `modules` (linear layers of `model`, by module name as `named_modules`
     gives it) with a slot wrapper, in place; returns the wrappers by the same names."""
-    wrappers: dict[str, SlotLoraLinear] = {}
-    for name, linear in modules.items():
-        parent_name, _, child_name = name.rpartition(".")
-        wrapper = SlotLoraLinear(linear, slots, batch)
-        setattr(model.get_submodule(parent_name), child_name, wrapper)
-        wrappers[name] = wrapper
-    return wrappers
+    return {
+        name: _replace(model, name, SlotLoraLinear(linear, slots, batch))
+        for name, linear in modules.items()
+    }
+
+
+def _replace(model: nn.Module, name: str, module: _Module) -> _Module:
+    """Put `module` in place of `model`'s submodule `name`; returns it."""
+    parent_name, _, child_name = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child_name, module)
+    return module
+
+
+class SlotExpertLora(nn.Module):
+    """The LoRA pairs of one fused expert parameter (`[experts, out, in]`) in every slot:
+    `A: [slots, experts, rank_max, in]`, `B: [slots, experts, out, rank_max]`."""
+
+    def __init__(self, parameter: torch.Tensor, slots: int) -> None:
+        super().__init__()
+        experts, out_features, in_features = parameter.shape
+        like = {"dtype": parameter.dtype, "device": parameter.device}
+        self.register_buffer("lora_A", torch.zeros(slots, experts, 0, in_features, **like), False)
+        self.register_buffer("lora_B", torch.zeros(slots, experts, out_features, 0, **like), False)
+        self.register_buffer("scaling", torch.zeros(slots, **like), False)
+
+    @property
+    def rank_max(self) -> int:
+        return self.lora_A.shape[2]
+
+    def delta(self, x: torch.Tensor, slots: torch.Tensor, expert: int) -> torch.Tensor:
+        """`scaling * B @ (A @ x)` of `expert` for each token of `x` (`[tokens, in]`), through
+        the pair in the token's slot (`slots`: `[tokens]`); `[tokens, out]`."""
+        a = self.lora_A[slots, expert]  # [tokens, rank, in]
+        b = self.lora_B[slots, expert]  # [tokens, out, rank]
+        return torch.bmm(b, torch.bmm(a, x[:, :, None]))[:, :, 0] * self.scaling[slots, None]
+
+    def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
+        """Put one adapter's stacks (`a`: [experts, rank, in], `b`: [experts, out, rank]) into
+        `slot`."""
+        rank = a.shape[1]
+        if rank > self.rank_max:
+            self.lora_A = _widened(self.lora_A, 2, rank)
+            self.lora_B = _widened(self.lora_B, 3, rank)
+        self.clear(slot)
+        self.lora_A[slot, :, :rank].copy_(a)
+        self.lora_B[slot, :, :, :rank].copy_(b)
+        self.scaling[slot] = scaling
+
+    def clear(self, slot: int) -> None:
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
+        self.scaling[slot] = 0.0
+
+
+class SlotLoraExperts(nn.Module):
+    """A fused experts module (`gate_up_proj [experts, 2*inter, hidden]`, `down_proj
+    [experts, hidden, inter]`, as Qwen3-MoE and Mixtral hold them) plus, for each token and
+    each expert it is routed to, that expert's LoRA delta in the token's row slot: on
+    `gate_up_proj` before the activation, on `down_proj` after it."""
+
+    def __init__(self, experts: nn.Module, slots: int, batch: SlotBatch) -> None:
+        super().__init__()
+        layout = {"has_bias": False, "is_concatenated": True, "has_post_expert_norm": False}
+        if any(getattr(experts, flag, value) != value for flag, value in layout.items()):
+            raise ConfigurationError(
+                f"{type(experts).__name__} is not laid out as {layout}; the engine serves expert "
+                "LoRA only on transformers' Qwen3-MoE / Mixtral experts"
+            )
+        # The wrapper takes the experts' place and their parameters under the same names, so
+        # that the model's parameter names, and PEFT's key rule for them
+        # (mint_core.model.experts), stay the base's. The original module, which runs batches
+        # of base rows, stays outside the module tree so its parameters are not listed twice.
+        self.__dict__["base"] = experts
+        self.gate_up_proj = experts.gate_up_proj
+        self.down_proj = experts.down_proj
+        self.batch = batch
+        self.lora = nn.ModuleDict(
+            {name: SlotExpertLora(getattr(experts, name), slots) for name in EXPERT_PARAMETERS}
+        )
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        slot_ids = self.batch.slot_ids
+        if slot_ids is None or all(lora.rank_max == 0 for lora in self.lora.values()):
+            return self.base(hidden_states, top_k_index, top_k_weights)
+        # `hidden_states` is the batch flattened row by row: [rows * tokens, hidden].
+        token_slots = slot_ids.repeat_interleave(hidden_states.shape[0] // slot_ids.shape[0])
+        # transformers' eager loop (Qwen3MoeExperts.forward) step for step, so that the tokens
+        # of rows in slot 0 (all zeros) get the base's bits.
+        experts = self.gate_up_proj.shape[0]
+        final = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(top_k_index, num_classes=experts + 1).permute(2, 1, 0)
+        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        for expert in expert_hit[:, 0].tolist():
+            if expert == experts:
+                continue
+            top_k_pos, token_idx = torch.where(expert_mask[expert])
+            x, slots = hidden_states[token_idx], token_slots[token_idx]
+            gate_up = F.linear(x, self.gate_up_proj[expert])
+            gate, up = (gate_up + self.lora["gate_up_proj"].delta(x, slots, expert)).chunk(2, -1)
+            inner = self.base.act_fn(gate) * up
+            out = F.linear(inner, self.down_proj[expert])
+            out = out + self.lora["down_proj"].delta(inner, slots, expert)
+            out = out * top_k_weights[token_idx, top_k_pos, None]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def fill(
+        self, slot: int, stacks: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
+    ) -> None:
+        """Put one adapter's stacks (parameter name -> (A, B, scaling)) into `slot`; the
+        parameters it does not adapt get zeros there."""
+        for name, lora in self.lora.items():
+            if name in stacks:
+                lora.fill(slot, *stacks[name])
+            else:
+                lora.clear(slot)
+
+    def clear(self, slot: int) -> None:
+        for lora in self.lora.values():
+            lora.clear(slot)
+
+
+def wrap_experts(model: nn.Module, slots: int, batch: SlotBatch) -> dict[str, SlotLoraExperts]:
+    """Replace every fused experts module of `model` with a slot wrapper, in place; returns
+    the wrappers by module name."""
+    return {
+        name: _replace(model, name, SlotLoraExperts(experts, slots, batch))
+        for name, experts in experts_modules(model).items()
+    }
 
 
 def lora_scaling(alpha: float, rank: int, use_rslora: bool) -> float:
