@@ -101,12 +101,12 @@ def decode(engine: TorchEngine, prompts: list[str], keys: list[str]) -> tuple[to
     rows = [engine.codec.encode(prompt) for prompt in prompts]
     input_ids, mask = pad_left(rows, engine.codec.pad_id)
     slots = [engine.slot_of(key) for key in keys]
-    logits, cache = engine.step(input_ids, mask, slots, None)
+    logits, cache, _ = engine.step(input_ids, mask, slots, None)
     tokens, steps = [], [logits]
     for _ in range(DECODE_STEPS - 1):
         tokens.append(logits.argmax(-1))
         mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=mask.dtype)], dim=1)
-        logits, cache = engine.step(tokens[-1][:, None], mask, slots, cache)
+        logits, cache, _ = engine.step(tokens[-1][:, None], mask, slots, cache)
         steps.append(logits)
     tokens.append(logits.argmax(-1))
     return torch.stack(tokens, 1), *steps
