@@ -111,6 +111,32 @@ def test_sync_benchmark_times_both_paths_to_an_answer(tmp_path: Path) -> None:
     assert result["speedup"] > 1, result
 
 
+@pytest.mark.slow
+def test_rl_sync_benchmark_times_adapter_and_full_weights(tmp_path: Path) -> None:
+    result = run_bench(
+        "rl_sync.py", "--layers", "1", "--experts", "4", "--vocab", "4096", "--runs", "1",
+        out=tmp_path / "rl_sync.json",
+    )  # fmt: skip
+    assert (result["shape"]["layers"], result["shape"]["experts"]) == (1, 4)
+    assert result["adapter"]["target_parameters"] == [
+        "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+    ]  # fmt: skip
+    for path in ("adapter", "full"):
+        (total,) = result["samples_s"][path]
+        (stages,) = result["stage_samples_s"][path]
+        assert result[f"{path}_s"] == total == pytest.approx(sum(stages.values()))
+        assert result["floor_s"][path] == pytest.approx(
+            result[f"{path}_bytes"] / result["disk_read_bytes_per_s"]["cold"]
+        )
+    assert result["speedup"] == pytest.approx(result["full_s"] / result["adapter_s"])
+    assert result["bytes_ratio"] == pytest.approx(result["full_bytes"] / result["adapter_bytes"])
+    # Both paths serve the same expert LoRA: the same greedy tokens, which are not the base's.
+    (answers,) = result["answers"]
+    assert answers["adapter"] == answers["full"] != result["base_tokens"]
+    # One rank-1 pair per expert projection against the experts' full matrices.
+    assert result["full_bytes"] > 100 * result["adapter_bytes"], result
+
+
 def test_catalog_benchmark_writes_its_figures(tmp_path: Path) -> None:
     result = run_bench(
         "catalog.py", "--adapters", "200", "--bases", "50", "--lookups", "500",
