@@ -18,6 +18,7 @@ Qwen3-MoE's `gate_up_proj` is `mlp.experts.base_layer.lora_A.weight` and its `do
 """
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -126,7 +127,7 @@ def fused_expert_parameter(
     return module_key, chosen[len(chosen) - 1 - depth]
 
 
-def expert_rank(adapter_config: dict[str, object], module: str, parameter: str) -> int:
+def expert_rank(adapter_config: Mapping[str, object], module: str, parameter: str) -> int:
     """The LoRA rank PEFT gives `module.parameter`: the first `rank_pattern` entry matching
     its name (PEFT's `get_pattern_key` rule: the pattern is a regex for a `.`-separated suffix),
     else `r`. PEFT itself writes a pattern when it turns `gate_proj`/`up_proj` targets into
