@@ -118,10 +118,10 @@ def _linear_rank(
     """The rank of `key`, a LoRA tensor of the linear layer `module`, once its shape fits."""
     if not key.startswith(_PREFIX) or not isinstance(module, torch.nn.Linear):
         raise BaseMismatchError(
-            f"{key!r} adapts {module_name!r}, which is not a linear layer or fused experts MinT "
-            f"can serve on the base {base.model_id} ({base.family}; embeddings and lm_head are "
-            "not adaptable): the adapter was made for another model, or adapts modules MinT "
-            "does not serve"
+            f"{key!r} adapts {module_name!r}, which is not a linear layer MinT can serve on the "
+            f"base {base.model_id} ({base.family}; embeddings and lm_head are not adaptable): "
+            "the adapter was made for another model, or adapts modules MinT does not serve "
+            "(fused experts only as the adapter config's target_parameters)"
         )
     # lora_A is [rank, in_features] and lora_B is [out_features, rank].
     fixed_axis, size = (1, module.in_features) if _is_a(key) else (0, module.out_features)
