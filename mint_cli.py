@@ -44,8 +44,8 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 TRAINING_OPTIONS = (
-    "eval_fraction", "rank", "alpha", "target_modules", "dropout", "learning_rate", "epochs",
-    "steps", "batch_size", "gradient_accumulation", "max_length", "seed",
+    "eval_fraction", "rank", "alpha", "target_modules", "expert_targets", "dropout",
+    "learning_rate", "epochs", "steps", "batch_size", "gradient_accumulation", "max_length", "seed",
 )  # fmt: skip
 """`mint release` options passed to the release flow as they are, when given."""
 GATE_OPTIONS = (
@@ -462,6 +462,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=unset,
         help="module names to adapt (default: the base family's attention and MLP projections)",
+    )
+    hyper.add_argument(
+        "--expert-targets",
+        nargs="*",
+        default=unset,
+        help="fused MoE expert parameters to adapt, e.g. mlp.experts.down_proj (default: an MoE "
+        "family's gate_up_proj and down_proj; none given: no expert LoRA)",
     )
     hyper.add_argument("--dropout", type=_real("dropout", 0, 1, closed_low=True), default=unset)
     hyper.add_argument("--learning-rate", type=_real("learning rate", 0), default=unset)

@@ -51,6 +51,7 @@ def release(
     rank: int = TrainingConfig.rank,
     alpha: int = TrainingConfig.alpha,
     target_modules: list[str] | None = None,
+    expert_targets: list[str] | None = None,
     dropout: float = TrainingConfig.dropout,
     learning_rate: float = TrainingConfig.learning_rate,
     epochs: float = TrainingConfig.epochs,
@@ -67,7 +68,8 @@ def release(
     next revision of `adapter`.
 
     Held-out rows come from `eval_data`, or else are a seeded `eval_fraction` of `data`.
-    `target_modules` default to the base family's projections; `steps` overrides `epochs`;
+    `target_modules` default to the base family's projections and `expert_targets` (fused MoE
+    expert parameters; [] for none) to its experts' projections; `steps` overrides `epochs`;
     `max_length` defaults to the base's context. `principals` may use the revision; default
     everyone. `base_model` (a model folder or hub id) trains it on that base instead of
     MINT_BASE_MODEL's: the workers serving that base take it."""
@@ -77,6 +79,7 @@ def release(
         rank=rank,
         alpha=alpha,
         target_modules=tuple(target_modules or ()),
+        expert_targets=None if expert_targets is None else tuple(expert_targets),
         dropout=dropout,
         learning_rate=learning_rate,
         epochs=epochs,

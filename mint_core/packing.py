@@ -28,15 +28,19 @@ from safetensors.torch import load_file, save_file
 from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, FrozenAdapter
+from mint_core.model.experts import expert_rank, expert_stacks, fused_expert_parameter
 
 FORMAT = "mint-packed"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (3, 4)
+"""Version 3 is version 4 without fused expert tensors (`fused` absent: none)."""
 INDEX = "index.json"
 DEFAULT_SHARD_BYTES = 32 << 20
 
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)$")
 _EXPERT_SLOT = "{expert}"
+_PEFT_PREFIX = "base_model.model."
 _DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -55,14 +59,43 @@ _CORRUPT = (
 
 
 @dataclass(frozen=True)
+class FusedExperts:
+    """How a fused expert LoRA tensor (PEFT's `target_parameters`: A `[rank*experts, in]`,
+    B `[out, rank*experts]`) is stored: reshaped to A `[experts, rank, in]`, B
+    `[out, rank, experts]`, which keeps PEFT's bytes as they are (`mint_core.model.experts`)."""
+
+    experts: int
+    rank: int
+
+    def peft_shape(self, stored: tuple[int, ...], key: str) -> tuple[int, ...]:
+        if _is_lora_a(key):
+            return (stored[0] * stored[1], stored[2])
+        return (stored[0], stored[1] * stored[2])
+
+    def stored_shape(self, peft: tuple[int, ...], key: str) -> tuple[int, ...]:
+        if _is_lora_a(key):
+            return (self.experts, self.rank, peft[1])
+        return (peft[0], self.rank, self.experts)
+
+
+@dataclass(frozen=True)
 class StoredTensor:
-    """One tensor as it lies in a shard: a PEFT tensor, or a stack of per-expert ones."""
+    """One tensor as it lies in a shard: a PEFT tensor, a stack of per-expert ones, or a fused
+    expert tensor reshaped per expert."""
 
     shard: str
     key: str
     """The PEFT key; for a stack, a template with `{expert}` where the expert number goes."""
     experts: tuple[int, ...] | None = None
     """For a stack: the expert number at each position of dimension 0."""
+    fused: FusedExperts | None = None
+    """For a fused expert tensor: its experts and rank."""
+
+    def as_peft(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The stored (non-stack) `tensor` in PEFT's shape: a view, bytes untouched."""
+        if self.fused is None:
+            return tensor
+        return tensor.reshape(self.fused.peft_shape(tuple(tensor.shape), self.key))
 
 
 @dataclass(frozen=True)
@@ -104,6 +137,7 @@ class PackedIndex:
                 "adapter_config": self.adapter_config,
                 "tensors": {
                     name: {"shard": t.shard, "key": t.key, "experts": _encode_experts(t.experts)}
+                    | ({"fused": vars(t.fused)} if t.fused else {})
                     for name, t in self.tensors.items()
                 },
                 "shards": [vars(shard) for shard in self.shards],
@@ -118,13 +152,19 @@ class PackedIndex:
         if not path.is_file():
             raise IntegrityError(f"packed adapter {folder} has no {INDEX}; pack or export it again")
         raw = orjson.loads(path.read_bytes())
-        if raw.get("format") != FORMAT or raw.get("format_version") != FORMAT_VERSION:
+        if raw.get("format") != FORMAT or raw.get("format_version") not in READABLE_VERSIONS:
             raise ConfigurationError(
                 f"{path} is format {raw.get('format')!r} v{raw.get('format_version')!r}; this "
-                f"MinT reads {FORMAT!r} v{FORMAT_VERSION}: pack the adapter again"
+                f"MinT reads {FORMAT!r} v{'/v'.join(map(str, READABLE_VERSIONS))}: pack the "
+                "adapter again"
             )
         tensors = {
-            name: StoredTensor(t["shard"], t["key"], _decode_experts(t["experts"]))
+            name: StoredTensor(
+                t["shard"],
+                t["key"],
+                _decode_experts(t["experts"]),
+                FusedExperts(**t["fused"]) if t.get("fused") else None,
+            )
             for name, t in raw["tensors"].items()
         }
         shards = tuple(Shard(**shard) for shard in raw["shards"])
@@ -176,6 +216,30 @@ def _content(key: str, tensor: torch.Tensor) -> TensorContent:
         )
     data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
     return TensorContent(key, dtype, tuple(tensor.shape), _sha256(data))
+
+
+def _is_lora_a(key: str) -> bool:
+    return key.endswith(".lora_A.weight")
+
+
+def _fused(
+    adapter_config: Mapping[str, object], key: str, tensor: torch.Tensor
+) -> FusedExperts | None:
+    """How `key` is stored if it is a fused expert LoRA tensor; None if it is not one."""
+    lora = _LORA_KEY.match(key)
+    module = lora["module"].removeprefix(_PEFT_PREFIX) if lora else ""
+    target = fused_expert_parameter(module, adapter_config.get("target_parameters"))  # type: ignore[arg-type]
+    if target is None:
+        return None
+    rank = expert_rank(adapter_config, *target)
+    stacked = tensor.shape[0 if _is_lora_a(key) else 1] if tensor.dim() == 2 else 0
+    if not stacked or stacked % rank:
+        raise ConfigurationError(
+            f"{key!r} adapts the fused experts {'.'.join(target)} but has shape "
+            f"{list(tensor.shape)}, not rank {rank} (the adapter config's) x experts; the "
+            "weights and adapter_config.json do not belong together"
+        )
+    return FusedExperts(stacked // rank, rank)
 
 
 def _sha256(data: bytes | memoryview) -> str:
@@ -290,9 +354,12 @@ def pack_tensors(
 
     for stored in sorted(plan, key=_natural):
         key, members = plan[stored]
+        fused = None
         if members[0][0] < 0:
             tensor = tensors[key].contiguous()
             experts = None
+            if fused := _fused(adapter_config, key, tensor):
+                tensor = tensor.reshape(fused.stored_shape(tuple(tensor.shape), key))
         else:
             tensor = torch.stack([tensors[k] for _, k in members])
             experts = tuple(expert for expert, _ in members)
@@ -301,7 +368,9 @@ def pack_tensors(
             flush()
         group[stored] = tensor
         size += nbytes
-        stored_tensors[stored] = StoredTensor(f"shard-{len(shards):05d}.safetensors", key, experts)
+        stored_tensors[stored] = StoredTensor(
+            f"shard-{len(shards):05d}.safetensors", key, experts, fused
+        )
     if group or not shards:
         flush()
     contents = (_content(key, tensor) for key, tensor in tensors.items())
@@ -369,6 +438,8 @@ def _shard_contents(
         begin, end = (start + offset for offset in meta["data_offsets"])
         shape = tuple(meta["shape"])
         if tensor.experts is None:
+            if tensor.fused is not None:  # the same bytes as PEFT's tensor, in its shape
+                shape = tensor.fused.peft_shape(shape, tensor.key)
             contents.append(
                 TensorContent(tensor.key, meta["dtype"], shape, _sha256(data[begin:end]))
             )
@@ -413,9 +484,32 @@ class PackedAdapter:
     def peft_state_dict(self) -> dict[str, torch.Tensor]:
         """Every PEFT key -> its tensor, as views of the stacks (no copies)."""
         return {
-            key: self.tensors[stored] if position is None else self.tensors[stored][position]
+            key: self.index.tensors[stored].as_peft(self.tensors[stored])
+            if position is None
+            else self.tensors[stored][position]
             for key, (stored, position) in self.index.peft_keys().items()
         }
+
+    def expert_stacks(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Each fused expert LoRA pair per expert, by PEFT module key without
+        `base_model.model.` (as `mint_core.model.experts.expert_lora_targets` keys them):
+        (A `[experts, rank, in]`, B `[experts, out, rank]`), views of the shards."""
+        sides: dict[str, dict[bool, torch.Tensor]] = {}
+        experts: dict[str, int] = {}
+        for name, stored in self.index.tensors.items():
+            if stored.fused is None:
+                continue
+            module = stored.key.rpartition(".lora_")[0].removeprefix(_PEFT_PREFIX)
+            sides.setdefault(module, {})[_is_lora_a(stored.key)] = stored.as_peft(
+                self.tensors[name]
+            )
+            experts[module] = stored.fused.experts
+        stacks = {}
+        for module, pair in sides.items():
+            if pair.keys() != {True, False}:
+                raise IntegrityError(f"the fused experts {module} lack a lora_A or a lora_B")
+            stacks[module] = expert_stacks(pair[True], pair[False], experts[module])
+        return stacks
 
 
 # Hash in pieces small enough to still be in the L2 cache right after they are read.

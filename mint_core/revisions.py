@@ -115,6 +115,9 @@ class PolicyRecord:
     principals: tuple[str, ...] = ("*",)
     """Who may use it; `*` is everyone."""
     eval_metrics: Mapping[str, float] = field(default_factory=dict)
+    target_parameters: tuple[str, ...] = ()
+    """Fused MoE expert parameters the LoRA adapts (PEFT's `target_parameters`); () for none.
+    Records from before expert LoRA lack it and read as ()."""
     schema_version: int = POLICY_SCHEMA_VERSION
 
     def to_json(self, compact: bool = False) -> str:
@@ -159,7 +162,7 @@ class PolicyRecord:
         missing = [f.name for f in fields(cls) if f.name not in values and _required(f)]
         if missing:
             raise ConfigurationError(f"policy record lacks required fields {missing}")
-        for name in ("target_modules", "principals"):
+        for name in ("target_modules", "principals", "target_parameters"):
             if name in values:
                 values[name] = tuple(values[name])  # type: ignore[arg-type]
         return cls(**values)  # type: ignore[arg-type]

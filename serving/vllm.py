@@ -193,6 +193,19 @@ class VllmServer:
         )
 
 
+def refuse_expert_lora(key: str, adapter: PackedAdapter) -> None:
+    """ConfigurationError if `adapter` adapts fused MoE experts (PEFT's `target_parameters`),
+    before anything is written for vLLM: the CPU build MinT runs serves no LoRA on experts, and
+    the worker's prewarm then reports the revision FAILED with this reason."""
+    parameters = adapter.index.adapter_config.get("target_parameters")
+    fused = sorted(t.key for t in adapter.index.tensors.values() if t.fused is not None)
+    if parameters or fused:
+        raise ConfigurationError(
+            f"vLLM's CPU build serves no expert LoRA: {key} adapts the fused expert parameters "
+            f"{parameters or fused[:2]}; serve it on an embedded worker (MINT_BACKEND=embedded)"
+        )
+
+
 class VllmBackend:
     kind = BackendKind.VLLM.value
 
@@ -225,6 +238,7 @@ class VllmBackend:
     # Lifecycle.
 
     def stage(self, key: str, adapter: PackedAdapter) -> list[str]:
+        refuse_expert_lora(key, adapter)
         digest = adapter.index.content_digest.removeprefix("sha256:")
         folder = self._adapters / digest
         if not folder.is_dir():

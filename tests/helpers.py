@@ -17,9 +17,11 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedConfig,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
@@ -151,9 +153,20 @@ _FAMILIES: dict[str, tuple[type[PreTrainedConfig], dict[str, object]]] = {
     # One key/value head for four query heads, untied, no sliding window.
     "mistral": (MistralConfig, {"num_key_value_heads": 1, "sliding_window": None,
                                 "tie_word_embeddings": False}),
+    # Fused experts (4, top-2, top-k weights renormalised as Qwen3-30B-A3B does), q/k norms.
+    "qwen3_moe": (Qwen3MoeConfig, {"num_key_value_heads": 2, "head_dim": 16, "num_experts": 4,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "norm_topk_prob": True, "tie_word_embeddings": True}),
+    # Fused experts of intermediate_size, a router that always renormalises, untied.
+    "mixtral": (MixtralConfig, {"num_key_value_heads": 2, "num_local_experts": 4,
+                                "num_experts_per_tok": 2, "sliding_window": None,
+                                "tie_word_embeddings": False}),
 }  # fmt: skip
 FAMILIES = tuple(sorted(_FAMILIES))
 """The model families MinT serves and trains, each with a tiny member built from config."""
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+"""Those whose MLPs are fused experts (adapted through PEFT's `target_parameters`)."""
+DENSE_FAMILIES = tuple(f for f in FAMILIES if f not in MOE_FAMILIES)
 
 
 def family_folder(family: str, root: Path, **changes: object) -> Path:

@@ -19,7 +19,7 @@ from transformers import (
 )
 
 from mint_core.config import MintConfig
-from mint_core.model.base import BaseSource
+from mint_core.model.base import FAMILY_EXPERT_TARGETS, FAMILY_TARGETS, BaseSource
 from mint_core.model.toy import Task, held_out_words, training_stream
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
@@ -115,9 +115,9 @@ def test_an_adapter_released_on_each_family_answers_as_peft_does(
     policy = registered.policy
     assert policy.base_model_id == family_base.folder.name
     assert policy.dataset == str(data)
-    assert policy.target_modules == (
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
-    )  # fmt: skip
+    # MoE families: attention projections as linears, experts as fused parameters.
+    assert policy.target_modules == FAMILY_TARGETS[family_base.family]
+    assert policy.target_parameters == FAMILY_EXPERT_TARGETS.get(family_base.family, ())
     frozen = family_base.config.frozen_root / policy.frozen_digest.removeprefix("sha256:")
 
     tokenizer = AutoTokenizer.from_pretrained(family_base.folder)

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import torch
 from peft import LoraConfig, PeftModel
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mint_cli import main as mint
 from mint_core.config import MintConfig
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS
-from mint_core.model.base import BaseModel
+from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import greedy_generate
 from mint_core.model.imports import inspect_import
 from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec
@@ -26,7 +26,7 @@ from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from serving.client import WorkerClient
-from tests.helpers import random_lora, tiny_base
+from tests.helpers import family_folder, random_lora, tiny_base
 
 PROMPTS = [prompt_for(word) for word in held_out_words()[:16]]
 
@@ -165,3 +165,48 @@ def test_unsupported_adapters_are_refused_naming_the_problem(
         inspect_import(dora, base)
     with pytest.raises(ConfigurationError, match="not a PEFT adapter directory"):
         inspect_import(tmp_path, base)
+
+
+def test_a_fused_expert_lora_is_checked_against_the_experts(tmp_path: Path) -> None:
+    base = load_base(BaseSource(str(family_folder("qwen3_moe", tmp_path / "bases"))), tmp_path)
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                      target_parameters=["gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    folder = made_elsewhere(base.model, tmp_path / "experts", lora, seed=1)
+    imported = inspect_import(folder, base)
+    assert imported.target_modules == ("q_proj",)
+    assert imported.target_parameters == ("gate_up_proj", "mlp.experts.down_proj")
+    assert imported.policy_fields()["target_parameters"] == imported.target_parameters
+
+    weights = load_file(folder / PEFT_WEIGHTS)
+    down_b = "base_model.model.model.layers.1.mlp.experts.lora_B.weight"  # [64, 2 x 4 experts]
+    gate_up_a = "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"
+
+    def damaged(name: str, key: str, tensor: torch.Tensor) -> Path:
+        copy_dir = tmp_path / name
+        copy_dir.mkdir()
+        (copy_dir / PEFT_CONFIG).write_text((folder / PEFT_CONFIG).read_text())
+        save_file({**weights, key: tensor}, copy_dir / PEFT_WEIGHTS)
+        return copy_dir
+
+    wrong_out = damaged("out", down_b, torch.zeros(32, 8))
+    with pytest.raises(BaseMismatchError, match=r"has shape \[32, 8\], but it adapts "
+                       r"model\.layers\.1\.mlp\.experts\.down_proj .* 4 experts of 64x32 .*"
+                       r"\[64, rank\*4\]"):  # fmt: skip
+        inspect_import(wrong_out, base)
+    not_per_expert = damaged("per-expert", down_b, torch.zeros(64, 6))  # 6 is no rank x 4 experts
+    with pytest.raises(BaseMismatchError, match=r"has shape \[64, 6\]"):
+        inspect_import(not_per_expert, base)
+    other_rank = damaged("rank", gate_up_a, torch.zeros(12, 64))  # rank 3, the config says 2
+    with pytest.raises(ConfigurationError, match=r"rank 3 per expert over 4 experts, but the "
+                       r"adapter config gives .*gate_up_proj rank 2"):  # fmt: skip
+        inspect_import(other_rank, base)
+    # Without target_parameters in the config, the expert keys adapt nothing MinT serves.
+    no_targets = tmp_path / "no-targets"
+    no_targets.mkdir()
+    config = json.loads((folder / PEFT_CONFIG).read_text()) | {"target_parameters": None}
+    (no_targets / PEFT_CONFIG).write_text(json.dumps(config))
+    save_file(weights, no_targets / PEFT_WEIGHTS)
+    with pytest.raises(
+        BaseMismatchError, match=r"not a linear layer MinT can serve .*\(fused experts only as"
+    ):
+        inspect_import(no_targets, base)

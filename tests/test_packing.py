@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import xxhash
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -36,6 +36,7 @@ from mint_core.packing import (
     verify,
 )
 from serving.engine import TorchEngine
+from tests.helpers import random_lora
 
 SMALL_MOE = MoeLoraShape(layers=3, experts=4, hidden=64, expert_intermediate=32, query_heads=4,
                          kv_heads=2, head_dim=16, rank=2)  # fmt: skip
@@ -156,7 +157,12 @@ def test_fused_experts_layout_of_installed_peft_packs_and_round_trips(tmp_path: 
     tensors = load_file(tmp_path / "peft" / PEFT_WEIGHTS)
     assert any(".mlp.experts." in key for key in tensors)
     assert tensors.keys() == get_peft_model_state_dict(peft_model).keys()
-    pack(freeze(tmp_path / "peft", tmp_path / "frozen"), tmp_path / "packed")
+    index = pack(freeze(tmp_path / "peft", tmp_path / "frozen"), tmp_path / "packed")
+    # PEFT fused gate_proj and up_proj into gate_up_proj at rank 4 (its rank_pattern says so):
+    # either way, 4 experts.
+    ranks = {(t.key.count(".base_layer"), t.fused.rank, t.fused.experts)
+             for t in index.tensors.values() if t.fused}  # fmt: skip
+    assert ranks == {(1, 4, 4), (0, 2, 4)}
     unpack(tmp_path / "packed", tmp_path / "unpacked")
     assert_same_tensors(load_file(tmp_path / "unpacked" / PEFT_WEIGHTS), tensors)
 
@@ -232,3 +238,82 @@ def test_chunked_read_checks_the_same_bytes_as_the_memory_map(tmp_path: Path) ->
         assert torch.equal(buffer, mapped)
         mapped.zero_()  # copy-on-write: the file keeps its bytes
         assert path.read_bytes() == buffer.numpy().tobytes()
+
+
+def fused_expert_adapter(folder: Path) -> tuple[PeftModel, dict[str, torch.Tensor]]:
+    """A random LoRA on a tiny Qwen3-MoE's attention and fused experts, saved in `folder`."""
+    model = Qwen3MoeForCausalLM(
+        Qwen3MoeConfig(vocab_size=64, hidden_size=32, moe_intermediate_size=16,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=8, num_experts=4, num_experts_per_tok=2)
+    )  # fmt: skip
+    lora = LoraConfig(r=2, lora_alpha=6, target_modules=["q_proj", "v_proj"],
+                      target_parameters=["gate_up_proj", "mlp.experts.down_proj"])  # fmt: skip
+    peft_model = random_lora(model, lora, seed=3, std=0.3)
+    peft_model.save_pretrained(folder, save_embedding_layers=False)
+    return peft_model, load_file(folder / PEFT_WEIGHTS)
+
+
+def test_fused_expert_lora_is_stored_per_expert_and_round_trips_bit_exactly(
+    tmp_path: Path,
+) -> None:
+    peft_model, tensors = fused_expert_adapter(tmp_path / "peft")
+    index = pack(freeze(tmp_path / "peft", tmp_path / "frozen"), tmp_path / "packed")
+    fused = {t.key: t for t in index.tensors.values() if t.fused is not None}
+    assert len(fused) == 2 * 2 * 2  # layers x {gate_up_proj, down_proj} x {A, B}
+    assert {(t.fused.experts, t.fused.rank) for t in fused.values()} == {(4, 2)}  # type: ignore[union-attr]
+    loaded = load(tmp_path / "packed")
+    gate_up = "base_model.model.model.layers.1.mlp.experts.base_layer"
+    # gate_up_proj is [4 experts, 2*16, 32]: A [4, 2, 32] and B [32, 2, 4] on disk.
+    assert loaded.tensors[f"{gate_up}.lora_A.weight"].shape == (4, 2, 32)
+    assert loaded.tensors[f"{gate_up}.lora_B.weight"].shape == (32, 2, 4)
+    assert_same_tensors(loaded.peft_state_dict(), tensors)
+    assert verify(tmp_path / "packed") == index
+    # The identity is the PEFT tensors', however they are stored.
+    plain = pack_tensors({**index.adapter_config, "target_parameters": None}, tensors,
+                         tmp_path / "plain")  # fmt: skip
+    assert not any(t.fused for t in plain.tensors.values())
+    assert plain.content_digest != index.content_digest  # the config differs, nothing else:
+    assert (
+        index.content_digest
+        == pack_tensors(
+            index.adapter_config, tensors, tmp_path / "again", shard_bytes=1 << 10
+        ).content_digest
+    )
+    unpack(tmp_path / "packed", tmp_path / "unpacked")
+    assert_same_tensors(load_file(tmp_path / "unpacked" / PEFT_WEIGHTS), tensors)
+
+    # Per-expert stacks give PEFT's own delta of every expert.
+    stacks = loaded.expert_stacks()
+    assert len(stacks) == 4
+    scaling = 6 / 2
+    for layer in (0, 1):
+        experts = peft_model.base_model.model.model.layers[layer].mlp.experts
+        for wrapper, key in ((experts.base_layer, f"model.layers.{layer}.mlp.experts.base_layer"),
+                             (experts, f"model.layers.{layer}.mlp.experts")):  # fmt: skip
+            a, b = stacks[key]
+            assert a.shape[:2] == b.shape[0:3:2] == (4, 2)
+            expected = wrapper.get_delta_weight("default")
+            torch.testing.assert_close(scaling * b @ a, expected, rtol=0, atol=1e-6)
+
+
+def test_format_version_3_is_still_read(tmp_path: Path) -> None:
+    config, tensors = moe_adapter_config(SMALL_MOE), moe_lora_tensors(SMALL_MOE)
+    pack_tensors(config, tensors, tmp_path / "packed")
+    path = tmp_path / "packed" / "index.json"
+    raw = json.loads(path.read_text())
+    assert raw["format_version"] == 4
+    path.write_text(json.dumps(raw | {"format_version": 3}))
+    assert_same_tensors(load(tmp_path / "packed").peft_state_dict(), tensors)
+    path.write_text(json.dumps(raw | {"format_version": 2}))
+    with pytest.raises(ConfigurationError, match=r"v2; this MinT reads 'mint-packed' v3/v4"):
+        load(tmp_path / "packed")
+
+
+def test_a_fused_expert_tensor_that_is_not_rank_x_experts_is_refused(tmp_path: Path) -> None:
+    _, tensors = fused_expert_adapter(tmp_path / "peft")
+    config = json.loads((tmp_path / "peft" / PEFT_CONFIG).read_text())
+    with pytest.raises(
+        ConfigurationError, match=r"experts\.gate_up_proj but has shape \[8, 32\], not rank 3"
+    ):
+        pack_tensors(config | {"r": 3}, tensors, tmp_path / "packed")

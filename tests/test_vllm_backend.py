@@ -3,6 +3,7 @@ line (what each MinT tier maps to), and how vLLM's answers become MinT's errors.
 itself runs against a real vLLM in `test_backends.py`."""
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -17,7 +18,15 @@ from mint_core.errors import (
     ServiceError,
 )
 from mint_core.model.base import BaseIdentity, BaseText
-from serving.vllm import VllmServer, VllmSettings, _events, _generation_error
+from mint_core.packing import FusedExperts, PackedAdapter, PackedIndex, StoredTensor
+from serving.vllm import (
+    VllmBackend,
+    VllmServer,
+    VllmSettings,
+    _events,
+    _generation_error,
+    refuse_expert_lora,
+)
 
 
 def text(path: Path) -> BaseText:
@@ -106,3 +115,22 @@ def test_server_sent_events_are_read_up_to_done() -> None:
         'data: {"c": 3}',
     ]
     assert list(_events(iter(lines))) == [{"a": 1}, {"b": 2}]
+
+
+def test_an_expert_lora_is_refused_before_it_reaches_vllm() -> None:
+    def adapter(config: dict[str, object], tensors: dict[str, StoredTensor]) -> PackedAdapter:
+        return PackedAdapter(PackedIndex(config, tensors, (), "sha256:" + "e" * 64), {})
+
+    key = "base_model.model.model.layers.0.mlp.experts.lora_A.weight"
+    experts = {key: StoredTensor("shard-00000.safetensors", key, fused=FusedExperts(4, 2))}
+    by_config = adapter({"target_parameters": ["mlp.experts.down_proj"]}, {})
+    by_tensors = adapter({}, experts)
+    backend = VllmBackend.__new__(VllmBackend)  # no vLLM: staging refuses before using it
+    for refused, named in ((by_config, "mlp.experts.down_proj"), (by_tensors, key)):
+        with pytest.raises(
+            ConfigurationError,
+            match=rf"vLLM's CPU build serves no expert LoRA: moe-bot:r1 adapts .*{re.escape(named)}"
+            r".*; serve it on an embedded worker",
+        ):
+            backend.stage("moe-bot:r1", refused)
+    refuse_expert_lora("dense-bot:r1", adapter({"target_modules": ["q_proj"]}, {}))

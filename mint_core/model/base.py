@@ -33,11 +33,19 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The attention and MLP projections of a decoder layer in the Llama, Qwen2, Qwen3 and Mistral
 families: what a LoRA adapts unless told otherwise."""
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+MOE_FAMILIES = ("qwen3_moe", "mixtral")
 FAMILY_TARGETS: dict[str, tuple[str, ...]] = {
     family: DEFAULT_TARGETS for family in ("llama", "qwen2", "qwen3", "mistral")
-}
+} | {family: ATTENTION_TARGETS for family in MOE_FAMILIES}
 """Default LoRA target modules per `config.model_type`; other families get every linear layer
-of their decoder (`servable_modules`)."""
+of their decoder (`servable_modules`). An MoE family's MLPs are fused experts, not linear
+layers: `FAMILY_EXPERT_TARGETS` adapts them."""
+FAMILY_EXPERT_TARGETS: dict[str, tuple[str, ...]] = {
+    family: ("mlp.experts.gate_up_proj", "mlp.experts.down_proj") for family in MOE_FAMILIES
+}
+"""Default fused expert parameters (PEFT's `target_parameters`) per `config.model_type`;
+other families get none."""
 
 
 @dataclass(frozen=True)
@@ -279,3 +287,8 @@ def default_targets(model: torch.nn.Module) -> tuple[str, ...]:
     if family in FAMILY_TARGETS:
         return FAMILY_TARGETS[family]
     return tuple(sorted({name.rsplit(".", 1)[-1] for name in servable_modules(model)}))
+
+
+def default_expert_targets(model: torch.nn.Module) -> tuple[str, ...]:
+    """The fused expert parameters a LoRA adapts by default on this model's family."""
+    return FAMILY_EXPERT_TARGETS.get(str(getattr(model.config, "model_type", "")), ())

@@ -17,6 +17,8 @@ Qwen3-MoE's `gate_up_proj` is `mlp.experts.base_layer.lora_A.weight` and its `do
 (import, packing, the engine) goes through `expert_lora_targets`.
 """
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -73,10 +75,7 @@ def expert_lora_targets(
         chosen = [
             (param_name, param)
             for param_name, param in module.named_parameters(recurse=False)
-            if any(
-                f"{name}.{param_name}" == pattern or f"{name}.{param_name}".endswith(f".{pattern}")
-                for pattern in target_parameters
-            )
+            if _selects(target_parameters, f"{name}.{param_name}")
         ]
         for depth, (param_name, param) in enumerate(reversed(chosen)):
             key = name + BASE_LAYER * depth
@@ -99,3 +98,45 @@ def expert_stacks(
     return a.reshape(experts, rank, a.shape[1]), b.reshape(b.shape[0], rank, experts).permute(
         2, 0, 1
     )
+
+
+def _selects(patterns: list[str] | tuple[str, ...], name: str) -> bool:
+    """Whether one of PEFT's `target_parameters` patterns (a full name or a `.`-separated
+    suffix of one) selects the parameter `name`."""
+    return any(name == pattern or name.endswith(f".{pattern}") for pattern in patterns)
+
+
+def fused_expert_parameter(
+    module_key: str, target_parameters: list[str] | tuple[str, ...] | None
+) -> tuple[str, str] | None:
+    """(experts module, parameter) that the PEFT module key `module_key` (with or without
+    `base_model.model.`) adapts, read without the model: for packing, which sees only an
+    adapter's config and tensors. It assumes the Qwen3-MoE / Mixtral layout (a module named
+    `experts` declaring `EXPERT_PARAMETERS` in that order), which `expert_lora_targets` checks
+    against a real model at training and import. None for a key of no fused expert."""
+    if not target_parameters:
+        return None
+    depth = 0
+    while module_key.endswith(BASE_LAYER):
+        module_key, depth = module_key.removesuffix(BASE_LAYER), depth + 1
+    if module_key.rpartition(".")[2] != "experts":
+        return None
+    chosen = [p for p in EXPERT_PARAMETERS if _selects(target_parameters, f"{module_key}.{p}")]
+    if depth >= len(chosen):
+        return None
+    return module_key, chosen[len(chosen) - 1 - depth]
+
+
+def expert_rank(adapter_config: Mapping[str, object], module: str, parameter: str) -> int:
+    """The LoRA rank PEFT gives `module.parameter`: the first `rank_pattern` entry matching
+    its name (PEFT's `get_pattern_key` rule: the pattern is a regex for a `.`-separated suffix),
+    else `r`. PEFT itself writes a pattern when it turns `gate_proj`/`up_proj` targets into
+    `gate_up_proj` at twice the rank."""
+    name = f"{module}.{parameter}"
+    patterns = adapter_config.get("rank_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise ConfigurationError(f"rank_pattern={patterns!r} is not a mapping of pattern to rank")
+    for pattern, rank in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            return int(rank)
+    return int(adapter_config["r"])  # type: ignore[call-overload]

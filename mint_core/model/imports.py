@@ -2,20 +2,23 @@
 enters the release pipeline at `freeze`.
 
 Any rank and alpha, rsLoRA or not, per-module rank and alpha patterns, any subset of the base's
-linear projections. Refused, naming what is wrong: non-LoRA adapters, DoRA, extra trained
-modules (`modules_to_save`, biases, embeddings), any LoRA pair whose module is not in the base
-or whose shapes do not fit it, and any tensor holding NaN or infinity.
+linear projections and fused MoE expert parameters (PEFT's `target_parameters`). Refused,
+naming what is wrong: non-LoRA adapters, DoRA, extra trained modules (`modules_to_save`,
+biases, embeddings), any LoRA pair whose module is not in the base or whose shapes do not fit
+it, and any tensor holding NaN or infinity.
 """
 
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 from mint_core.errors import BaseMismatchError, ConfigurationError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, check_finite
 from mint_core.model.base import BaseModel, servable_modules
+from mint_core.model.experts import ExpertTarget, expert_lora_targets, expert_rank
 from mint_core.packing import check_keys
 
 _PREFIX = "base_model.model."
@@ -35,7 +38,9 @@ class ImportedAdapter:
     alpha: int
     use_rslora: bool
     target_modules: tuple[str, ...]
-    """The base's module names that carry a LoRA pair (e.g. `q_proj`), sorted."""
+    """The base's linear layer names that carry a LoRA pair (e.g. `q_proj`), sorted."""
+    target_parameters: tuple[str, ...] = ()
+    """Fused MoE expert parameters adapted, as the adapter config's `target_parameters`."""
 
     def policy_fields(self) -> dict[str, object]:
         """What the policy record says about where this revision came from."""
@@ -48,6 +53,7 @@ class ImportedAdapter:
             "lora_rank": self.rank,
             "lora_alpha": self.alpha,
             "target_modules": self.target_modules,
+            "target_parameters": self.target_parameters,
             "eval_metrics": {},
         }
 
@@ -67,31 +73,20 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
     _check_config(config, config_path)
 
     modules = servable_modules(base.model)
+    target_parameters = config.get("target_parameters") or []
+    experts = expert_lora_targets(base.model, target_parameters)
     ranks: dict[str, dict[str, int]] = {}
     with safe_open(weights_path, framework="pt") as weights:
         keys = list(weights.keys())
         check_keys(keys)
         for key in keys:
             module_name, _, side = key.removeprefix(_PREFIX).rpartition(".lora_")
-            module = modules.get(module_name)
-            if not key.startswith(_PREFIX) or module is None:
-                raise BaseMismatchError(
-                    f"{key!r} adapts {module_name!r}, which is not a linear layer MinT can serve "
-                    f"on the base {base.model_id} ({base.family}; embeddings and lm_head are not "
-                    "adaptable): the adapter was made for another model, or adapts modules "
-                    "MinT does not serve"
-                )
-            # lora_A is [rank, in_features] and lora_B is [out_features, rank].
             shape = tuple(weights.get_slice(key).get_shape())
-            is_a = side == "A.weight"
-            fixed_axis, size = (1, module.in_features) if is_a else (0, module.out_features)
-            if len(shape) != 2 or shape[fixed_axis] != size:
-                raise BaseMismatchError(
-                    f"{key!r} has shape {list(shape)}, but {module_name} of the base "
-                    f"{base.model_id} is {module.out_features}x{module.in_features} (out x in); "
-                    "this adapter was made for another model"
-                )
-            ranks.setdefault(module_name, {})[side[0]] = shape[1 - fixed_axis]
+            if key.startswith(_PREFIX) and module_name in experts:
+                rank = _expert_rank(key, shape, experts[module_name], config, base)
+            else:
+                rank = _linear_rank(key, shape, modules.get(module_name), module_name, base)
+            ranks.setdefault(module_name, {})[side[0]] = rank
             check_finite(key, weights.get_tensor(key), weights_path)
     for module_name, sides in ranks.items():
         if sides.keys() != {"A", "B"} or sides["A"] != sides["B"]:
@@ -110,8 +105,71 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
         rank=int(config["r"]),
         alpha=int(config["lora_alpha"]),
         use_rslora=bool(config.get("use_rslora")),
-        target_modules=tuple(sorted({name.rsplit(".", 1)[-1] for name in lora_modules})),
+        target_modules=tuple(
+            sorted({name.rsplit(".", 1)[-1] for name in lora_modules - experts.keys()})
+        ),
+        target_parameters=tuple(sorted(target_parameters)),
     )
+
+
+def _linear_rank(
+    key: str, shape: tuple[int, ...], module: object, module_name: str, base: BaseModel
+) -> int:
+    """The rank of `key`, a LoRA tensor of the linear layer `module`, once its shape fits."""
+    if not key.startswith(_PREFIX) or not isinstance(module, torch.nn.Linear):
+        raise BaseMismatchError(
+            f"{key!r} adapts {module_name!r}, which is not a linear layer MinT can serve on the "
+            f"base {base.model_id} ({base.family}; embeddings and lm_head are not adaptable): "
+            "the adapter was made for another model, or adapts modules MinT does not serve "
+            "(fused experts only as the adapter config's target_parameters)"
+        )
+    # lora_A is [rank, in_features] and lora_B is [out_features, rank].
+    fixed_axis, size = (1, module.in_features) if _is_a(key) else (0, module.out_features)
+    if len(shape) != 2 or shape[fixed_axis] != size:
+        raise BaseMismatchError(
+            f"{key!r} has shape {list(shape)}, but {module_name} of the base "
+            f"{base.model_id} is {module.out_features}x{module.in_features} (out x in); "
+            "this adapter was made for another model"
+        )
+    return shape[1 - fixed_axis]
+
+
+def _expert_rank(
+    key: str,
+    shape: tuple[int, ...],
+    target: ExpertTarget,
+    config: dict[str, object],
+    base: BaseModel,
+) -> int:
+    """The rank of `key`, a LoRA tensor of fused expert parameter `target`, once its shape fits:
+    lora_A is [rank*experts, in] and lora_B [out, rank*experts] (PEFT's ParamWrapper)."""
+    fixed_axis, size = (1, target.in_features) if _is_a(key) else (0, target.out_features)
+    stacked = shape[1 - fixed_axis] if len(shape) == 2 else 0
+    name = f"{target.module}.{target.parameter}"
+    if len(shape) != 2 or shape[fixed_axis] != size or stacked % target.experts or not stacked:
+        expected = (
+            f"[rank*{target.experts}, {target.in_features}]"
+            if _is_a(key)
+            else f"[{target.out_features}, rank*{target.experts}]"
+        )
+        raise BaseMismatchError(
+            f"{key!r} has shape {list(shape)}, but it adapts {name} of the base "
+            f"{base.model_id}, {target.experts} experts of {target.out_features}x"
+            f"{target.in_features} (out x in), whose LoRA tensor is {expected}; this adapter "
+            "was made for another model"
+        )
+    rank = stacked // target.experts
+    if rank != (expected_rank := expert_rank(config, target.module, target.parameter)):
+        raise ConfigurationError(
+            f"{key!r} has shape {list(shape)}: rank {rank} per expert over {target.experts} "
+            f"experts, but the adapter config gives {name} rank {expected_rank} (r, "
+            "rank_pattern); the weights and adapter_config.json do not belong together"
+        )
+    return rank
+
+
+def _is_a(key: str) -> bool:
+    return key.endswith(".lora_A.weight")
 
 
 def _check_config(config: dict[str, object], path: Path) -> None:
@@ -126,6 +184,13 @@ def _check_config(config: dict[str, object], path: Path) -> None:
                 f"{path}: {name}={config.get(name)!r} is not supported: MinT serves plain LoRA "
                 "pairs over a shared base; retrain without it"
             )
+    patterns = config.get("target_parameters")
+    if patterns is not None and (
+        not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns)
+    ):
+        raise ConfigurationError(
+            f"{path}: target_parameters={patterns!r} must be a list of parameter names"
+        )
     for name in ("r", "lora_alpha"):
         value = config.get(name)
         if not isinstance(value, int | float) or value <= 0:

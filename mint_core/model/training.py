@@ -19,11 +19,13 @@ from mint_core.errors import ConfigurationError
 from mint_core.model.base import (
     BaseModel,
     BaseSource,
+    default_expert_targets,
     default_targets,
     load_base,
     servable_modules,
 )
 from mint_core.model.datasets import IGNORE, Dataset, Row, Tokenized, collate, tokenize
+from mint_core.model.experts import EXPERT_PARAMETERS, expert_lora_targets
 from mint_core.model.generate import greedy_generate, seeded
 
 StepCallback = Callable[[int, int, float], None]
@@ -43,8 +45,12 @@ class TrainingConfig:
     target_modules: tuple[str, ...] = ()
     """Module names (last part, e.g. `q_proj`) that get a LoRA pair; empty: the family's
     default (`mint_core.model.base.FAMILY_TARGETS`)."""
+    expert_targets: tuple[str, ...] | None = None
+    """Fused MoE expert parameters that get a LoRA pair (PEFT's `target_parameters`, e.g.
+    `mlp.experts.down_proj`); None: the family's default
+    (`mint_core.model.base.FAMILY_EXPERT_TARGETS`), (): none."""
     dropout: float = 0.0
-    """LoRA dropout on the adapted inputs while training."""
+    """LoRA dropout on the adapted inputs while training; PEFT allows none on expert targets."""
     learning_rate: float = 2e-4
     """Peak AdamW learning rate (one-cycle schedule)."""
     epochs: float = 1.0
@@ -101,6 +107,8 @@ class TrainedAdapter:
     path: Path
     config: TrainingConfig
     target_modules: tuple[str, ...]
+    target_parameters: tuple[str, ...]
+    """The fused expert parameters adapted (PEFT's `target_parameters`); () for none."""
     base_model_id: str
     base_digest: str
     dataset: str
@@ -125,6 +133,7 @@ class TrainedAdapter:
             "lora_rank": self.config.rank,
             "lora_alpha": self.config.alpha,
             "target_modules": self.target_modules,
+            "target_parameters": self.target_parameters,
             "eval_metrics": self.eval_metrics,
         }
 
@@ -157,11 +166,13 @@ def train_lora(
             f"{base.model_id} (embeddings and lm_head are not adaptable); choose from "
             f"{sorted(servable)}"
         )
+    experts = _expert_targets(base, config)
     lora = LoraConfig(
         r=config.rank,
         lora_alpha=config.alpha,
         lora_dropout=config.dropout,
         target_modules=list(targets),
+        target_parameters=list(experts) or None,
         task_type="CAUSAL_LM",
     )
     try:
@@ -180,6 +191,7 @@ def train_lora(
         path=out_dir,
         config=config,
         target_modules=tuple(targets),
+        target_parameters=experts,
         base_model_id=base.model_id,
         base_digest=base.digest,
         dataset=data.source,
@@ -188,6 +200,32 @@ def train_lora(
         losses=tuple(losses),
         eval_metrics=metrics,
     )
+
+
+def _expert_targets(base: BaseModel, config: TrainingConfig) -> tuple[str, ...]:
+    """The fused expert parameters `config` adapts on `base`, each checked to select some."""
+    experts = (
+        default_expert_targets(base.model)
+        if config.expert_targets is None
+        else config.expert_targets
+    )
+    if not experts:
+        return ()
+    if unmatched := [p for p in experts if not expert_lora_targets(base.model, (p,))]:
+        known = expert_lora_targets(base.model, EXPERT_PARAMETERS).values()
+        raise ConfigurationError(
+            f"expert targets {unmatched} select no fused expert parameter of the base "
+            f"{base.model_id}; choose from {sorted({t.parameter for t in known})} (e.g. "
+            "mlp.experts.down_proj), or pass none"
+        )
+    if config.dropout:
+        # PEFT 0.21's ParamWrapper (target_parameters) refuses lora_dropout outright.
+        raise ConfigurationError(
+            f"dropout={config.dropout} with expert targets {list(experts)}: PEFT's LoRA on fused "
+            "expert parameters (target_parameters) supports no dropout; train with dropout 0 "
+            "or without expert targets"
+        )
+    return tuple(experts)
 
 
 def _optimize(
