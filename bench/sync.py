@@ -188,6 +188,7 @@ def adapter_path(
             lora_rank=frozen.adapter_config["r"],
             lora_alpha=frozen.adapter_config["lora_alpha"],
             target_modules=tuple(sorted(frozen.adapter_config["target_modules"])),
+            target_parameters=tuple(frozen.adapter_config.get("target_parameters") or ()),
             created_by="bench",
             created_at=datetime.now(UTC).isoformat(),
             frozen_digest=frozen.digest,
