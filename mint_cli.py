@@ -112,6 +112,20 @@ def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     print(format_stage_times(report.stage_seconds))
 
 
+def cmd_rl(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.rl import rl
+
+    options = {name: getattr(args, name) for name in RL_OPTIONS if hasattr(args, name)}
+    report = rl(args.adapter, actor=args.actor, base_model=args.base_model, **options)
+    figures = ", ".join(f"{name} {value:.3f}" for name, value in sorted(report.metrics.items()))
+    print(f"shipped {', '.join(report.revisions)} on {args.adapter}@rl; last step: {figures}")
+    print(f"MLflow run {report.run_id}")
+
+
+RL_OPTIONS = ("task", "steps", "prompts", "group", "sync_every", "max_chars", "learning_rate",
+              "rank", "seed")  # fmt: skip
+
+
 def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import import_adapter
 
@@ -496,6 +510,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     release.add_argument("--base-model", default=None, help=BASE_MODEL_HELP)
     release.set_defaults(run=cmd_release, needs=(REGISTRY, WORKERS), loads_models=True)
+
+    rl = commands.add_parser(
+        "rl", help="GRPO on a toy task, sampling from the worker serving ADAPTER@rl"
+    )
+    rl.add_argument("--adapter", type=ADAPTER, required=True, help="adapter name, e.g. rl-bot")
+    grpo = rl.add_argument_group("GRPO (defaults: the rl flow's)")
+    grpo.add_argument("--task", default=unset, help="toy task: upper or reverse")
+    for option in ("steps", "prompts", "group", "sync-every", "max-chars", "rank"):
+        grpo.add_argument(f"--{option}", type=_number(option.replace("-", " ")), default=unset)
+    grpo.add_argument("--learning-rate", type=_real("learning rate", 0), default=unset)
+    grpo.add_argument("--seed", type=_number("seed", minimum=0), default=unset)
+    rl.add_argument("--actor", default=getpass.getuser(), help="who runs it (recorded)")
+    rl.add_argument("--base-model", default=None, help=BASE_MODEL_HELP)
+    rl.set_defaults(run=cmd_rl, needs=(REGISTRY, WORKERS), loads_models=True)
 
     imports = commands.add_parser(
         "import", help="release a PEFT LoRA adapter trained elsewhere, after checking it fits"

@@ -1,6 +1,6 @@
 """MinT's flows as Prefect deployments: what `mint flows serve` (and `mint up`) serves.
 
-`release`, `promote`, `rollback`, `canary`, `repair`, `retrain` and `approve` run from the
+`release`, `promote`, `rollback`, `canary`, `repair`, `retrain`, `rl` and `approve` run from the
 Prefect UI with a parameter form (a roll-out paused for approval also shows its own form on its
 run); each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>` deployment on
 its cron. Serving needs no work pool, but the serving process must keep running:
@@ -20,6 +20,7 @@ from flows.catalog import catalog_snapshot
 from flows.promote import promote, rollback
 from flows.release import release, retrain
 from flows.repair import repair
+from flows.rl import rl
 from mint_core.config import MintConfig
 from mint_core.revisions import check_adapter_name
 from mint_core.services import ManagedProcess, answers, start_process
@@ -62,6 +63,11 @@ def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
             description="Approve or reject a roll-out paused for approval.",
             **_BY_MODULE,
         ),
+        rl.to_deployment(
+            name="rl",
+            description="GRPO on a LoRA, sampling from the worker serving its rl alias.",
+            **_BY_MODULE,
+        ),
         catalog_snapshot.to_deployment(
             name="catalog-snapshot",
             description="Publish the catalog snapshot workers start from.",
@@ -91,7 +97,7 @@ def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProces
     """`mint flows serve` in a child process; returns once its deployments are registered."""
     env = config.to_env() | {"PREFECT_API_URL": prefect_api_url}
     names = ["release/release", "promote/promote", "rollback/rollback", "retrain/retrain"]
-    names += ["repair/repair", "approve/approve", "canary/canary"]
+    names += ["repair/repair", "approve/approve", "canary/canary", "rl/rl"]
     names += [f"retrain/retrain-{schedule.adapter}" for schedule in config.retrain]
     return start_process(
         "flow server",

@@ -317,6 +317,12 @@ class Registry:
         metrics = [Metric(name, value, now, step) for step, value in losses]
         self._client.log_batch(run_id, metrics=metrics)
 
+    def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, float]) -> None:
+        """Every metric in `metrics` at `step`, in one request."""
+        now = int(datetime.now(UTC).timestamp() * 1000)
+        batch = [Metric(name, value, now, step) for name, value in sorted(metrics.items())]
+        self._client.log_batch(run_id, metrics=batch)
+
     def finish_training_run(
         self, run_id: str, metrics: Mapping[str, float], step: int, failed: bool = False
     ) -> None:

@@ -203,13 +203,14 @@ def register_revision(
     actor: str,
     principals: tuple[str, ...] = (EVERYONE,),
     held_out: Dataset | None = None,
+    parent_alias: str = PRODUCTION,
 ) -> RevisionId:
     """Register the next revision of `adapter`, with the `held_out` rows a trained one was
     evaluated on kept in the artifact store: its evaluation gate, and later candidates', score
-    on them."""
+    on them. Its parent is the revision `parent_alias` points to (an RL run's line is `rl`)."""
     registry = Registry(config.tracking_uri)
     try:
-        parent: int | None = registry.resolve(RevisionRef(adapter, alias=PRODUCTION)).id.number
+        parent: int | None = registry.resolve(RevisionRef(adapter, alias=parent_alias)).id.number
     except NotFoundError:
         parent = None
     policy = PolicyRecord(

@@ -48,7 +48,7 @@ def test_deployments_are_served_with_parameters_and_schedule(flow_server: Manage
             f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()
         }
     assert {"release/release", "promote/promote", "rollback/rollback", "retrain/retrain",
-            "retrain/retrain-nightly-bot"} <= deployments.keys()  # fmt: skip
+            "retrain/retrain-nightly-bot", "rl/rl"} <= deployments.keys()  # fmt: skip
     rollback_form = deployments["rollback/rollback"].parameter_openapi_schema
     assert rollback_form["required"] == ["adapter"]
     assert {"adapter", "to_revision", "actor", "reason"} <= rollback_form["properties"].keys()

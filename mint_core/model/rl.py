@@ -1,4 +1,12 @@
-"""The policy-gradient loss of RL on sampled completions, with IcePop's per-token mask.
+"""GRPO on a LoRA with R3 routing replay and IcePop: the domain side of the `rl` flow.
+
+A step takes groups of completions sampled for one prompt each (by a serving worker, or
+`HfSampler` in process), scores them against the prompt's answer, turns each group's rewards
+into advantages, and takes one policy-gradient step on the LoRA. On an MoE base the trainer
+scores the completions with the sampler's expert routes replayed, and IcePop drops tokens
+whose probability under trainer and sampler disagree too much.
+
+On IcePop:
 
 The sampler (a serving worker) and the trainer compute a token's probability with different
 kernels, batches and, on MoE bases, possibly different experts; where the two disagree too much
@@ -8,11 +16,24 @@ uses [0.5, 5.0]), instead of clipping it as PPO would.
 """
 
 import math
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Protocol
 
 import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mint_core.errors import ConfigurationError
+from mint_core.model.base import BaseModel, default_targets
+from mint_core.model.experts import EXPERT_PARAMETERS, experts_modules
+from mint_core.model.generate import seeded
+from mint_core.model.routing import flip_rate, moe_gates, recording_routes, replaying_routes
+from mint_core.model.text import TextCodec
+from mint_core.model.toy import Example, Task, held_out_words, prompt_for, training_stream
+from mint_core.model.training import _save as save_peft
 
 ICEPOP_LOW = 0.5
 """Default lower bound of the kept ratio π_train / π_sample."""
@@ -80,3 +101,425 @@ def masked_policy_loss(
     total = int(completion.sum())
     dropped = total - int(kept.sum())
     return PolicyLoss(loss=loss, masked_fraction=dropped / total if total else 0.0)
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """GRPO's advantages for `[prompts, group]` rewards: each completion's reward minus its
+    group's mean, over the group's (population) standard deviation. A group whose completions
+    all scored alike teaches nothing and gets zeros."""
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ConfigurationError(
+            f"rewards of shape {tuple(rewards.shape)} are not [prompts, group] with a group of "
+            "at least 2 completions per prompt; sample more completions per prompt"
+        )
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, correction=0, keepdim=True) + 1e-6)
+
+
+def k3_kl(train_logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(π_train || π_ref) on tokens sampled from π_train:
+    `exp(r) - r - 1` with `r = log π_ref - log π_train`; never negative, unbiased, and of lower
+    variance than `-r` (Schulman's "Approximating KL divergence")."""
+    log_ratio = reference_logprobs - train_logprobs
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def exact_reward(answer: str, completion: str, finished: bool) -> float:
+    """1.0 when the completion ended by itself and is exactly the answer, else 0.0."""
+    return float(finished and completion == answer)
+
+
+def char_reward(answer: str, completion: str, finished: bool) -> float:
+    """The share of positions where the completion has the answer's character, over the longer
+    of the two (so a right prefix followed by junk, or a missing tail, loses what it should);
+    0.0 for a completion cut off at the length limit."""
+    if not finished:
+        return 0.0
+    longest = max(len(answer), len(completion))
+    if not longest:
+        return 1.0
+    return sum(a == c for a, c in zip(answer, completion, strict=False)) / longest
+
+
+class Reward(StrEnum):
+    """How a completion is scored against its prompt's answer."""
+
+    EXACT = "exact"
+    """`exact_reward`: all or nothing."""
+    CHARS = "chars"
+    """`char_reward`: the share of right characters, a denser signal to start from."""
+
+    @property
+    def score(self) -> Callable[[str, str, bool], float]:
+        return exact_reward if self is Reward.EXACT else char_reward
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sampled completion, with what the sampler knew about it."""
+
+    prompt_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    """The sampled tokens, the end-of-sequence token included when the completion ended."""
+    logprobs: tuple[float, ...]
+    """The sampler's log-probability of each completion token (at temperature 1: π_sample)."""
+    routes: torch.Tensor | None = None
+    """`[len(prompt_ids) + len(completion_ids) - 1, layers, top_k]`: the experts each position
+    the trainer feeds (the prompt and every completion token but the last) was routed to; None
+    on a dense base or a sampler that does not record routes (no replay then)."""
+    revision: str | None = None
+    """The revision that sampled it (`name:rN`); None for an in-process sampler."""
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids or not self.completion_ids:
+            raise ConfigurationError("a sample needs at least one prompt and one completion token")
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ConfigurationError(
+                f"a sample has {len(self.completion_ids)} completion tokens but "
+                f"{len(self.logprobs)} log-probabilities; the sampler must give one per token"
+            )
+        fed = len(self.prompt_ids) + len(self.completion_ids) - 1
+        if self.routes is not None and (self.routes.dim() != 3 or self.routes.shape[0] != fed):
+            raise ConfigurationError(
+                f"a sample's routes of shape {tuple(self.routes.shape)} do not cover the {fed} "
+                "positions the trainer feeds ([prompt + completion - 1, layers, top_k])"
+            )
+
+
+@dataclass(frozen=True)
+class Group:
+    """The completions sampled for one prompt, and the answer they are scored against."""
+
+    answer: str
+    samples: tuple[Sample, ...]
+
+
+class Sampler(Protocol):
+    """Samples completions at temperature 1 with per-token log-probabilities (and routes on an
+    MoE base): `HfSampler` in process, or a serving worker."""
+
+    def sample(self, prompt: str, n: int, max_new_tokens: int) -> list[Sample]:
+        """`n` completions of one prompt (the base's codec encodes it, BOS included)."""
+        ...
+
+
+@dataclass(frozen=True)
+class GrpoConfig:
+    """How a GRPO run trains its LoRA."""
+
+    rank: int = 8
+    """LoRA rank r, on attention and (on an MoE base) on every expert."""
+    alpha: int = 16
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    learning_rate: float = 1e-3
+    """Constant AdamW learning rate."""
+    reward: Reward = Reward.CHARS
+    """The reward advantages are computed from (exact match is always reported)."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the start in the loss; 0 only reports it."""
+    icepop_low: float = ICEPOP_LOW
+    icepop_high: float = ICEPOP_HIGH
+    max_grad_norm: float = 1.0
+    """Gradients are clipped to this global norm before each step."""
+    expert_lora: bool = True
+    """On an MoE base, also adapt the fused experts (`gate_up_proj`, `down_proj`)."""
+    seed: int = 0
+    """Seeds the LoRA's initialisation."""
+
+    def __post_init__(self) -> None:
+        if self.rank <= 0 or self.alpha <= 0:
+            raise ConfigurationError(f"GRPO rank={self.rank} and alpha={self.alpha} must be > 0")
+        if not (self.learning_rate > 0 and self.max_grad_norm > 0 and self.kl_coef >= 0):
+            raise ConfigurationError(
+                f"GRPO learning_rate={self.learning_rate} and max_grad_norm="
+                f"{self.max_grad_norm} must be > 0, kl_coef={self.kl_coef} >= 0"
+            )
+        icepop_mask(torch.zeros(1), torch.zeros(1), self.icepop_low, self.icepop_high)
+
+    def params(self) -> dict[str, str]:
+        """Every hyperparameter as an MLflow param."""
+        return {name: str(value) for name, value in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one GRPO step saw and did (the flow logs each as an MLflow metric)."""
+
+    step: int
+    reward: float
+    """Mean training reward (`GrpoConfig.reward`) of the step's completions."""
+    reward_exact: float
+    """Share of the step's completions that are exactly the answer."""
+    kl: float
+    """Mean k3 KL to the start over the completion tokens, before the step."""
+    masked_fraction: float
+    """Share of completion tokens IcePop dropped."""
+    flip_rate: float | None
+    """Share of (completion token, layer) pairs whose top-k experts under the trainer, without
+    replay, differ from the sampler's; None without routes."""
+    loss: float
+
+    def metrics(self) -> dict[str, float]:
+        values = asdict(self)
+        del values["step"]
+        return {name: value for name, value in values.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """A step's samples as right-padded tensors; position t predicts token t + 1."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    targets: torch.Tensor
+    """The token each position predicts (0 where none)."""
+    completion_mask: torch.Tensor
+    """True at positions that predict a completion token."""
+    sample_logprobs: torch.Tensor
+    routes: torch.Tensor | None
+    """`[batch, seq, layers, top_k]`, padding positions routed to experts 0..top_k-1."""
+
+
+class GrpoTrainer:
+    """A PeftModel with a fresh (zero) LoRA on `base`, trained one GRPO step at a time. The KL
+    reference is the base itself: the start adapter is zero, so disabling it gives the start
+    policy."""
+
+    def __init__(self, base: BaseModel, config: GrpoConfig) -> None:
+        self.base = base
+        self.config = config
+        self.steps = 0
+        self._moe = bool(experts_modules(base.model))
+        experts = [f"mlp.experts.{name}" for name in EXPERT_PARAMETERS]
+        lora = LoraConfig(
+            r=config.rank,
+            lora_alpha=config.alpha,
+            lora_dropout=0.0,  # PEFT refuses dropout on expert parameters
+            target_modules=list(default_targets(base.model)),
+            target_parameters=experts if self._moe and config.expert_lora else None,
+            task_type="CAUSAL_LM",
+        )
+        with seeded(config.seed):
+            self.model: PeftModel = get_peft_model(base.model, lora)
+        self.model.train()
+        self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._optimizer = torch.optim.AdamW(self._trainable, lr=config.learning_rate)
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return tuple(sorted(self.model.peft_config["default"].target_modules))
+
+    def step(self, groups: Sequence[Group]) -> StepMetrics:
+        """Score `groups`, take one policy-gradient step, and report what it saw."""
+        codec = self.base.codec
+        rewards, exact = [], []
+        for group in groups:
+            scored = []
+            for s in group.samples:
+                text, finished = (
+                    codec.decode(s.completion_ids),
+                    s.completion_ids[-1] in codec.eos_ids,
+                )
+                scored.append(self.config.reward.score(group.answer, text, finished))
+                exact.append(exact_reward(group.answer, text, finished))
+            rewards.append(scored)
+        if len({len(r) for r in rewards}) != 1:
+            raise ConfigurationError(
+                f"groups of sizes {sorted({len(r) for r in rewards})}; sample the same number "
+                "of completions for every prompt"
+            )
+        reward_table = torch.tensor(rewards)
+        advantages = group_advantages(reward_table).reshape(-1, 1).to(self.base.device)
+        batch = self._batch([s for group in groups for s in group.samples])
+        flips = self._flip_rate(batch)
+        with torch.no_grad(), self.model.disable_adapter():
+            reference = self._logprobs(batch)
+        train = self._logprobs(batch)
+        mask = batch.completion_mask
+        kl = (k3_kl(train, reference) * mask).sum() / mask.sum()
+        policy = masked_policy_loss(
+            train,
+            batch.sample_logprobs,
+            advantages,
+            mask,
+            self.config.icepop_low,
+            self.config.icepop_high,
+        )
+        loss = policy.loss + self.config.kl_coef * kl
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self._trainable, self.config.max_grad_norm)
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return StepMetrics(
+            step=self.steps,
+            reward=reward_table.mean().item(),
+            reward_exact=sum(exact) / len(exact),
+            kl=kl.item(),
+            masked_fraction=policy.masked_fraction,
+            flip_rate=flips,
+            loss=loss.item(),
+        )
+
+    def save(self, out_dir: Path) -> Path:
+        """The LoRA as a PEFT adapter directory (what the release pipeline freezes and packs)."""
+        save_peft(self.model, out_dir, self.base.model_id)
+        return out_dir
+
+    def _batch(self, samples: Sequence[Sample]) -> _Batch:
+        with_routes = sum(s.routes is not None for s in samples)
+        if with_routes not in (0, len(samples)):
+            raise ConfigurationError(
+                f"{with_routes} of {len(samples)} samples carry routes; replay needs all or none"
+            )
+        width = max(len(s.prompt_ids) + len(s.completion_ids) - 1 for s in samples)
+        shape = (len(samples), width)
+        input_ids = torch.full(shape, self.base.codec.pad_id)
+        attention = torch.zeros(shape, dtype=torch.long)
+        targets = torch.zeros(shape, dtype=torch.long)
+        completion = torch.zeros(shape, dtype=torch.bool)
+        sample_logprobs = torch.zeros(shape)
+        routes = None
+        if with_routes and self._moe:
+            gate = moe_gates(self.base.model)
+            # Padding needs valid, distinct experts; their outputs are masked out.
+            routes = torch.arange(gate[0].top_k).expand(*shape, len(gate), -1).clone()
+        for row, s in enumerate(samples):
+            fed = (*s.prompt_ids, *s.completion_ids[:-1])
+            start = len(s.prompt_ids) - 1
+            input_ids[row, : len(fed)] = torch.tensor(fed)
+            attention[row, : len(fed)] = 1
+            targets[row, start : len(fed)] = torch.tensor(s.completion_ids)
+            completion[row, start : len(fed)] = True
+            sample_logprobs[row, start : len(fed)] = torch.tensor(s.logprobs)
+            if routes is not None:
+                assert s.routes is not None
+                routes[row, : len(fed)] = s.routes
+        device = self.base.device
+        return _Batch(
+            input_ids.to(device),
+            attention.to(device),
+            targets.to(device),
+            completion.to(device),
+            sample_logprobs.to(device),
+            routes,
+        )
+
+    def _logprobs(self, batch: _Batch) -> torch.Tensor:
+        """`[batch, seq]` log-probability of each target token, with the sampler's routes
+        replayed when there are any."""
+        if batch.routes is None:
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        else:
+            with replaying_routes(self.model, batch.routes):
+                logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        logprobs = torch.log_softmax(logits.logits.float(), dim=-1)
+        return logprobs.gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+
+    @torch.no_grad()
+    def _flip_rate(self, batch: _Batch) -> float | None:
+        if batch.routes is None:
+            return None
+        with recording_routes(self.model) as own:
+            self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+        mask = batch.completion_mask.cpu()
+        return flip_rate(own.indices[mask], batch.routes[mask])
+
+
+class HfSampler:
+    """Samples in process with the trainer's own model at temperature 1: each step feeds every
+    unfinished row whole (no cache; tiny bases only), then one pass over the finished
+    completions records their routes and log-probabilities, as a worker would return them."""
+
+    def __init__(self, model: torch.nn.Module, base: BaseModel, seed: int = 0) -> None:
+        self.model = model
+        self.base = base
+        self._generator = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def sample(self, prompt: str, n: int, max_new_tokens: int) -> list[Sample]:
+        codec = self.base.codec
+        prompt_ids = codec.encode(prompt)
+        rows = [list(prompt_ids) for _ in range(n)]
+        live = list(range(n))
+        for _ in range(max_new_tokens):
+            if not live:
+                break
+            logits = self._forward([rows[i] for i in live]).logits
+            last = torch.tensor([len(rows[i]) - 1 for i in live])
+            probs = torch.softmax(logits[torch.arange(len(live)), last].float(), dim=-1)
+            tokens = torch.multinomial(probs.cpu(), 1, generator=self._generator).squeeze(-1)
+            for i, token in zip(live, tokens.tolist(), strict=True):
+                rows[i].append(token)
+            live = [i for i in live if rows[i][-1] not in codec.eos_ids]
+        fed = [row[:-1] for row in rows]
+        moe = bool(experts_modules(self.base.model))
+        if moe:
+            with recording_routes(self.model) as routes:
+                logits = self._forward(fed).logits
+        else:
+            logits = self._forward(fed).logits
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        samples = []
+        start = len(prompt_ids) - 1
+        for i, row in enumerate(rows):
+            completion = row[len(prompt_ids) :]
+            positions = torch.arange(start, len(row) - 1)
+            picked = logprobs[i, positions, torch.tensor(completion)].tolist()
+            samples.append(
+                Sample(
+                    tuple(prompt_ids),
+                    tuple(completion),
+                    tuple(picked),
+                    routes.row(i)[: len(row) - 1] if moe else None,
+                )
+            )
+        return samples
+
+    def _forward(self, rows: Sequence[Sequence[int]]) -> CausalLMOutputWithPast:
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.base.codec.pad_id)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            input_ids[i, : len(r)] = torch.tensor(r)
+            attention[i, : len(r)] = 1
+        device = self.base.device
+        return self.model(input_ids=input_ids.to(device), attention_mask=attention.to(device))
+
+
+def task_prompts(task: Task, seed: int, max_chars: int = 8) -> Iterator[Example]:
+    """An endless, seeded stream of `task`'s prompts and answers for words of at most
+    `max_chars` letters (never the held-out words)."""
+    for example in training_stream(task, seed):
+        if len(example.completion) <= max_chars:
+            yield example
+
+
+def held_out_prompts(task: Task, max_chars: int = 8) -> list[Example]:
+    """`task`'s held-out words of at most `max_chars` letters, as prompts and answers."""
+    return [
+        Example(prompt_for(word), task.answer(word))
+        for word in held_out_words()
+        if len(word) <= max_chars
+    ]
+
+
+def evaluate_sampled(
+    sampler: Sampler, codec: TextCodec, examples: Sequence[Example], n: int
+) -> tuple[float, float]:
+    """(mean exact reward, mean character reward) of `n` completions sampled per example: the
+    figures a GRPO step reports, on prompts it never trained on."""
+    exact, chars = [], []
+    for example in examples:
+        for s in sampler.sample(example.prompt, n, answer_budget(codec, example.completion)):
+            text = codec.decode(s.completion_ids)
+            finished = s.completion_ids[-1] in codec.eos_ids
+            exact.append(exact_reward(example.completion, text, finished))
+            chars.append(char_reward(example.completion, text, finished))
+    return sum(exact) / len(exact), sum(chars) / len(chars)
+
+
+def answer_budget(codec: TextCodec, answer: str) -> int:
+    """How many tokens a completion of `answer` may take: its tokens, end-of-sequence, and one
+    spare (a completion cut off there scores 0)."""
+    return len(codec.encode_answer(answer)) + 1

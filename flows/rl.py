@@ -1,0 +1,162 @@
+"""The RL flow: GRPO on a LoRA, sampling from the worker that serves the adapter's `rl` alias.
+
+It ships a zero LoRA as the run's first revision and points `<adapter>@rl` at it; then each
+step samples completions of fresh prompts from `<adapter>@rl` (temperature 1, log-probabilities
+and, on an MoE base, routes), takes one GRPO step with the routes replayed and the IcePop mask,
+and logs its figures to the run's MLflow run; every `sync_every` steps the LoRA is shipped
+through the release pipeline (freeze, pack, export, register, admit, prewarm) and `rl` moves to
+it. Every sampled batch is thus attributable to an exact revision, and every revision records
+its parent, its training step and `rl:<task>`.
+"""
+
+from dataclasses import dataclass, field
+
+from prefect import flow
+
+from flows.release import on_base
+from flows.rollout import StageClock
+from mint_core.access import EVERYONE
+from mint_core.config import MintConfig
+from mint_core.model.experts import experts_modules
+from mint_core.model.rl import (
+    ICEPOP_HIGH,
+    ICEPOP_LOW,
+    GrpoConfig,
+    GrpoTrainer,
+    Reward,
+    task_prompts,
+)
+from mint_core.model.toy import Task
+from mint_core.registry import Registry
+from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
+from tasks.pipeline import (
+    activate_revision,
+    admit_revision,
+    base_fleet,
+    export_adapter,
+    freeze_adapter,
+    pack_adapter,
+    prewarm_revision,
+    register_revision,
+)
+from tasks.rl import (
+    RlRun,
+    WorkerSampler,
+    batches,
+    rl_step,
+    save_policy,
+    start_rl_run,
+    start_trainer,
+)
+
+RL_ALIAS = "rl"
+
+
+@dataclass(frozen=True)
+class RlReport:
+    """What an RL run did: its MLflow run, the revisions it shipped, its last step's figures."""
+
+    run_id: str
+    revisions: tuple[str, ...]
+    metrics: dict[str, float] = field(default_factory=dict)
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+
+
+@flow(name="rl")
+def rl(
+    adapter: str,
+    task: str = Task.REVERSE.value,
+    steps: int = 20,
+    prompts: int = 8,
+    group: int = 8,
+    sync_every: int = 5,
+    max_chars: int = 4,
+    learning_rate: float = GrpoConfig.learning_rate,
+    rank: int = GrpoConfig.rank,
+    alpha: int = GrpoConfig.alpha,
+    reward: str = GrpoConfig.reward.value,
+    kl_coef: float = GrpoConfig.kl_coef,
+    icepop_low: float = ICEPOP_LOW,
+    icepop_high: float = ICEPOP_HIGH,
+    seed: int = 0,
+    actor: str = "mint",
+    base_model: str | None = None,
+) -> RlReport:
+    """GRPO on `task` (a toy task over words of at most `max_chars` letters) for `steps` steps
+    of `prompts` prompts x `group` completions, starting from a zero LoRA, shipping the LoRA as
+    the next revision of `adapter` and moving `adapter@rl` to it every `sync_every` steps.
+    IcePop drops the gradient of tokens whose ratio π_train/π_sample leaves [icepop_low,
+    icepop_high]. `base_model` as in `release`."""
+    config = on_base(MintConfig.from_env(), base_model)
+    check_adapter_name(adapter)
+    toy_task = Task.parse(task)
+    grpo = GrpoConfig(
+        rank=rank,
+        alpha=alpha,
+        learning_rate=learning_rate,
+        reward=Reward(reward),
+        kl_coef=kl_coef,
+        icepop_low=icepop_low,
+        icepop_high=icepop_high,
+        seed=seed,
+    )
+    timed = StageClock()
+    trainer = timed("start", start_trainer, config, grpo)
+    run = start_rl_run(config, adapter, grpo, toy_task.value, f"words<={max_chars}", seed)
+    registry = Registry(config.tracking_uri)
+    revision = _ship(config, adapter, trainer, run, {}, actor, timed)
+    shipped = [revision]
+    worker = base_fleet(config, revision)[0]
+    moe = bool(experts_modules(trainer.base.model))
+    sampler = WorkerSampler(worker, f"{adapter}@{RL_ALIAS}", trainer.base.codec, moe, seed)
+    examples = batches(task_prompts(toy_task, seed, max_chars), prompts)
+    figures: dict[str, float] = {}
+    try:
+        for _ in range(steps):
+            metrics, revisions = timed("step", rl_step, trainer, sampler, next(examples), group)
+            figures = metrics.metrics()
+            sampled_by = [RevisionRef.parse(r).revision or 0 for r in revisions]
+            figures["sampler_revision"] = float(max(sampled_by))
+            registry.log_metrics(run.run_id, metrics.step, figures)
+            if metrics.step % sync_every == 0:
+                shipped.append(_ship(config, adapter, trainer, run, figures, actor, timed))
+    except BaseException:
+        registry.finish_training_run(run.run_id, {}, trainer.steps, failed=True)
+        raise
+    registry.finish_training_run(run.run_id, {}, trainer.steps)
+    return RlReport(run.run_id, tuple(map(str, shipped)), figures, timed.seconds)
+
+
+def _ship(
+    config: MintConfig,
+    adapter: str,
+    trainer: GrpoTrainer,
+    run: RlRun,
+    figures: dict[str, float],
+    actor: str,
+    timed: StageClock,
+) -> RevisionId:
+    """save -> freeze -> pack -> export -> register (parent: the revision `rl` serves) ->
+    admit -> prewarm -> activate on `rl`."""
+    trained = timed("save", save_policy, config, adapter, trainer, run, figures)
+    frozen = timed("freeze", freeze_adapter, config, trained.path)
+    packed_dir, index = timed("pack", pack_adapter, config, frozen)
+    exported = timed("export", export_adapter, config, packed_dir, index)
+    revision = timed(
+        "register",
+        register_revision,
+        config,
+        adapter,
+        trained,
+        frozen,
+        exported,
+        actor,
+        (EVERYONE,),
+        None,
+        RL_ALIAS,
+    )
+    timed("admit", admit_revision, config, revision)
+    timed("prewarm", prewarm_revision, config, revision)
+    reason = f"rl step {trainer.steps}"
+    timed("activate", activate_revision, config, revision, RL_ALIAS, actor, reason)
+    return revision

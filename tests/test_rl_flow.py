@@ -1,0 +1,70 @@
+"""The `rl` flow on a tiny Qwen3-MoE served by a worker of its own: a zero LoRA (attention and
+every expert) ships as r1 on `rl`, four GRPO steps sample from `rl` with routes and replay
+them, and two syncs ship r2 and r3. Each step's figures are in the run's MLflow run, each
+attributed to the revision that sampled it; each revision records its parent, step and
+`rl:<task>`. (Whether GRPO learns is bench/rl.py's question, not this test's.)"""
+
+import dataclasses
+from collections.abc import Iterator
+
+import pytest
+from mlflow import MlflowClient
+
+from mint_core.config import MintConfig
+from mint_core.model.base import BaseSource
+from mint_core.model.tiny import TinySpec, ensure_tiny
+from mint_core.registry import Registry
+from mint_core.revisions import RevisionId, RevisionRef
+from mint_core.services import ManagedProcess
+from serving.server import start_worker
+
+SPEC = TinySpec(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=32, num_experts=4,
+                pretrain_steps=0)  # fmt: skip
+METRICS = {"reward", "reward_exact", "kl", "masked_fraction", "flip_rate", "loss",
+           "sampler_revision"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def moe_config(
+    config: MintConfig, worker: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[MintConfig]:
+    """The session's registry with a worker of its own serving the tiny MoE base."""
+    folder = ensure_tiny(SPEC, tmp_path_factory.mktemp("moe-base"))
+    moe = dataclasses.replace(config, base=BaseSource(str(folder)))
+    process = start_worker(moe)
+    try:
+        yield dataclasses.replace(moe, worker_urls=(process.url,))
+    finally:
+        process.stop()
+
+
+def test_rl_flow_samples_from_rl_and_ships_each_sync(
+    moe_config: MintConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.rl import rl
+
+    for name, value in moe_config.to_env().items():
+        monkeypatch.setenv(name, value)
+    report = rl("rl-bot", steps=4, prompts=2, group=4, sync_every=2, max_chars=3)
+    assert report.revisions == ("rl-bot:r1", "rl-bot:r2", "rl-bot:r3")
+
+    registry = Registry(moe_config.tracking_uri)
+    assert registry.resolve(RevisionRef("rl-bot", alias="rl")).id == RevisionId("rl-bot", 3)
+    lineage = []
+    for number in (1, 2, 3):
+        policy = registry.get(RevisionId("rl-bot", number)).policy
+        lineage.append((policy.parent_revision, policy.training_steps, policy.dataset))
+    assert lineage == [(None, 0, "rl:reverse"), (1, 2, "rl:reverse"), (2, 4, "rl:reverse")]
+
+    client = MlflowClient(moe_config.tracking_uri)
+    run = client.get_run(report.run_id)
+    assert run.info.status == "FINISHED"
+    assert set(run.data.metrics) == METRICS
+    sampled_by = client.get_metric_history(report.run_id, "sampler_revision")
+    assert [(m.step, m.value) for m in sampled_by] == [(1, 1.0), (2, 1.0), (3, 2.0), (4, 2.0)]
+    flips = client.get_metric_history(report.run_id, "flip_rate")
+    masked = client.get_metric_history(report.run_id, "masked_fraction")
+    assert [m.step for m in flips] == [m.step for m in masked] == [1, 2, 3, 4]
+    # The worker's samples, scored with their routes replayed by the trainer holding the same
+    # weights at step 1, keep every token (ratios near 1).
+    assert masked[0].value == 0.0
