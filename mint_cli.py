@@ -123,7 +123,7 @@ def cmd_rl(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 RL_OPTIONS = ("task", "steps", "prompts", "group", "sync_every", "max_chars", "learning_rate",
-              "rank", "seed")  # fmt: skip
+              "rank", "reward", "seed", "start")  # fmt: skip
 
 
 def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
@@ -520,7 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     for option in ("steps", "prompts", "group", "sync-every", "max-chars", "rank"):
         grpo.add_argument(f"--{option}", type=_number(option.replace("-", " ")), default=unset)
     grpo.add_argument("--learning-rate", type=_real("learning rate", 0), default=unset)
+    grpo.add_argument("--reward", default=unset, help="exact or chars (share of right characters)")
     grpo.add_argument("--seed", type=_number("seed", minimum=0), default=unset)
+    grpo.add_argument(
+        "--start", default=unset, help="start from this revision: ADAPTER:rN or ADAPTER@alias"
+    )
     rl.add_argument("--actor", default=getpass.getuser(), help="who runs it (recorded)")
     rl.add_argument("--base-model", default=None, help=BASE_MODEL_HELP)
     rl.set_defaults(run=cmd_rl, needs=(REGISTRY, WORKERS), loads_models=True)

@@ -1,6 +1,7 @@
 """The RL flow: GRPO on a LoRA, sampling from the worker that serves the adapter's `rl` alias.
 
-It ships a zero LoRA as the run's first revision and points `<adapter>@rl` at it; then each
+It ships its start (a zero LoRA, or a copy of a registered revision of the adapter, e.g. one
+trained by `release`) as the run's first revision and points `<adapter>@rl` at it; then each
 step samples completions of fresh prompts from `<adapter>@rl` (temperature 1, log-probabilities
 and, on an MoE base, routes), takes one GRPO step with the routes replayed and the IcePop mask,
 and logs its figures to the run's MLflow run; every `sync_every` steps the LoRA is shipped
@@ -17,6 +18,7 @@ from flows.release import on_base
 from flows.rollout import StageClock
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
+from mint_core.errors import ConfigurationError
 from mint_core.model.experts import experts_modules
 from mint_core.model.rl import (
     ICEPOP_HIGH,
@@ -27,7 +29,7 @@ from mint_core.model.rl import (
     task_prompts,
 )
 from mint_core.model.toy import Task
-from mint_core.registry import Registry
+from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from tasks.pipeline import (
     activate_revision,
@@ -79,12 +81,15 @@ def rl(
     icepop_low: float = ICEPOP_LOW,
     icepop_high: float = ICEPOP_HIGH,
     seed: int = 0,
+    start: str = "",
     actor: str = "mint",
     base_model: str | None = None,
 ) -> RlReport:
     """GRPO on `task` (a toy task over words of at most `max_chars` letters) for `steps` steps
-    of `prompts` prompts x `group` completions, starting from a zero LoRA, shipping the LoRA as
-    the next revision of `adapter` and moving `adapter@rl` to it every `sync_every` steps.
+    of `prompts` prompts x `group` completions, shipping the LoRA as the next revision of
+    `adapter` and moving `adapter@rl` to it every `sync_every` steps. It starts from a zero LoRA
+    (rank and alpha as given) or, with `start` (`adapter:rN` or `adapter@alias`), from that
+    revision's adapter, whose rank, alpha and targets then apply; the KL is to the start.
     IcePop drops the gradient of tokens whose ratio π_train/π_sample leaves [icepop_low,
     icepop_high]. `base_model` as in `release`."""
     config = on_base(MintConfig.from_env(), base_model)
@@ -94,17 +99,19 @@ def rl(
         rank=rank,
         alpha=alpha,
         learning_rate=learning_rate,
-        reward=Reward(reward),
+        reward=Reward.parse(reward),
         kl_coef=kl_coef,
         icepop_low=icepop_low,
         icepop_high=icepop_high,
         seed=seed,
     )
-    timed = StageClock()
-    trainer = timed("start", start_trainer, config, grpo)
-    run = start_rl_run(config, adapter, grpo, toy_task.value, f"words<={max_chars}", seed)
     registry = Registry(config.tracking_uri)
-    revision = _ship(config, adapter, trainer, run, {}, actor, timed)
+    origin = _start_revision(registry, adapter, start)
+    timed = StageClock()
+    trainer = timed("start", start_trainer, config, grpo, origin)
+    run = start_rl_run(config, adapter, grpo, toy_task.value, f"words<={max_chars}", seed)
+    parent = RevisionRef(adapter, revision=origin.id.number) if origin else None
+    revision = _ship(config, adapter, trainer, run, {}, actor, timed, parent)
     shipped = [revision]
     worker = base_fleet(config, revision)[0]
     moe = bool(experts_modules(trainer.base.model))
@@ -135,9 +142,10 @@ def _ship(
     figures: dict[str, float],
     actor: str,
     timed: StageClock,
+    parent: RevisionRef | None = None,
 ) -> RevisionId:
-    """save -> freeze -> pack -> export -> register (parent: the revision `rl` serves) ->
-    admit -> prewarm -> activate on `rl`."""
+    """save -> freeze -> pack -> export -> register (parent: `parent`, by default the revision
+    `rl` serves) -> admit -> prewarm -> activate on `rl`."""
     trained = timed("save", save_policy, config, adapter, trainer, run, figures)
     frozen = timed("freeze", freeze_adapter, config, trained.path)
     packed_dir, index = timed("pack", pack_adapter, config, frozen)
@@ -153,10 +161,24 @@ def _ship(
         actor,
         (EVERYONE,),
         None,
-        RL_ALIAS,
+        parent or RevisionRef(adapter, alias=RL_ALIAS),
     )
     timed("admit", admit_revision, config, revision)
     timed("prewarm", prewarm_revision, config, revision)
     reason = f"rl step {trainer.steps}"
     timed("activate", activate_revision, config, revision, RL_ALIAS, actor, reason)
     return revision
+
+
+def _start_revision(registry: Registry, adapter: str, start: str) -> RegisteredRevision | None:
+    """The registered revision `start` names (None for ""); it must be one of `adapter`'s, so
+    that the run's revisions continue its line."""
+    if not start:
+        return None
+    ref = RevisionRef.parse(start)
+    if ref.adapter != adapter:
+        raise ConfigurationError(
+            f"start={start!r} is a revision of {ref.adapter}, not of {adapter}; RL continues an "
+            f"adapter's own line: start from {adapter}:rN or {adapter}@alias"
+        )
+    return registry.resolve(ref)

@@ -203,22 +203,23 @@ def register_revision(
     actor: str,
     principals: tuple[str, ...] = (EVERYONE,),
     held_out: Dataset | None = None,
-    parent_alias: str = PRODUCTION,
+    parent: RevisionRef | None = None,
 ) -> RevisionId:
     """Register the next revision of `adapter`, with the `held_out` rows a trained one was
     evaluated on kept in the artifact store: its evaluation gate, and later candidates', score
-    on them. Its parent is the revision `parent_alias` points to (an RL run's line is `rl`)."""
+    on them. Its parent is the revision `parent` names (default `adapter@production`; an RL
+    run's line is `adapter@rl`), or none if that resolves to nothing."""
     registry = Registry(config.tracking_uri)
     try:
-        parent: int | None = registry.resolve(RevisionRef(adapter, alias=parent_alias)).id.number
+        parent_number = registry.resolve(parent or RevisionRef(adapter)).id.number
     except NotFoundError:
-        parent = None
+        parent_number = None
     policy = PolicyRecord(
         adapter=adapter,
         content_digest=exported.content_digest,
         created_by=actor,
         created_at=datetime.now(UTC).isoformat(),
-        parent_revision=parent,
+        parent_revision=parent_number,
         frozen_digest=frozen.digest,
         principals=principals,
         **source.policy_fields(),  # type: ignore[arg-type]

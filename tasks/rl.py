@@ -13,9 +13,10 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from mint_core.artifact_store import open_store
 from mint_core.config import MintConfig
 from mint_core.digests import sha256_bytes
-from mint_core.errors import IntegrityError
+from mint_core.errors import BaseMismatchError, IntegrityError
 from mint_core.model.base import load_base
 from mint_core.model.rl import (
     Group,
@@ -29,7 +30,8 @@ from mint_core.model.rl import (
 from mint_core.model.text import TextCodec
 from mint_core.model.toy import Example
 from mint_core.model.training import TrainedAdapter, TrainingConfig
-from mint_core.registry import DatasetLog, Registry
+from mint_core.packing import unpack
+from mint_core.registry import DatasetLog, RegisteredRevision, Registry
 from serving.client import WorkerClient
 
 
@@ -71,9 +73,22 @@ class WorkerSampler:
 
 
 @task(name="rl-start", cache_policy=NO_CACHE)
-def start_trainer(config: MintConfig, grpo: GrpoConfig) -> GrpoTrainer:
-    """A zero LoRA on the base, ready for its first GRPO step."""
-    return GrpoTrainer(load_base(config.base, config.home, training=True), grpo)
+def start_trainer(
+    config: MintConfig, grpo: GrpoConfig, start: RegisteredRevision | None
+) -> GrpoTrainer:
+    """A trainer ready for its first GRPO step: on a zero LoRA, or on the adapter of the
+    registered revision `start` (fetched from the artifact store, checked and unpacked)."""
+    base = load_base(config.base, config.home, training=True)
+    if start is None:
+        return GrpoTrainer(base, grpo)
+    if start.policy.base_digest != base.digest:
+        raise BaseMismatchError(
+            f"{start.id} was trained on {start.policy.base_model_id}, not on the RL run's base "
+            f"{base.model_id}; start from a revision of this base (or none)"
+        )
+    folder = open_store(config).fetch(start.artifact_uri)
+    peft_dir = unpack(folder, config.work_root / "rl-start" / uuid.uuid4().hex[:12])
+    return GrpoTrainer(base, grpo, peft_dir)
 
 
 @dataclass(frozen=True)
@@ -132,14 +147,16 @@ def save_policy(
     return TrainedAdapter(
         path=out_dir,
         config=TrainingConfig(
-            rank=grpo.rank,
-            alpha=grpo.alpha,
+            rank=trainer.lora.r,
+            alpha=int(trainer.lora.lora_alpha),
             target_modules=trainer.target_modules,
+            expert_targets=trainer.target_parameters,
             learning_rate=grpo.learning_rate,
             steps=max(trainer.steps, 1),
             seed=grpo.seed,
         ),
         target_modules=trainer.target_modules,
+        target_parameters=trainer.target_parameters,
         base_model_id=trainer.base.model_id,
         base_digest=trainer.base.digest,
         dataset=run.dataset,

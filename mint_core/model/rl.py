@@ -17,6 +17,7 @@ uses [0.5, 5.0]), instead of clipping it as PPO would.
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -148,6 +149,14 @@ class Reward(StrEnum):
     """`exact_reward`: all or nothing."""
     CHARS = "chars"
     """`char_reward`: the share of right characters, a denser signal to start from."""
+
+    @classmethod
+    def parse(cls, name: str) -> "Reward":
+        try:
+            return cls(name)
+        except ValueError:
+            known = ", ".join(reward.value for reward in cls)
+            raise ConfigurationError(f"unknown reward {name!r}; known rewards: {known}") from None
 
     @property
     def score(self) -> Callable[[str, str, bool], float]:
@@ -281,33 +290,47 @@ class _Batch:
 
 
 class GrpoTrainer:
-    """A PeftModel with a fresh (zero) LoRA on `base`, trained one GRPO step at a time. The KL
-    reference is the base itself: the start adapter is zero, so disabling it gives the start
-    policy."""
+    """A PeftModel on `base`, trained one GRPO step at a time: a fresh (zero) LoRA, or the
+    adapter in the PEFT folder `start` (an SFT revision to improve; its own rank, alpha and
+    targets then apply, not `config`'s). The KL reference is the start: the LoRA's weights as
+    they were before the first step."""
 
-    def __init__(self, base: BaseModel, config: GrpoConfig) -> None:
+    def __init__(self, base: BaseModel, config: GrpoConfig, start: Path | None = None) -> None:
         self.base = base
         self.config = config
         self.steps = 0
         self._moe = bool(experts_modules(base.model))
-        experts = [f"mlp.experts.{name}" for name in EXPERT_PARAMETERS]
-        lora = LoraConfig(
-            r=config.rank,
-            lora_alpha=config.alpha,
-            lora_dropout=0.0,  # PEFT refuses dropout on expert parameters
-            target_modules=list(default_targets(base.model)),
-            target_parameters=experts if self._moe and config.expert_lora else None,
-            task_type="CAUSAL_LM",
-        )
-        with seeded(config.seed):
-            self.model: PeftModel = get_peft_model(base.model, lora)
+        if start is not None:
+            self.model: PeftModel = PeftModel.from_pretrained(base.model, start, is_trainable=True)
+        else:
+            experts = [f"mlp.experts.{name}" for name in EXPERT_PARAMETERS]
+            lora = LoraConfig(
+                r=config.rank,
+                lora_alpha=config.alpha,
+                lora_dropout=0.0,  # PEFT refuses dropout on expert parameters
+                target_modules=list(default_targets(base.model)),
+                target_parameters=experts if self._moe and config.expert_lora else None,
+                task_type="CAUSAL_LM",
+            )
+            with seeded(config.seed):
+                self.model = get_peft_model(base.model, lora)
         self.model.train()
         self._trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self._start = [p.detach().clone() for p in self._trainable]
         self._optimizer = torch.optim.AdamW(self._trainable, lr=config.learning_rate)
 
     @property
+    def lora(self) -> LoraConfig:
+        """The LoRA being trained (a fresh one's, or the start adapter's)."""
+        return self.model.peft_config["default"]
+
+    @property
     def target_modules(self) -> tuple[str, ...]:
-        return tuple(sorted(self.model.peft_config["default"].target_modules))
+        return tuple(sorted(self.lora.target_modules))
+
+    @property
+    def target_parameters(self) -> tuple[str, ...]:
+        return tuple(self.lora.target_parameters or ())
 
     def step(self, groups: Sequence[Group]) -> StepMetrics:
         """Score `groups`, take one policy-gradient step, and report what it saw."""
@@ -332,7 +355,7 @@ class GrpoTrainer:
         advantages = group_advantages(reward_table).reshape(-1, 1).to(self.base.device)
         batch = self._batch([s for group in groups for s in group.samples])
         flips = self._flip_rate(batch)
-        with torch.no_grad(), self.model.disable_adapter():
+        with torch.no_grad(), self._start_weights():
             reference = self._logprobs(batch)
         train = self._logprobs(batch)
         mask = batch.completion_mask
@@ -365,6 +388,20 @@ class GrpoTrainer:
         """The LoRA as a PEFT adapter directory (what the release pipeline freezes and packs)."""
         save_peft(self.model, out_dir, self.base.model_id)
         return out_dir
+
+    @contextmanager
+    def _start_weights(self) -> Iterator[None]:
+        """The LoRA as it started, for the KL reference; its trained weights come back after."""
+        trained = [p.detach().clone() for p in self._trainable]
+        with torch.no_grad():
+            for p, start in zip(self._trainable, self._start, strict=True):
+                p.copy_(start)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, now in zip(self._trainable, trained, strict=True):
+                    p.copy_(now)
 
     def _batch(self, samples: Sequence[Sample]) -> _Batch:
         with_routes = sum(s.routes is not None for s in samples)
