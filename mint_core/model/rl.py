@@ -16,6 +16,7 @@ uses [0.5, 5.0]), instead of clipping it as PPO would.
 """
 
 import math
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -300,6 +301,7 @@ class GrpoTrainer:
         self.config = config
         self.steps = 0
         self._moe = bool(experts_modules(base.model))
+        self._start_dir = start
         if start is not None:
             self.model: PeftModel = PeftModel.from_pretrained(base.model, start, is_trainable=True)
         else:
@@ -330,7 +332,7 @@ class GrpoTrainer:
 
     @property
     def target_parameters(self) -> tuple[str, ...]:
-        return tuple(self.lora.target_parameters or ())
+        return tuple(sorted(self.lora.target_parameters or ()))
 
     def step(self, groups: Sequence[Group]) -> StepMetrics:
         """Score `groups`, take one policy-gradient step, and report what it saw."""
@@ -385,8 +387,14 @@ class GrpoTrainer:
         )
 
     def save(self, out_dir: Path) -> Path:
-        """The LoRA as a PEFT adapter directory (what the release pipeline freezes and packs)."""
-        save_peft(self.model, out_dir, self.base.model_id)
+        """The LoRA as a PEFT adapter directory (what the release pipeline freezes and packs).
+        Before the first step that is the start adapter's own files: PEFT writes target_modules
+        (a set) in this process's hash order, so saving it again would change its content
+        digest."""
+        if self._start_dir is not None and self.steps == 0:
+            shutil.copytree(self._start_dir, out_dir, dirs_exist_ok=True)
+        else:
+            save_peft(self.model, out_dir, self.base.model_id)
         return out_dir
 
     @contextmanager
