@@ -18,7 +18,7 @@ from flows.release import on_base
 from flows.rollout import StageClock
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError
+from mint_core.errors import ConfigurationError, NotFoundError
 from mint_core.model.experts import experts_modules
 from mint_core.model.rl import (
     ICEPOP_HIGH,
@@ -181,4 +181,9 @@ def _start_revision(registry: Registry, adapter: str, start: str) -> RegisteredR
             f"start={start!r} is a revision of {ref.adapter}, not of {adapter}; RL continues an "
             f"adapter's own line: start from {adapter}:rN or {adapter}@alias"
         )
-    return registry.resolve(ref)
+    try:
+        return registry.resolve(ref)
+    except NotFoundError as e:
+        raise NotFoundError(
+            f"start={start!r}: {e}; start from a registered revision of {adapter} (or none)"
+        ) from e
