@@ -19,7 +19,7 @@ from mint_core.errors import ConfigurationError
 from mint_core.model.datasets import Dataset
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter, TrainingConfig
-from mint_core.revisions import RevisionId, check_adapter_name
+from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from tasks.pipeline import (
     check_import,
     export_adapter,
@@ -151,6 +151,7 @@ def _ship(
         actor,
         allowed,
         held_out,
+        RevisionRef(adapter),
     )
     # From here on the revision stays registered whatever happens: promote can roll it out.
     roll_out(config, revision, actor, reason, timed=timed)

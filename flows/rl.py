@@ -110,8 +110,7 @@ def rl(
     timed = StageClock()
     trainer = timed("start", start_trainer, config, grpo, origin)
     run = start_rl_run(config, adapter, grpo, toy_task.value, f"words<={max_chars}", seed)
-    parent = RevisionRef(adapter, revision=origin.id.number) if origin else None
-    revision = _ship(config, adapter, trainer, run, {}, actor, timed, parent)
+    revision = _ship(config, adapter, trainer, run, {}, actor, timed, origin.id if origin else None)
     shipped = [revision]
     worker = base_fleet(config, revision)[0]
     moe = bool(experts_modules(trainer.base.model))
@@ -126,7 +125,9 @@ def rl(
             figures["sampler_revision"] = float(max(sampled_by))
             registry.log_metrics(run.run_id, metrics.step, figures)
             if metrics.step % sync_every == 0:
-                shipped.append(_ship(config, adapter, trainer, run, figures, actor, timed))
+                shipped.append(
+                    _ship(config, adapter, trainer, run, figures, actor, timed, shipped[-1])
+                )
     except BaseException:
         registry.finish_training_run(run.run_id, {}, trainer.steps, failed=True)
         raise
@@ -142,10 +143,10 @@ def _ship(
     figures: dict[str, float],
     actor: str,
     timed: StageClock,
-    parent: RevisionRef | None = None,
+    parent: RevisionId | None,
 ) -> RevisionId:
-    """save -> freeze -> pack -> export -> register (parent: `parent`, by default the revision
-    `rl` serves) -> admit -> prewarm -> activate on `rl`."""
+    """save -> freeze -> pack -> export -> register (with `parent`, the revision it trained
+    from) -> admit -> prewarm -> activate on `rl`."""
     trained = timed("save", save_policy, config, adapter, trainer, run, figures)
     frozen = timed("freeze", freeze_adapter, config, trained.path)
     packed_dir, index = timed("pack", pack_adapter, config, frozen)
@@ -161,7 +162,7 @@ def _ship(
         actor,
         (EVERYONE,),
         None,
-        parent or RevisionRef(adapter, alias=RL_ALIAS),
+        RevisionRef(adapter, revision=parent.number) if parent else None,
     )
     timed("admit", admit_revision, config, revision)
     timed("prewarm", prewarm_revision, config, revision)

@@ -207,11 +207,11 @@ def register_revision(
 ) -> RevisionId:
     """Register the next revision of `adapter`, with the `held_out` rows a trained one was
     evaluated on kept in the artifact store: its evaluation gate, and later candidates', score
-    on them. Its parent is the revision `parent` names (default `adapter@production`; an RL
-    run's line is `adapter@rl`), or none if that resolves to nothing."""
+    on them. Its parent is the revision `parent` names (a release's is `adapter@production`,
+    an RL sync's the revision it trained from), if that resolves to one."""
     registry = Registry(config.tracking_uri)
     try:
-        parent_number = registry.resolve(parent or RevisionRef(adapter)).id.number
+        parent_number = registry.resolve(parent).id.number if parent else None
     except NotFoundError:
         parent_number = None
     policy = PolicyRecord(

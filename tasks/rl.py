@@ -42,7 +42,12 @@ class WorkerSampler:
     the same tokens again from the same revisions."""
 
     def __init__(
-        self, client: WorkerClient, adapter_id: str, codec: TextCodec, routes: bool, seed: int
+        self,
+        client: WorkerClient,
+        adapter_id: str | None,
+        codec: TextCodec,
+        routes: bool,
+        seed: int,
     ) -> None:
         self.client = client
         self.adapter_id = adapter_id
