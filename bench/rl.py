@@ -87,8 +87,13 @@ def run(args: argparse.Namespace, config: MintConfig, seed: int, work: Path) -> 
     rl_seconds = time.perf_counter() - started
     after_exact = held_out_exact(f"{adapter}@{RL_ALIAS}")
 
-    history = MlflowClient(config.tracking_uri).get_metric_history(report.run_id, "reward_exact")
-    curve = [m.value for m in sorted(history, key=lambda m: m.step)]
+    mlflow = MlflowClient(config.tracking_uri)
+    curves = {
+        name: [m.value for m in sorted(mlflow.get_metric_history(report.run_id, name),
+                                       key=lambda m: m.step)]
+        for name in ("reward_exact", "masked_fraction", "flip_rate", "kl")
+    }  # fmt: skip
+    curve = curves["reward_exact"]
     reached = next((i + 1 for i, v in enumerate(curve) if v >= TARGET), None)
     tail = curve[-args.tail :]
     print(
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace, config: MintConfig, seed: int, work: Path) -> 
         f"after RL {after_exact:.3f}; train exact first {args.tail} steps "
         f"{sum(curve[: args.tail]) / args.tail:.3f}, last {args.tail} "
         f"{sum(tail) / len(tail):.3f}; first step >= {TARGET}: {reached}; "
-        f"{len(report.revisions)} revisions; RL {rl_seconds:.0f} s",
+        f"{len(report.revisions)} revisions; RL {rl_seconds:.0f} s; mean masked fraction "
+        f"{_mean(curves['masked_fraction']):.4f}, mean flip rate {_mean(curves['flip_rate']):.4f}",
         flush=True,
     )
     return {
@@ -113,8 +119,14 @@ def run(args: argparse.Namespace, config: MintConfig, seed: int, work: Path) -> 
         "sft_seconds": sft_seconds,
         "rl_seconds": rl_seconds,
         "stage_seconds": report.stage_seconds,
-        "curve_exact": curve,
+        "mean_masked_fraction": _mean(curves["masked_fraction"]),
+        "mean_flip_rate": _mean(curves["flip_rate"]),
+        "curves": curves,
     }
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
 
 
 def main() -> None:
@@ -126,7 +138,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=150, help="GRPO steps")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
-    parser.add_argument("--sync-every", type=int, default=25)
+    parser.add_argument("--sync-every", type=int, default=5)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--tail", type=int, default=10, help="steps averaged for a figure")
