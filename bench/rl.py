@@ -49,7 +49,7 @@ from mint_core.model.base import BaseSource, load_text
 from mint_core.model.rl import evaluate_sampled, held_out_prompts, task_prompts
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.toy import Task, write_jsonl
-from mint_core.services import start_mlflow, stop_all
+from mint_core.services import start_mlflow, start_prefect, stop_all
 from serving.client import WorkerClient
 from serving.server import start_worker
 from tasks.rl import WorkerSampler
@@ -134,8 +134,8 @@ def main() -> None:
     parser.add_argument("--task", default=Task.REVERSE.value)
     parser.add_argument("--max-chars", type=int, default=4, help="longest word")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--sft-steps", type=int, default=35, help="steps of the SFT start")
-    parser.add_argument("--steps", type=int, default=150, help="GRPO steps")
+    parser.add_argument("--sft-steps", type=int, default=50, help="steps of the SFT start")
+    parser.add_argument("--steps", type=int, default=300, help="GRPO steps")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per step (P)")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--sync-every", type=int, default=5)
@@ -150,6 +150,10 @@ def main() -> None:
     folder = ensure_tiny(BASE, args.home / "base")
     base_seconds = time.perf_counter() - started
     work = Path(tempfile.mkdtemp(prefix="mint-bench-rl-"))
+    # A Prefect server of its own: the ephemeral one Prefect starts on demand gives up after
+    # 20 s on a loaded machine.
+    prefect = start_prefect(work / "prefect")
+    os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
     mlflow = start_mlflow(work / "registry")
     config = MintConfig(
         home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder)),
@@ -161,7 +165,7 @@ def main() -> None:
     try:
         runs = [run(args, config, seed, work) for seed in args.seeds]
     finally:
-        stop_all([worker, mlflow])
+        stop_all([worker, mlflow, prefect])
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

@@ -1,18 +1,23 @@
 """HTTP client for serving workers: what the release pipeline and the CLI use to admit
 revisions and read readiness, and what an RL trainer samples with."""
 
+from __future__ import annotations
+
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import httpx
 
 from mint_core.canary import RevisionOutcomes
 from mint_core.errors import ConfigurationError, NotReadyError, ServiceError
-from mint_core.model.generate import Route
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
+
+if TYPE_CHECKING:  # mint_core.model.generate imports torch: `mint status` must not
+    from mint_core.model.generate import Route
 
 _ADMIN_KEY_HINT = (
     "; the pipeline presents MINT_WORKER_API_KEY, which must be a key of the worker whose "
