@@ -35,7 +35,7 @@ from mint_core.model.generate import seeded
 from mint_core.model.routing import flip_rate, moe_gates, recording_routes, replaying_routes
 from mint_core.model.text import TextCodec
 from mint_core.model.toy import Example, Task, held_out_words, prompt_for, training_stream
-from mint_core.model.training import _save as save_peft
+from mint_core.model.training import save_peft
 
 ICEPOP_LOW = 0.5
 """Default lower bound of the kept ratio π_train / π_sample."""

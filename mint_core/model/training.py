@@ -186,7 +186,7 @@ def train_lora(
     losses = _optimize(model, base, rows, config, total, on_step)
     model.eval()
     metrics = evaluate(model, base, held_out, held_rows)
-    _save(model, out_dir, base.model_id)
+    save_peft(model, out_dir, base.model_id)
     return TrainedAdapter(
         path=out_dir,
         config=config,
@@ -312,7 +312,8 @@ def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence[Row]) ->
     return hits / max(len(rows), 1)
 
 
-def _save(model: PeftModel, out_dir: Path, base_model_id: str) -> None:
+def save_peft(model: PeftModel, out_dir: Path, base_model_id: str) -> None:
+    """`model`'s LoRA in PEFT's layout in `out_dir`, naming `base_model_id` as its base."""
     model.peft_config["default"].base_model_name_or_path = base_model_id
     out_dir.mkdir(parents=True, exist_ok=True)
     # Embedding layers are not adapted; saying so stops PEFT from looking the base up on a hub.
