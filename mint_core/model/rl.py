@@ -1,7 +1,7 @@
 """GRPO on a LoRA with R3 routing replay and IcePop: the domain side of the `rl` flow.
 
-A step takes groups of completions sampled for one prompt each (by a serving worker, or
-`HfSampler` in process), scores them against the prompt's answer, turns each group's rewards
+A step takes groups of completions sampled for one prompt each (by a serving worker:
+`tasks.rl.WorkerSampler`), scores them against the prompt's answer, turns each group's rewards
 into advantages, and takes one policy-gradient step on the LoRA. On an MoE base the trainer
 scores the completions with the sampler's expert routes replayed, and IcePop drops tokens
 whose probability under trainer and sampler disagree too much.
@@ -26,7 +26,6 @@ from typing import Protocol
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseModel, default_targets
@@ -178,7 +177,7 @@ class Sample:
     the trainer feeds (the prompt and every completion token but the last) was routed to; None
     on a dense base or a sampler that does not record routes (no replay then)."""
     revision: str | None = None
-    """The revision that sampled it (`name:rN`); None for an in-process sampler."""
+    """The revision that sampled it (`name:rN`); None when the sampler does not say."""
 
     def __post_init__(self) -> None:
         if not self.prompt_ids or not self.completion_ids:
@@ -206,7 +205,7 @@ class Group:
 
 class Sampler(Protocol):
     """Samples completions at temperature 1 with per-token log-probabilities (and routes on an
-    MoE base): `HfSampler` in process, or a serving worker."""
+    MoE base), as a serving worker does (`tasks.rl.WorkerSampler`)."""
 
     def sample(self, prompt: str, n: int, max_new_tokens: int) -> list[Sample]:
         """`n` completions of one prompt (the base's codec encodes it, BOS included)."""
@@ -469,67 +468,6 @@ class GrpoTrainer:
             self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         mask = batch.completion_mask.cpu()
         return flip_rate(own.indices[mask], batch.routes[mask])
-
-
-class HfSampler:
-    """Samples in process with the trainer's own model at temperature 1: each step feeds every
-    unfinished row whole (no cache; tiny bases only), then one pass over the finished
-    completions records their routes and log-probabilities, as a worker would return them."""
-
-    def __init__(self, model: torch.nn.Module, base: BaseModel, seed: int = 0) -> None:
-        self.model = model
-        self.base = base
-        self._generator = torch.Generator().manual_seed(seed)
-
-    @torch.no_grad()
-    def sample(self, prompt: str, n: int, max_new_tokens: int) -> list[Sample]:
-        codec = self.base.codec
-        prompt_ids = codec.encode(prompt)
-        rows = [list(prompt_ids) for _ in range(n)]
-        live = list(range(n))
-        for _ in range(max_new_tokens):
-            if not live:
-                break
-            logits = self._forward([rows[i] for i in live]).logits
-            last = torch.tensor([len(rows[i]) - 1 for i in live])
-            probs = torch.softmax(logits[torch.arange(len(live)), last].float(), dim=-1)
-            tokens = torch.multinomial(probs.cpu(), 1, generator=self._generator).squeeze(-1)
-            for i, token in zip(live, tokens.tolist(), strict=True):
-                rows[i].append(token)
-            live = [i for i in live if rows[i][-1] not in codec.eos_ids]
-        fed = [row[:-1] for row in rows]
-        moe = bool(experts_modules(self.base.model))
-        if moe:
-            with recording_routes(self.model) as routes:
-                logits = self._forward(fed).logits
-        else:
-            logits = self._forward(fed).logits
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        samples = []
-        start = len(prompt_ids) - 1
-        for i, row in enumerate(rows):
-            completion = row[len(prompt_ids) :]
-            positions = torch.arange(start, len(row) - 1)
-            picked = logprobs[i, positions, torch.tensor(completion)].tolist()
-            samples.append(
-                Sample(
-                    tuple(prompt_ids),
-                    tuple(completion),
-                    tuple(picked),
-                    routes.row(i)[: len(row) - 1] if moe else None,
-                )
-            )
-        return samples
-
-    def _forward(self, rows: Sequence[Sequence[int]]) -> CausalLMOutputWithPast:
-        width = max(len(r) for r in rows)
-        input_ids = torch.full((len(rows), width), self.base.codec.pad_id)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            input_ids[i, : len(r)] = torch.tensor(r)
-            attention[i, : len(r)] = 1
-        device = self.base.device
-        return self.model(input_ids=input_ids.to(device), attention_mask=attention.to(device))
 
 
 def task_prompts(task: Task, seed: int, max_chars: int = 8) -> Iterator[Example]:
