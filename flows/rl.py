@@ -105,6 +105,12 @@ def rl(
         icepop_high=icepop_high,
         seed=seed,
     )
+    if min(steps, prompts, sync_every) < 1 or group < 2:
+        raise ConfigurationError(
+            f"steps={steps}, prompts={prompts} and sync_every={sync_every} must be at least 1, "
+            f"group={group} at least 2 (GRPO compares the completions of one prompt)"
+        )
+    examples = batches(task_prompts(toy_task, seed, max_chars), prompts)
     registry = Registry(config.tracking_uri)
     origin = _start_revision(registry, adapter, start)
     timed = StageClock()
@@ -115,7 +121,6 @@ def rl(
     worker = base_fleet(config, revision)[0]
     moe = bool(experts_modules(trainer.base.model))
     sampler = WorkerSampler(worker, f"{adapter}@{RL_ALIAS}", trainer.base.codec, moe, seed)
-    examples = batches(task_prompts(toy_task, seed, max_chars), prompts)
     figures: dict[str, float] = {}
     try:
         for _ in range(steps):

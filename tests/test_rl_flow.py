@@ -79,6 +79,11 @@ def test_rl_flow_ships_each_sync_and_continues_from_a_revision(
         rl("rl-bot", start="other-bot:r1", steps=2)
     with pytest.raises(NotFoundError, match=r"start='rl-bot:r9': rl-bot:r9 does not exist"):
         rl("rl-bot", start="rl-bot:r9", steps=2)
+    # So are shapes GRPO cannot run with, and words no toy task has.
+    with pytest.raises(ConfigurationError, match="group=1 at least 2"):
+        rl("rl-bot", group=1)
+    with pytest.raises(ConfigurationError, match="max_chars=2: no toy word is that short"):
+        rl("rl-bot", max_chars=2)
     assert [r.id.number for r in registry.revisions("rl-bot")] == [1, 2, 3]
 
     # From r2, at a rank the start overrides: r4 is r2 again, r5 trained on from it.

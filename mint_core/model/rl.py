@@ -33,7 +33,14 @@ from mint_core.model.experts import EXPERT_PARAMETERS, experts_modules
 from mint_core.model.generate import seeded
 from mint_core.model.routing import flip_rate, moe_gates, recording_routes, replaying_routes
 from mint_core.model.text import TextCodec
-from mint_core.model.toy import Example, Task, held_out_words, prompt_for, training_stream
+from mint_core.model.toy import (
+    MIN_WORD_LENGTH,
+    Example,
+    Task,
+    held_out_words,
+    prompt_for,
+    training_stream,
+)
 from mint_core.model.training import save_peft
 
 ICEPOP_LOW = 0.5
@@ -473,9 +480,11 @@ class GrpoTrainer:
 def task_prompts(task: Task, seed: int, max_chars: int = 8) -> Iterator[Example]:
     """An endless, seeded stream of `task`'s prompts and answers for words of at most
     `max_chars` letters (never the held-out words)."""
-    for example in training_stream(task, seed):
-        if len(example.completion) <= max_chars:
-            yield example
+    if max_chars < MIN_WORD_LENGTH:
+        raise ConfigurationError(
+            f"max_chars={max_chars}: no toy word is that short; give at least {MIN_WORD_LENGTH}"
+        )
+    return (e for e in training_stream(task, seed) if len(e.completion) <= max_chars)
 
 
 def held_out_prompts(task: Task, max_chars: int = 8) -> list[Example]:

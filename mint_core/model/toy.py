@@ -18,7 +18,8 @@ from mint_core.errors import ConfigurationError
 
 PROMPT_SUFFIX = "="
 _LOWER = "abcdefghijklmnopqrstuvwxyz"
-_MIN_LEN, _MAX_LEN = 3, 8
+MIN_WORD_LENGTH, MAX_WORD_LENGTH = 3, 8
+"""Every generated word has this many letters or more, and no more than that many."""
 # Held-out words come from their own seed and are excluded from every training stream.
 _HELD_OUT_SEED = 1_000_003
 
@@ -63,7 +64,7 @@ def prompt_for(word: str) -> str:
 
 
 def _random_word(rng: random.Random, mixed_case: bool) -> str:
-    word = "".join(rng.choice(_LOWER) for _ in range(rng.randint(_MIN_LEN, _MAX_LEN)))
+    word = "".join(rng.choice(_LOWER) for _ in range(rng.randint(MIN_WORD_LENGTH, MAX_WORD_LENGTH)))
     if mixed_case and rng.random() < 0.5:
         word = word.upper()
     return word
