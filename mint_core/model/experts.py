@@ -17,7 +17,6 @@ Qwen3-MoE's `gate_up_proj` is `mlp.experts.base_layer.lora_A.weight` and its `do
 (import, packing, the engine) goes through `expert_lora_targets`.
 """
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -132,11 +131,10 @@ def expert_rank(adapter_config: Mapping[str, object], module: str, parameter: st
     its name (PEFT's `get_pattern_key` rule: the pattern is a regex for a `.`-separated suffix),
     else `r`. PEFT itself writes a pattern when it turns `gate_proj`/`up_proj` targets into
     `gate_up_proj` at twice the rank."""
-    name = f"{module}.{parameter}"
+    from peft.utils.other import get_pattern_key  # PEFT is heavy; packing imports this module
+
     patterns = adapter_config.get("rank_pattern") or {}
     if not isinstance(patterns, dict):
         raise ConfigurationError(f"rank_pattern={patterns!r} is not a mapping of pattern to rank")
-    for pattern, rank in patterns.items():
-        if re.match(rf"(.*\.)?({pattern})$", name):
-            return int(rank)
-    return int(adapter_config["r"])  # type: ignore[call-overload]
+    pattern = get_pattern_key(list(patterns), f"{module}.{parameter}")
+    return int(patterns.get(pattern, adapter_config["r"]))  # type: ignore[call-overload]
