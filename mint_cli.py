@@ -299,7 +299,10 @@ def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.registry import Registry
 
     snapshot = build_snapshot(
-        Registry(config.tracking_uri), open_store(config), config.work_root / "catalog"
+        Registry(config.tracking_uri),
+        open_store(config),
+        config.work_root / "catalog",
+        config.catalog_snapshots,
     )
     print(f"catalog snapshot {snapshot.digest}: {snapshot.adapters} adapters, "
           f"{snapshot.revisions} revisions, {snapshot.size / 1e6:.1f} MB; workers starting "

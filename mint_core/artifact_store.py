@@ -10,7 +10,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
@@ -47,6 +47,16 @@ class ArtifactStore(Protocol):
 
     def get_file(self, name: str, target: Path) -> bool:
         """Copy the stored file `name` to `target`; False if the store has no such file."""
+        ...
+
+    def list_files(self, folder: str) -> dict[str, float]:
+        """The files `put_file` stored directly in `folder` (e.g. `catalog`), by name (as
+        `put_file` takes it), each with the Unix time it was stored."""
+        ...
+
+    def delete_file(self, name: str) -> None:
+        """Remove the stored file `name`; nothing if there is none. A reader copying it
+        meanwhile still gets the whole file."""
         ...
 
 
@@ -120,6 +130,19 @@ class LocalArtifactStore:
             return False
         shutil.copyfile(stored, target)
         return True
+
+    def list_files(self, folder: str) -> dict[str, float]:
+        found = {}
+        for path in (self.root / folder).glob("*"):
+            if path.name.startswith(".put-") or not path.is_file():
+                continue  # a `put_file` under way
+            with suppress(FileNotFoundError):  # deleted while listed
+                found[f"{folder}/{path.name}"] = path.stat().st_mtime
+        return found
+
+    def delete_file(self, name: str) -> None:
+        # An open copy keeps reading the unlinked file to its end.
+        (self.root / name).unlink(missing_ok=True)
 
     def fetch(self, uri: str) -> Path:
         parsed = urlparse(uri)
@@ -286,6 +309,22 @@ class S3ArtifactStore:
                     return False
                 raise
         return True
+
+    def list_files(self, folder: str) -> dict[str, float]:
+        prefix = self._key(folder) + "/"
+        found = {}
+        with self._service(f"list {prefix}"):
+            pages = self.s3.get_paginator("list_objects_v2")
+            for page in pages.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+                for item in page.get("Contents", []):
+                    name = f"{folder}/{item['Key'].removeprefix(prefix)}"
+                    found[name] = item["LastModified"].timestamp()
+        return found
+
+    def delete_file(self, name: str) -> None:
+        key = self._key(name)
+        with self._service(f"delete {key}"):
+            self.s3.delete_object(Bucket=self.bucket, Key=key)
 
     def digest_of(self, uri: str) -> str:
         parsed = urlparse(uri)

@@ -31,6 +31,7 @@ from mint_core import catalog_snapshot
 from mint_core.artifact_store import ArtifactStore
 from mint_core.catalog_index import CatalogIndex
 from mint_core.catalog_snapshot import Snapshot
+from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS
 from mint_core.errors import IntegrityError, RegistryError, ServiceError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, RevisionRef
@@ -222,9 +223,12 @@ def catch_up(index: CatalogIndex, registry: Registry) -> list[AdapterAliases]:
     return changed
 
 
-def build_snapshot(registry: Registry, store: ArtifactStore, folder: Path) -> Snapshot:
+def build_snapshot(
+    registry: Registry, store: ArtifactStore, folder: Path, keep: int = DEFAULT_CATALOG_SNAPSHOTS
+) -> Snapshot:
     """Read the whole registry into a new index under `folder` and publish it as the current
-    catalog snapshot in `store` (what `mint catalog snapshot` runs)."""
+    catalog snapshot in `store`, keeping the newest `keep` (what `mint catalog snapshot`
+    runs)."""
     folder.mkdir(parents=True, exist_ok=True)
     handle, name = tempfile.mkstemp(prefix="catalog-", suffix=".sqlite", dir=folder)
     os.close(handle)
@@ -234,7 +238,7 @@ def build_snapshot(registry: Registry, store: ArtifactStore, folder: Path) -> Sn
         catch_up(index, registry)
         index.seal()
         index.close()
-        return catalog_snapshot.publish(store, path)
+        return catalog_snapshot.publish(store, path, keep)
     finally:
         _close_index(index)
 

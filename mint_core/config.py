@@ -19,6 +19,8 @@ DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
 DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `--max-lora-rank` values vLLM accepts."""
+DEFAULT_CATALOG_SNAPSHOTS = 3
+"""Catalog snapshots kept in the artifact store (`MINT_CATALOG_SNAPSHOTS`)."""
 REGISTRY_DB_SCHEMES = ("sqlite", "postgresql")
 """Databases MinT runs MLflow's backend store on (a `+driver` suffix is allowed)."""
 
@@ -112,6 +114,11 @@ class MintConfig:
     host_adapters: int = 256
     """Most revisions a worker's host tier holds, whatever their size (`MINT_HOST_ADAPTERS`),
     on either backend, besides `host_cache_mb`; a vLLM worker's `--max-cpu-loras`."""
+    catalog_snapshots: int = DEFAULT_CATALOG_SNAPSHOTS
+    """Catalog snapshots kept in the artifact store (`MINT_CATALOG_SNAPSHOTS`): publishing one
+    removes all but the newest this many (about 1 GB each at a million revisions). The current
+    one is always kept, and more than one lets a worker that read the manifest just before a
+    publish still fetch the snapshot it names."""
     max_lora_rank: int = 16
     """Highest adapter rank a vLLM worker takes (`MINT_MAX_LORA_RANK`, one of vLLM's
     `--max-lora-rank` values); a revision of higher rank ends `failed` there."""
@@ -141,7 +148,14 @@ class MintConfig:
                 f"{', '.join(map(str, VLLM_LORA_RANKS))}; pick the smallest that covers your "
                 "adapters"
             )
-        for name in ("device_slots", "host_cache_mb", "host_adapters", "max_batch", "admission_k"):
+        for name in (
+            "device_slots",
+            "host_cache_mb",
+            "host_adapters",
+            "max_batch",
+            "admission_k",
+            "catalog_snapshots",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
         if not self.admin_principals:
@@ -202,6 +216,7 @@ class MintConfig:
             admin_principals=_names(env.get("MINT_ADMIN_PRINCIPALS", "")) or (ADMIN,),
             backend=_backend(env.get("MINT_BACKEND", "") or BackendKind.EMBEDDED),
             host_adapters=_integer(env, "MINT_HOST_ADAPTERS", 256),
+            catalog_snapshots=_integer(env, "MINT_CATALOG_SNAPSHOTS", DEFAULT_CATALOG_SNAPSHOTS),
             max_lora_rank=_integer(env, "MINT_MAX_LORA_RANK", 16),
             vllm_python=env.get("MINT_VLLM_PYTHON", ""),
             vllm_args=tuple(shlex.split(env.get("MINT_VLLM_ARGS", ""))),

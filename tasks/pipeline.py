@@ -512,6 +512,8 @@ def ensure_exported(
 
 @task(name="catalog-snapshot", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
 def snapshot_catalog(config: MintConfig) -> Snapshot:
-    """Publish the whole registry as the catalog snapshot workers start from."""
+    """Publish the whole registry as the catalog snapshot workers start from, keeping the newest
+    `config.catalog_snapshots`."""
     registry = Registry(config.tracking_uri)
-    return build_snapshot(registry, open_store(config), config.work_root / "catalog")
+    folder = config.work_root / "catalog"
+    return build_snapshot(registry, open_store(config), folder, config.catalog_snapshots)

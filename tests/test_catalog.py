@@ -5,6 +5,7 @@ snapshot follows the registry from the snapshot's cursor, not from the beginning
 
 import itertools
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from mint_core import catalog_snapshot
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore
 from mint_core.catalog import Catalog, build_snapshot
 from mint_core.catalog_index import CatalogIndex
+from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS, MintConfig
 from mint_core.digests import sha256_json
-from mint_core.errors import IntegrityError, NotFoundError
+from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
@@ -128,6 +130,51 @@ def test_a_damaged_snapshot_never_replaces_a_good_one(store: ArtifactStore, tmp_
         catalog_snapshot.publish(store, damaged)
     assert catalog_snapshot.current(store, tmp_path) == good
     assert catalog_snapshot.fetch(store, tmp_path / "fetched.sqlite") == good
+
+
+def test_publishing_keeps_the_newest_snapshots_and_never_the_current_one_away(
+    store: ArtifactStore, tmp_path: Path
+) -> None:
+    published = []
+    for n in range(4):
+        built = index_file(tmp_path / f"{n}.sqlite", adapters=n + 1)
+        published.append(catalog_snapshot.publish(store, built, keep=2))
+        time.sleep(1.1)  # S3 dates what it stores to the second
+    assert len({snapshot.digest for snapshot in published}) == 4
+    kept = {snapshot.name for snapshot in published[-2:]}
+    assert set(store.list_files("catalog")) == {catalog_snapshot.MANIFEST, *kept}
+    assert catalog_snapshot.fetch(store, tmp_path / "fetched.sqlite") == published[-1]
+
+    with pytest.raises(ConfigurationError, match="keep at least 1"):
+        catalog_snapshot.publish(store, tmp_path / "0.sqlite", keep=0)
+    with pytest.raises(ConfigurationError, match="catalog_snapshots=0"):
+        MintConfig.from_env({"MINT_CATALOG_SNAPSHOTS": "0"})
+    assert MintConfig().catalog_snapshots == DEFAULT_CATALOG_SNAPSHOTS
+
+
+class PublishedMeanwhile(LocalArtifactStore):
+    """A store where, between a reader's look at the manifest and its copy of the file the
+    manifest names, another snapshot is published keeping only itself."""
+
+    def __init__(self, root: Path, newer: Path) -> None:
+        super().__init__(root)
+        self.newer: Path | None = newer
+
+    def get_file(self, name: str, target: Path) -> bool:
+        if name.endswith(".sqlite") and self.newer is not None:
+            newer, self.newer = self.newer, None
+            catalog_snapshot.publish(self, newer, keep=1)
+        return super().get_file(name, target)
+
+
+def test_a_reader_whose_snapshot_was_pruned_meanwhile_fetches_the_newer_one(
+    tmp_path: Path,
+) -> None:
+    store = PublishedMeanwhile(tmp_path / "store", index_file(tmp_path / "new.sqlite", 20))
+    old = catalog_snapshot.publish(store, index_file(tmp_path / "old.sqlite", 10))
+    fetched = catalog_snapshot.fetch(store, tmp_path / "fetched.sqlite")
+    assert fetched is not None and fetched != old and fetched.adapters == 20
+    assert set(store.list_files("catalog")) == {catalog_snapshot.MANIFEST, fetched.name}
 
 
 def test_a_catalog_refuses_a_snapshot_damaged_in_the_store(
