@@ -42,6 +42,8 @@ DESIRED_ALIASES = (PRODUCTION, CANDIDATE, CANARY)
 _OVERLAP_MS = 2000
 """Each sync asks again for this much of the time before the last change it saw: two changes
 in one millisecond, or a commit that lands late, are not missed. Seeing one twice is harmless."""
+INDEX_PREFIX = "mint-catalog-"
+"""How a catalog's index file is named in its folder: then the pid of its process."""
 RECENT_RECORDS = 4096
 """Records kept as objects, most recently used: the revisions a worker serves, without a
 lookup in the index each time."""
@@ -61,12 +63,15 @@ class Catalog:
         self.base_digest = base_digest
         """The serving base: adapters of other bases are addressable but never desired here
         (their workers hold them). None: every adapter's."""
-        if folder is not None:
-            folder.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.gettempdir()) if folder is None else folder
+        folder.mkdir(parents=True, exist_ok=True)
         # The index file is this catalog's alone (a worker's is a copy of the snapshot, then
         # kept current), made in `folder` (else the system's temporary folder) and removed
-        # when the catalog closes or is collected.
-        handle, name = tempfile.mkstemp(prefix="mint-catalog-", suffix=".sqlite", dir=folder)
+        # when the catalog closes or is collected. A process killed outright removes nothing:
+        # its files carry its pid, and the next catalog made in the folder removes them.
+        sweep_indexes(folder)
+        prefix = f"{INDEX_PREFIX}{os.getpid()}-"
+        handle, name = tempfile.mkstemp(prefix=prefix, suffix=".sqlite", dir=folder)
         os.close(handle)
         self._index = CatalogIndex(Path(name))
         self._close = weakref.finalize(self, _close_index, self._index)
@@ -209,6 +214,28 @@ class Catalog:
         if self._index.knows(adapter):
             return True
         return self._ask_registry(f"adapter {adapter!r}").has_adapter(adapter)
+
+
+def sweep_indexes(folder: Path) -> list[Path]:
+    """Remove the files (index, its journals, its snapshot copies) of catalogs in `folder`
+    whose process has exited; the files removed. A pid that runs again is left alone."""
+    removed = []
+    for path in folder.glob(f"{INDEX_PREFIX}*"):
+        pid = path.name.removeprefix(INDEX_PREFIX).partition("-")[0]
+        if pid.isdigit() and not _runs(int(pid)):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def catch_up(index: CatalogIndex, registry: Registry) -> list[AdapterAliases]:

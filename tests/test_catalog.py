@@ -5,6 +5,9 @@ snapshot follows the registry from the snapshot's cursor, not from the beginning
 
 import itertools
 import logging
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -273,3 +276,42 @@ def test_mint_catalog_snapshot_publishes_one(
     snapshot = catalog_snapshot.current(LocalArtifactStore(home / "artifacts"), tmp_path)
     assert snapshot is not None and snapshot.adapters >= 2  # forms and elsewhere at least
     assert snapshot.digest in capsys.readouterr().out
+
+
+def test_a_killed_processs_catalog_files_are_removed_by_the_next_catalog_in_its_folder(
+    registry: Registry, tmp_path: Path
+) -> None:
+    folder = tmp_path / "catalog"
+    running = Catalog(registry, folder=folder)  # this process's: it runs, so it stays
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WITH_ITS_CATALOG, registry.tracking_uri, str(folder)],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    left = Path(killed.stdout.strip())
+    assert left.exists() and Path(f"{left}-wal").exists()  # a worker's, as SIGKILL leaves it
+
+    restarted = Catalog(registry, folder=folder)
+    names = sorted(path.name for path in folder.iterdir())
+    assert not [name for name in names if name.startswith(left.name)], names
+    mine = (running.index_path.name, restarted.index_path.name)
+    assert all(name.startswith(mine) for name in names), names
+    running.close()
+    restarted.close()
+    assert list(folder.iterdir()) == []
+
+
+KILLED_WITH_ITS_CATALOG = """
+import os, signal, sys
+from pathlib import Path
+from mint_core.catalog import Catalog
+from mint_core.registry import Registry
+
+catalog = Catalog(Registry(sys.argv[1]), folder=Path(sys.argv[2]))
+catalog.sync()
+print(catalog.index_path, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
