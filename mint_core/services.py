@@ -5,7 +5,6 @@ server forks a web server), and its output goes to a log file under the state di
 """
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -124,13 +123,12 @@ def start_process(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(
-            list(argv),
+            _term_with_parent(argv) if die_with_parent else list(argv),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
-            preexec_fn=_term_with_parent() if die_with_parent else None,
         )
     service = ManagedProcess(name, process, url, log_path)
     try:
@@ -141,14 +139,26 @@ def start_process(
     return service
 
 
-def _term_with_parent() -> Callable[[], None] | None:
-    """What a forked child runs before exec to get SIGTERM when its parent thread ends: only
-    a system call (libc is looked up here, before the fork). None where Linux's prctl is not."""
+TERM_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("its parent exited before it could start")
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+"""Run as `python -c` before the service: asks Linux for SIGTERM when the thread that started
+it ends, then execs the service (the request survives exec)."""
+
+
+def _term_with_parent(argv: Sequence[str]) -> list[str]:
+    """`argv` behind a small Python that gets it SIGTERM when the thread that started it
+    ends, asked for in the child itself: not through Popen's `preexec_fn`, which runs Python
+    between fork and exec and can deadlock a threaded program (a worker is one). Where Linux's
+    prctl is not, `argv` as it is."""
     if sys.platform != "linux":
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    pr_set_pdeathsig = 1
-    return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
+        return list(argv)
+    # -I -S: the shim starts in tens of milliseconds and reads nothing from the environment.
+    return [sys.executable, "-I", "-S", "-c", TERM_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:

@@ -1,6 +1,11 @@
 """Stopping a started service stops its whole process group, whatever its leader did: the
 shape of `mlflow server`, whose uvicorn child can outlive it."""
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -81,3 +86,83 @@ def test_a_service_that_fails_to_start_leaves_nothing_running(tmp_path: Path) ->
             timeout_s=30,
         )
     assert not running(int(pid_file.read_text()))
+
+
+def test_vllm_dies_with_a_worker_killed_outright_and_no_preexec_fn_started_it(
+    tmp_path: Path,
+) -> None:
+    """The worker's own start of vLLM (`VllmServer.start`), in a threaded process that refuses
+    Popen's `preexec_fn` (Python between fork and exec, unsafe there), of a stand-in vLLM
+    that answers `/health`; then the worker is SIGKILLed and vLLM must exit by itself."""
+    stand_in = tmp_path / "vllm_stand_in.py"
+    stand_in.write_text(STAND_IN_VLLM)
+    python = tmp_path / "python"  # what VllmSettings.python names: vLLM's environment
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{stand_in}" "$@"\n')
+    python.chmod(0o755)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER_STARTING_VLLM, str(python), str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[1],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    vllm = None
+    try:
+        assert worker.stdout is not None and worker.stderr is not None
+        line = worker.stdout.readline()
+        assert line.strip().isdigit(), worker.stderr.read()[-3000:]
+        vllm = int(line)
+        assert running(vllm)
+
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 30
+        while running(vllm) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(vllm), "vLLM outlived the worker that started it"
+    finally:
+        worker.kill()
+        worker.wait()
+        if vllm is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(vllm, signal.SIGKILL)
+
+
+STAND_IN_VLLM = """
+import http.server, sys
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+WORKER_STARTING_VLLM = """
+import subprocess, sys, threading, time, types
+from pathlib import Path
+
+popen = subprocess.Popen.__init__
+
+def without_preexec_fn(self, *args, **kwargs):
+    if kwargs.get("preexec_fn") is not None:
+        raise RuntimeError("preexec_fn in a threaded program")
+    popen(self, *args, **kwargs)
+
+subprocess.Popen.__init__ = without_preexec_fn
+
+from serving.vllm import VllmServer, VllmSettings
+
+for _ in range(4):  # a worker runs many threads
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+home = Path(sys.argv[2])
+settings = VllmSettings(
+    python=Path(sys.argv[1]), home=home, device_slots=1, host_adapters=1, max_lora_rank=8,
+    max_batch=1, dtype="float32", device="cpu",
+)
+server = VllmServer(settings, types.SimpleNamespace(path=home, model_id="stand-in"))
+print(server.start().process.pid, flush=True)
+time.sleep(600)
+"""
