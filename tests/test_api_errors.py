@@ -7,7 +7,6 @@ Where a test needs the engine to produce something it never would on purpose (a 
 a failure in the middle of a stream), the worker hands the app a scheduler request driven by
 the test instead of the engine."""
 
-import json
 import logging
 import math
 import re
@@ -17,20 +16,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from mint_core.artifact_store import open_store
-from mint_core.catalog import Catalog
-from mint_core.config import MintConfig
 from mint_core.errors import ServiceError
-from mint_core.registry import Registry
 from mint_core.services import ManagedProcess
-from serving.app import ECHO_LIMIT, create_app
+from serving.app import ECHO_LIMIT
 from serving.client import WorkerClient
-from serving.embedded import EmbeddedBackend
-from serving.engine import BASE, TorchEngine
+from serving.engine import BASE
 from serving.generation import Request, TokenEvent
 from serving.sampling import SamplingParams
 from serving.worker import Worker
-from tests.helpers import ENGINE_SPEC, tiny_base
+from tests.helpers import app_client, error_of, in_process_worker, strict_json
 
 LONG = 10_000
 """Length of the values sent to see how much of them comes back."""
@@ -41,43 +35,14 @@ CHAT = [{"role": "user", "content": "a="}]
 def local_worker(
     mlflow_server: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Worker]:
-    home = tmp_path_factory.mktemp("api-errors")
-    config = MintConfig(home=home, tracking_uri=mlflow_server.url)
-    worker = Worker(
-        EmbeddedBackend(TorchEngine(tiny_base(ENGINE_SPEC, home)), config.host_cache_mb << 20),
-        Catalog(Registry(config.tracking_uri)),
-        open_store(config),
-        sync_interval_s=3600,
-    )
-    yield worker
-    worker.close()
+    with in_process_worker(mlflow_server, tmp_path_factory.mktemp("api-errors")) as worker:
+        yield worker
 
 
 @pytest.fixture(scope="module")
 def api(local_worker: Worker) -> Iterator[TestClient]:
-    """A worker without API keys. Starlette hands an unexpected error to the server to log
-    after its answer is sent; here the test client keeps it and returns the answer."""
-    with TestClient(create_app(local_worker), raise_server_exceptions=False) as client:
+    with app_client(local_worker) as client:
         yield client
-
-
-def error_of(response: httpx.Response, status: int, error_type: str) -> str:
-    """The message of an error answer, after checking its status and its exact shape."""
-    assert response.status_code == status, response.text
-    assert response.headers["content-type"] == "application/json"
-    body = strict_json(response.text)
-    assert body == {"error": body["error"], "error_type": error_type}
-    assert isinstance(body["error"], str)
-    return body["error"]
-
-
-def strict_json(text: str) -> dict[str, object]:
-    """JSON as the standard has it: NaN and Infinity are not numbers there."""
-
-    def refuse(constant: str) -> None:
-        raise AssertionError(f"{constant} in {text[:200]!r} is not JSON")
-
-    return json.loads(text, parse_constant=refuse)
 
 
 def sse_events(response: httpx.Response) -> list[dict[str, object]]:

@@ -64,3 +64,26 @@ def test_the_package_and_benchmarks_declare_what_they_import() -> None:
 
 def test_the_tests_declare_what_they_import() -> None:
     assert undeclared(("tests",), extras=("dev",)) == []
+
+
+def test_no_test_module_imports_another() -> None:
+    """A test module imports shared helpers from tests/helpers.py, never from another test
+    module: importing one runs its module-level code and hands its fixtures to the importer,
+    and a helper there is easy to change for its own tests only."""
+    found = []
+    for source in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                package = "tests" if node.level else node.module or ""
+                within = f"{package}.{node.module}" if node.level and node.module else package
+                modules = [within, *(f"{within}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            found += [
+                f"{source.name}:{node.lineno} imports {module}"
+                for module in modules
+                if module.split(".")[0] == "tests" and module.split(".")[-1].startswith("test_")
+            ]
+    assert found == [], "move what they share to tests/helpers.py"

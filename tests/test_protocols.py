@@ -11,16 +11,12 @@ from fastapi.testclient import TestClient
 
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
+from mint_core.services import ManagedProcess
 from serving.app import MAX_REQUEST_BYTES, create_app
 from serving.generation import TokenEvent
 from serving.protocols import Event, openai, tgi
 from serving.worker import Worker
-from tests import test_api_errors
-from tests.test_api_errors import error_of
-
-# The in-process worker without API keys, and its app, as the API's error tests have them.
-local_worker = test_api_errors.local_worker
-api = test_api_errors.api
+from tests.helpers import app_client, error_of, in_process_worker
 
 CONTEXT = 128
 """The context length the translations are given (the in-process worker's base has it too)."""
@@ -281,6 +277,20 @@ def test_completion_prompts() -> None:
 
 
 # Limits, over a real worker.
+
+
+@pytest.fixture(scope="module")
+def local_worker(
+    mlflow_server: ManagedProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Worker]:
+    with in_process_worker(mlflow_server, tmp_path_factory.mktemp("protocols")) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="module")
+def api(local_worker: Worker) -> Iterator[TestClient]:
+    with app_client(local_worker) as client:
+        yield client
 
 
 @pytest.mark.parametrize(
