@@ -102,6 +102,8 @@ class Residency(Generic[Weights]):
     _slots: dict[int, _Slot] = field(default_factory=dict, init=False)
     _slot_use: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
     """Occupied slots, least recently used first."""
+    _leaving: set[str] = field(default_factory=set, init=False)
+    """Keys `leave` was asked for while requests pinned them: they go at the last release."""
     counters: dict[Tier, TierCounters] = field(
         default_factory=lambda: {tier: TierCounters() for tier in Tier}, init=False
     )
@@ -129,6 +131,7 @@ class Residency(Generic[Weights]):
         with self._lock:
             if key in self._host:
                 self._host.move_to_end(key)
+                self._leaving.discard(key)  # taken in again before it could leave
                 return []
             victims: list[str] = []
             free = self.host_capacity_bytes - self._bytes()
@@ -165,6 +168,19 @@ class Residency(Generic[Weights]):
             self._drop(key)
             return True
 
+    def leave(self, key: str) -> bool:
+        """Forget `key` (and its slot) now, or, while requests pin it, when the last of them is
+        released (no new request gets it meanwhile): what a failed or evicted revision needs,
+        whose weights nobody else would ever drop. True if it left now."""
+        with self._lock:
+            if key not in self._host:
+                return False
+            if self._pins(key):
+                self._leaving.add(key)
+                return False
+            self._drop(key)
+            return True
+
     def in_host(self, key: str) -> bool:
         with self._lock:
             return key in self._host
@@ -185,7 +201,7 @@ class Residency(Generic[Weights]):
         else a free slot, else the least recently used unpinned one. None when every slot is
         pinned: the request waits. NotReadyError if the host cache does not hold `key`."""
         with self._lock:
-            if key not in self._host:
+            if key not in self._host or key in self._leaving:
                 self.counters[Tier.HOST].misses += 1
                 raise NotReadyError(f"{key} is not in this worker's host cache")
             slot = self._slot_of(key)
@@ -207,13 +223,18 @@ class Residency(Generic[Weights]):
             self.counters[Tier.DEVICE].loads += 1
             return self._pin(key, free, load=True, evicted=evicted)
 
-    def release(self, key: str) -> None:
-        """Unpin one use of `key`'s slot (a request finished)."""
+    def release(self, key: str) -> bool:
+        """Unpin one use of `key`'s slot (a request finished). True if that was the last pin of
+        a key `leave` was asked for: it has left both tiers now."""
         with self._lock:
             slot = self._slot_of(key)
             if slot is None or self._slots[slot].pins == 0:
                 raise ConfigurationError(f"{key} holds no pinned device slot to release")
             self._slots[slot].pins -= 1
+            if self._slots[slot].pins == 0 and key in self._leaving:
+                self._drop(key)
+                return True
+            return False
 
     def slot_of(self, key: str) -> int | None:
         with self._lock:
@@ -258,6 +279,7 @@ class Residency(Generic[Weights]):
 
     def _drop(self, key: str) -> None:
         del self._host[key]
+        self._leaving.discard(key)
         slot = self._slot_of(key)
         if slot is not None:
             del self._slots[slot]

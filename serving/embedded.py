@@ -45,8 +45,9 @@ class EmbeddedBackend:
         """Nothing to do: the warm-up generation copies the adapter into a device slot."""
 
     def unload(self, key: str) -> None:
-        # A slot a running request pins stays: the request finishes on the weights it started.
-        if self.residency.drop_host(key) or not self.residency.in_host(key):
+        # A slot a running request pins stays: the request finishes on the weights it started,
+        # and they leave at its release (the scheduler then frees the engine's slot).
+        if self.residency.leave(key) or not self.residency.in_host(key):
             self.engine.unload(key)
 
     def submit(

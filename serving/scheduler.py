@@ -159,8 +159,8 @@ class Scheduler:
             if not request.done:
                 continue
             request.left_step = self.steps
-            if request.key != BASE:
-                self.residency.release(request.key)
+            if request.key != BASE and self.residency.release(request.key):
+                self.engine.unload(request.key)  # unloaded while it ran: gone now
             if request.finish_reason is not None:
                 self.metrics.finished(request)
         self._running = [self._running[i] for i in keep]
@@ -208,7 +208,8 @@ class Scheduler:
                     self.engine.load(self.residency.host_weights(request.key), grant.slot)
                 except MintError as e:
                     joining.remove(request)
-                    self.residency.release(request.key)
+                    if self.residency.release(request.key):
+                        self.engine.unload(request.key)
                     request.fail(NotReadyError(f"{request.key} could not be loaded: {e}"))
                     continue
                 copied = True

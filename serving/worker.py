@@ -460,6 +460,7 @@ class Worker:
         def engine_lost() -> bool:
             return self.backend.problem() is not None or self.backend.restarts != restarts
 
+        generating: Request | None = None
         try:
             self.backend.load(key)
             prompt = self.codec.encode(WARMUP_TEXT)
@@ -467,6 +468,10 @@ class Worker:
             generating = self.generate(prompt, key, warm_up, warm_up=True, streamed=False)
             generating.result(timeout_s=WARMUP_TIMEOUT_S)
         except MintError as e:
+            if generating is not None:
+                # A warm-up that timed out still runs, pinning its slot: the weights leave
+                # (`_fail`, `_drop`) once it stops, which this makes the next step.
+                generating.cancel()
             if engine_lost():  # not the revision's fault: admitted again once the engine is back
                 raise EngineUnavailableError(f"the engine restarted under {revision}: {e}") from e
             raise

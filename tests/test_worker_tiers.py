@@ -6,6 +6,7 @@ happen."""
 import dataclasses
 import gc
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,6 +22,7 @@ from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
 from mint_core.services import start_mlflow
 from mint_core.states import Readiness
+from serving import worker as worker_module
 from serving.embedded import EmbeddedBackend
 from serving.engine import AdapterWeights, TorchEngine
 from serving.sampling import SamplingParams
@@ -114,3 +116,37 @@ def test_request_path_loads_counts_what_a_users_request_waited_for(
         # A fetch from a request's thread (the readiness gate never makes one) counts too.
         worker._fetch(worker.catalog.record(first).artifact_uri)
         assert worker.request_path_loads == 2
+
+
+def test_a_warm_up_that_fails_leaves_nothing_in_the_host_cache(
+    own_registry: MintConfig, base: BaseModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Phase 1 took the weights into the host tier; the warm-up generation of phase 2 then
+    times out on a stuck engine, still pinning its slot. Once the engine moves again, nothing
+    of the failed revision is held anywhere."""
+    revision = register_random_adapter(own_registry, base, "stuck", tmp_path / "a", seed=5)
+    # Long enough for the warm-up to have joined the batch (and pinned its slot) when it ends.
+    monkeypatch.setattr(worker_module, "WARMUP_TIMEOUT_S", 5.0)
+    with worker_for(own_registry, slots=2, host_cache_bytes=1 << 30) as worker:
+        engine = worker.backend.engine
+        moving = threading.Event()
+        step = engine.step
+
+        def stuck(*args: object, **kwargs: object) -> object:
+            moving.wait(timeout=120)
+            return step(*args, **kwargs)
+
+        monkeypatch.setattr(engine, "step", stuck)
+        worker.admit(revision)
+        entry = settle(worker, revision)
+        assert entry.state is Readiness.FAILED
+        assert entry.reason is not None and "the engine is stuck" in entry.reason
+        assert [e.key for e in worker.residency.slot_table()] == [str(revision)]  # pinned
+
+        moving.set()
+        deadline = time.monotonic() + 60
+        while worker.residency.host_table() or worker.residency.slot_table():
+            assert time.monotonic() < deadline, worker.residency.host_table()
+            time.sleep(0.05)
+        assert worker.residency.host_bytes == 0
+        assert engine.adapters == frozenset()
