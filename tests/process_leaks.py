@@ -7,11 +7,19 @@ process still carrying the mark was left behind: it is listed, killed, and the r
 
     pytest -p tests.process_leaks ...   (the suite's conftest loads it by itself)
 
+A run that is stopped stops what it started too: SIGTERM and SIGHUP interrupt it as Ctrl-C
+(SIGINT) does, so fixtures are torn down; and a watchdog process, started at configure time in
+a session of its own, kills whatever still carries the run's mark once the run has exited,
+however it ended (SIGKILL included).
+
 Linux only (it reads /proc); elsewhere it says that it did not check.
 """
 
 import os
 import signal
+import subprocess
+import sys
+import threading
 import time
 import uuid
 from collections.abc import Generator
@@ -28,14 +36,66 @@ EXIT_GRACE_S = 2.0
 """How long a process found at the end may take to exit by itself: one killed a moment ago is
 on its way out, not left behind."""
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a run the way Ctrl-C does (pytest's default for them is to die at once,
+tearing nothing down)."""
+WATCH_INTERVAL_S = 0.2
+KILL_GRACE_S = 5.0
+"""How long the watchdog gives what it stops to exit on SIGTERM before SIGKILL."""
+
 _PROC = Path("/proc")
 _mark = pytest.StashKey[str]()
+_handlers = pytest.StashKey[dict[int, object]]()
+_watchdog = pytest.StashKey["subprocess.Popen[bytes]"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
     mark = uuid.uuid4().hex
     config.stash[_mark] = mark
-    os.environ[MARKS_VARIABLE] = f"{os.environ.get(MARKS_VARIABLE, '')} {mark}".strip()
+    ancestors = os.environ.get(MARKS_VARIABLE, "")
+    os.environ[MARKS_VARIABLE] = f"{ancestors} {mark}".strip()
+    if not _PROC.is_dir():
+        return
+    config.stash[_watchdog] = start_watchdog(mark, ancestors)  # it outlives the run by design
+    if threading.current_thread() is threading.main_thread():  # else signals cannot be set
+        config.stash[_handlers] = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for sig, handler in config.stash.get(_handlers, {}).items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
+def start_watchdog(mark: str, ancestors: str) -> subprocess.Popen[bytes]:
+    """A process that waits for this one to exit, then stops every process carrying `mark`.
+    It carries only the `ancestors`' marks itself (so the run's own check does not count it),
+    and runs in a session of its own (so the Ctrl-C that stops the run does not stop it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.process_leaks", str(os.getpid()), mark],
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, MARKS_VARIABLE: ancestors},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def watch(parent: int, mark: str) -> None:
+    """Wait for `parent` (the run) to exit, then stop what carries `mark`: SIGTERM, and
+    SIGKILL to what still runs after KILL_GRACE_S."""
+    while os.getppid() == parent:
+        time.sleep(WATCH_INTERVAL_S)
+    for sig, grace_s in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 0.0)):
+        for pid in carrying(mark):
+            with suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        if not left_running(mark, grace_s):
+            return
 
 
 @pytest.hookimpl(wrapper=True)
@@ -104,3 +164,7 @@ def marks_in(environ: bytes) -> list[str]:
         if entry.startswith(prefix):
             return entry.removeprefix(prefix).decode(errors="replace").split()
     return []
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]), sys.argv[2])

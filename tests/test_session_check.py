@@ -91,3 +91,69 @@ def test_a_run_that_stops_what_it_starts_or_leaves_a_zombie_passes(tmp_path: Pat
     assert inner.returncode == pytest.ExitCode.OK, output
     assert "2 passed" in output
     assert "outlived" not in output
+
+
+STOPPED_TESTS = """
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from mint_core.services import start_s3
+
+
+@pytest.fixture
+def s3(tmp_path):
+    server = start_s3(tmp_path)
+    yield server
+    server.stop()
+
+
+def test_runs_until_stopped(s3):
+    Path(os.environ["STARTED_FILE"]).write_text(str(s3.process.pid))
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_a_run_stopped_midway_leaves_no_fixture_service_running(
+    tmp_path: Path, stop: signal.Signals
+) -> None:
+    """pytest in a child process, stopped while a test runs over a fixture's S3 server
+    (MinT's own `start_s3`): Ctrl-C, a SIGTERM (its fixtures are torn down) or a SIGKILL (the
+    run's watchdog stops what it left)."""
+    started = tmp_path / "started"
+    (tmp_path / "test_stopped.py").write_text(STOPPED_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    inner = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "tests.process_leaks", "-p", "no:cacheprovider",
+         str(tmp_path / "test_stopped.py")],
+        cwd=ROOT,
+        env={**os.environ, "STARTED_FILE": str(started)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    service = None
+    try:
+        deadline = time.monotonic() + 300
+        while not (started.exists() and started.read_text()):
+            assert inner.poll() is None, inner.communicate()[0].decode()[-3000:]
+            assert time.monotonic() < deadline, "the inner test never started"
+            time.sleep(0.1)
+        service = int(started.read_text())
+        assert running(service)
+
+        inner.send_signal(stop)
+        output = inner.communicate(timeout=120)[0].decode()
+        deadline = time.monotonic() + 30
+        while running(service) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(service), output[-3000:]
+        if stop is not signal.SIGKILL:  # torn down as any run ends: nothing left to kill
+            assert "outlived" not in output, output[-3000:]
+    finally:
+        inner.kill()
+        inner.wait()
+        if service is not None and running(service):
+            os.killpg(service, signal.SIGKILL)
