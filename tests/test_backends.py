@@ -333,6 +333,64 @@ def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: S
     assert vllm_pid(worker) != vllm
 
 
+def test_an_engine_core_death_is_answered_503_then_the_worker_restarts_vllm_and_serves_again(
+    scenario: Scenario,
+) -> None:
+    """vLLM's EngineCore (the child of its API server that runs the model) is SIGKILLed, the
+    API server left alive: the worker notices (degraded), answers 503 with a reason while
+    nothing can serve (never a wrong answer nor a 500), starts vLLM again, prewarms its
+    revisions again and serves the adapter as before."""
+    worker = scenario.worker(BackendKind.VLLM)
+    model, revision = f"{PRIVATE}@production", f"{PRIVATE}:r1"
+    scenario.check_answers(BackendKind.VLLM, model, revision)
+    server = vllm_pid(worker)
+    killed_at = time.time()
+    os.kill(engine_core_pid(server), signal.SIGKILL)
+
+    refusals: list[str] = []
+
+    def serves_again() -> bool:
+        for i, prompt in enumerate(PROMPTS[:2]):
+            body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
+                    "temperature": 0, "return_token_ids": True}  # fmt: skip
+            response = httpx.post(
+                worker.url + "/v1/completions", json=body, headers=TEAM_A, timeout=60
+            )
+            if response.status_code != 200:
+                assert response.status_code == 503, response.text
+                refusals.append(response.json()["error_type"])
+                return False
+            answer = response.headers["X-Mint-Revision"], response.json()["choices"][0]
+            assert (answer[0], answer[1]["token_ids"]) == (revision, scenario.expected[revision][i])
+        return True
+
+    assert wait_for(lambda: health(worker)["status"] == "degraded", timeout_s=120), (
+        "the worker never noticed that vLLM's engine died"
+    )
+    assert wait_for(serves_again, timeout_s=900), f"not served again; refused as {refusals}"
+    assert {"not_ready", "engine_unavailable"} & set(refusals), refusals
+    assert set(refusals) <= {"not_ready", "engine_unavailable", "service"}, refusals
+    assert health(worker)["status"] == "ok"
+    # Prewarmed again after the engine came back, through both phases.
+    after = [e for e in events_of(worker) if e["id"] == revision and e["since"] > killed_at]
+    states = [e["state"] for e in after]
+    assert states[0] == "not_admitted" and states[-1] == "ready", states
+    assert "warming" in states, states
+
+
+def engine_core_pid(server: int) -> int:
+    """vLLM's EngineCore process: the child of its API server `server` that runs the model."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rpartition(")")[2].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == server and b"EngineCore" in cmdline:
+            return int(stat.parent.name)
+    raise NotFoundError(f"vLLM's API server {server} has no EngineCore child")
+
+
 def known(worker: ManagedProcess, revision: RevisionId) -> bool:
     """Whether the worker's catalog has synced `revision` yet."""
     response = httpx.get(worker.url + f"/v1/adapters/{revision.adapter}", headers=ADMIN)
