@@ -93,6 +93,30 @@ def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
         plan.release("busy")
 
 
+def test_a_revision_left_while_pinned_goes_at_its_last_release() -> None:
+    plan: Residency[str] = Residency(host_capacity_bytes=6 * MB, device_slots=2)
+    plan.put_host("failed", weights("failed"), 3 * MB)
+    plan.put_host("kept", weights("kept"), 3 * MB)
+    plan.acquire("failed")
+    plan.acquire("failed")
+    assert plan.leave("failed") is False  # two requests pin it: they finish on its weights
+    assert plan.host_table() == host(("kept", 3), ("failed", 3))  # used last
+    with pytest.raises(NotReadyError, match="failed is not in this worker's host cache"):
+        plan.acquire("failed")  # no new request takes it up meanwhile
+    assert plan.release("failed") is False
+    assert plan.release("failed") is True  # the last one: gone from both tiers
+    assert plan.host_table() == host(("kept", 3)) and plan.slot_table() == []
+    assert plan.leave("kept") is True and plan.host_table() == []
+
+    # Taken in again before its last release: it stays.
+    plan.put_host("again", weights("again"), 3 * MB)
+    plan.acquire("again")
+    plan.leave("again")
+    assert plan.put_host("again", weights("again"), 3 * MB) == []
+    assert plan.release("again") is False
+    assert plan.host_table() == host(("again", 3))
+
+
 def test_the_host_cache_holds_weights_exactly_as_long_as_its_table_lists_them() -> None:
     plan: Residency[str] = Residency(host_capacity_bytes=4 * MB, device_slots=1)
     plan.put_host("a", weights("a"), 3 * MB)
