@@ -135,6 +135,7 @@ def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
         actor=args.actor,
         principals=args.principal or None,
         base_model=args.base_model,
+        same_base_as=args.same_base_as,
     )
     print(f"imported {args.path} as {report.revision}")
     print(format_stage_times(report.stage_seconds))
@@ -547,6 +548,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="who may use it (repeat; default everyone)",
     )
     imports.add_argument("--base-model", default=None, help=BASE_MODEL_HELP)
+    imports.add_argument(
+        "--same-base-as",
+        metavar="NAME",
+        default="",
+        help="the base the adapter records (NAME, as its base_model_name_or_path says) is a "
+        "renamed copy of the base it is imported on: accept it (a different model family is "
+        "refused all the same)",
+    )
     imports.set_defaults(run=cmd_import, needs=(REGISTRY, WORKERS), loads_models=True)
 
     promote = commands.add_parser("promote", help="serve an existing revision as production")

@@ -105,14 +105,16 @@ def import_adapter(
     actor: str = "mint",
     principals: list[str] | None = None,
     base_model: str | None = None,
+    same_base_as: str = "",
 ) -> ReleaseReport:
     """Release a PEFT LoRA adapter trained elsewhere (the folder at `path`) as the next
     revision of `adapter`, once it is checked to fit its base (`base_model`, default
-    MINT_BASE_MODEL's)."""
+    MINT_BASE_MODEL's) and to have been trained on it; `same_base_as`, the base the adapter
+    records, says that base is a renamed copy of this one."""
     config = on_base(MintConfig.from_env(), base_model)
     check_adapter_name(adapter)
     timed = StageClock()
-    imported = timed("check", check_import, config, Path(path))
+    imported = timed("check", check_import, config, Path(path), same_base_as)
     revision = _ship(config, adapter, imported, actor, principals, timed, "import")
     return ReleaseReport(str(revision), {}, timed.seconds)
 

@@ -6,6 +6,7 @@ the configuration names.
 """
 
 import base64
+import hashlib
 import os
 import shutil
 import tempfile
@@ -172,10 +173,11 @@ class S3ArtifactStore:
         <prefix>/revisions/sha256/<hex>/index.json   one per revision, written last
 
     A revision exists once its index does, so an export killed half-way leaves nothing that
-    looks complete. A shard already in the bucket (same sha256, recorded as object metadata at
-    upload) is not uploaded again, so revisions that share shards share storage. `fetch`
-    downloads into a local cache and verifies every shard against its sha256 before handing the
-    folder out; a damaged shard is named, with its digest, and never cached."""
+    looks complete. A shard already in the bucket is not uploaded again once its bytes hash to
+    its sha256, so revisions that share shards share storage. `fetch` downloads into a local
+    cache and verifies every shard against its sha256 before handing the folder out; a damaged
+    shard is named, with its digest, and never cached. Nothing here trusts an object's size or
+    metadata for its bytes: an object overwritten in place can keep both."""
 
     scheme = "s3"
 
@@ -208,7 +210,7 @@ class S3ArtifactStore:
             ) from e
 
     def put(self, folder: Path, digest: str) -> str:
-        if self._complete(digest):
+        if self._intact(digest):
             return self._uri(digest)
         index = verify(folder)
         if index.content_digest != digest:
@@ -219,7 +221,7 @@ class S3ArtifactStore:
         with self._service(f"export {digest}"):
             for shard in index.shards:
                 if self._holds(shard.sha256, shard.bytes):
-                    continue
+                    continue  # shared with another revision, and intact
                 with open(folder / shard.name, "rb") as body:
                     self.s3.put_object(
                         Bucket=self.bucket,
@@ -251,22 +253,36 @@ class S3ArtifactStore:
             (Path(scratch) / INDEX).write_bytes(body)
             return PackedIndex.read(Path(scratch))
 
-    def _complete(self, digest: str) -> bool:
-        """Whether the revision's index and every shard it names are in the bucket."""
-        index = self.stored_index(digest)
-        return index is not None and all(self._holds(s.sha256, s.bytes) for s in index.shards)
+    def _intact(self, digest: str) -> bool:
+        """Whether the bucket holds the revision whole, every byte checked: its index and
+        shards are downloaded and verified as `fetch` does (sha256 of each shard, then the
+        content digest of the tensors), into a scratch folder that is then dropped."""
+        self.cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".check-", dir=self.cache) as scratch:
+            try:
+                self._download_revision(digest, Path(scratch), self._uri(digest))
+                verify(Path(scratch))
+            except (NotFoundError, IntegrityError, ConfigurationError, ValueError, KeyError):
+                # Missing, damaged, or an index that no longer parses: not intact.
+                return False
+        return True
 
     def _holds(self, sha256: str, size: int) -> bool:
-        """Whether the bucket has this shard, uploaded by MinT with these bytes."""
+        """Whether the bucket has this shard with these bytes: read and hashed, since an object
+        overwritten in place may keep the size and the metadata MinT gave it."""
         key = self.shard_key(sha256)
-        with self._service(f"look up {key}"):
+        digest, read = hashlib.sha256(), 0
+        with self._service(f"read {key}"):
             try:
-                head = self.s3.head_object(Bucket=self.bucket, Key=key)
+                body = self.s3.get_object(Bucket=self.bucket, Key=key)["Body"]
             except ClientError as e:
                 if _missing(e):
                     return False
                 raise
-        return head["ContentLength"] == size and head.get("Metadata", {}).get("sha256") == sha256
+            for chunk in body.iter_chunks(1 << 20):
+                digest.update(chunk)
+                read += len(chunk)
+        return read == size and "sha256:" + digest.hexdigest() == sha256
 
     def _uri(self, digest: str) -> str:
         return f"s3://{self.bucket}/{self._key('revisions', 'sha256', _hex(digest))}"
@@ -281,18 +297,21 @@ class S3ArtifactStore:
             except IntegrityError:
                 shutil.rmtree(target)  # a damaged cache entry: fetch the artifact again
         with publish_folder(target, prefix=".fetch-") as staging:
-            self._download(self.index_key(digest), staging / INDEX, uri)
-            index = PackedIndex.read(staging)
-            for shard in index.shards:
-                self._download(self.shard_key(shard.sha256), staging / shard.name, uri)
+            self._download_revision(digest, staging, uri)
             try:
                 verify(staging)
             except IntegrityError as e:
                 raise IntegrityError(f"artifact {uri} in the store is damaged: {e}") from None
         return target
 
+    def _download_revision(self, digest: str, folder: Path, uri: str) -> None:
+        """The revision's index and shards, as the bucket holds them, into `folder`."""
+        self._download(self.index_key(digest), folder / INDEX, uri)
+        for shard in PackedIndex.read(folder).shards:
+            self._download(self.shard_key(shard.sha256), folder / shard.name, uri)
+
     def holds(self, uri: str) -> bool:
-        return self._complete(self.digest_of(uri))
+        return self._intact(self.digest_of(uri))
 
     def put_file(self, name: str, path: Path) -> None:
         # An S3 object appears whole when its upload completes, multipart or not.

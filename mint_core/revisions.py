@@ -22,6 +22,9 @@ CANARY = "canary"
 (`Registry.start_canary`); the share is a registered-model tag beside it."""
 TAG_PREFIX = "mint."
 POLICY_SCHEMA_VERSION = 1
+POLICY_FILE = "policy.json"
+"""The file a policy record is written to beside a revision's files (the MLflow run's artifact
+of the same name), and that an adapter folder taken out of MinT may carry."""
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
 _REF = re.compile(r"^(?P<adapter>[^:@]+)(?::r(?P<revision>\d+)|@(?P<alias>[a-z0-9_-]+))?$")

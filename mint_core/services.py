@@ -38,11 +38,15 @@ class ManagedProcess:
     process: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    grace_s: float = 10.0
+    """How long `stop` lets it shut down after SIGTERM before it kills what is left."""
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
         """Stop the process and everything in its process group: SIGTERM, then SIGKILL to
-        whatever still runs after `grace_s`. Returns once none of them runs, even when the
-        leader had already exited: MLflow's uvicorn outlives a `mlflow server` that is gone."""
+        whatever still runs after `grace_s` (default: its own). Returns once none of them runs,
+        even when the leader had already exited: MLflow's uvicorn outlives a `mlflow server`
+        that is gone."""
+        grace_s = self.grace_s if grace_s is None else grace_s
         group = self.process.pid
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             if not group_running(group):
@@ -114,11 +118,13 @@ def start_process(
     env: Mapping[str, str] | None = None,
     timeout_s: float = 120.0,
     die_with_parent: bool = False,
+    grace_s: float = 10.0,
 ) -> ManagedProcess:
     """Start `argv` and return once it is healthy: `url + health` answers 200 (a path), or
     `health()` is true (a check); ServiceError if it exits or times out first.
     `die_with_parent`: the process gets SIGTERM when the thread that started it ends (Linux),
-    so a child this process supervises never outlives it, even when it is SIGKILLed."""
+    so a child this process supervises never outlives it, even when it is SIGKILLed.
+    `grace_s`: how long it may take to shut down when stopped (see `ManagedProcess.stop`)."""
     healthy = health if callable(health) else lambda: answers(url + health)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
@@ -130,7 +136,7 @@ def start_process(
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
-    service = ManagedProcess(name, process, url, log_path)
+    service = ManagedProcess(name, process, url, log_path, grace_s)
     try:
         _wait_healthy(service, healthy, timeout_s)
     except BaseException:
@@ -178,6 +184,10 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
     )
 
 
+MLFLOW_SHUTDOWN_S = 2.0
+"""How long the MLflow server may spend finishing requests in flight once told to stop."""
+
+
 def start_mlflow(
     home: Path, port: int | None = None, backend_store_uri: str = ""
 ) -> ManagedProcess:
@@ -193,6 +203,9 @@ def start_mlflow(
         "--workers", "1",
         "--backend-store-uri", backend_store_uri,
         "--artifacts-destination", str(home.absolute() / "mlflow-artifacts"),
+        # uvicorn otherwise waits on SIGTERM for every request in flight, however long a
+        # client takes to send it (a release retrying, a slow upload): stopping would hang.
+        "--uvicorn-opts", f"--timeout-graceful-shutdown {MLFLOW_SHUTDOWN_S:g}",
     ]  # fmt: skip
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     return start_process(
@@ -202,6 +215,10 @@ def start_mlflow(
         "/health",
         home / "logs" / "mlflow.log",
         env,
+        # Past its own shutdown timeout, with a second to spare, what is left is killed; its
+        # database keeps only committed transactions (sqlite's journal, PostgreSQL), so a
+        # request cut short leaves nothing half-written.
+        grace_s=MLFLOW_SHUTDOWN_S + 1,
     )
 
 

@@ -168,8 +168,8 @@ class _TrainingProgress:
 
 
 @task(name="check-import", cache_policy=NO_CACHE)
-def check_import(config: MintConfig, adapter_dir: Path) -> ImportedAdapter:
-    return inspect_import(adapter_dir, load_base(config.base, config.home))
+def check_import(config: MintConfig, adapter_dir: Path, same_base_as: str = "") -> ImportedAdapter:
+    return inspect_import(adapter_dir, load_base(config.base, config.home), same_base_as)
 
 
 @task(name="freeze", cache_policy=NO_CACHE)

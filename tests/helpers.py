@@ -275,32 +275,38 @@ class Fleet:
         assert isinstance(store, S3ArtifactStore)
         s3 = boto3.client("s3", endpoint_url=self.config.s3_endpoint_url)
         digest = store.digest_of(uri)
-        for shard in self._index(store, uri).shards:
+        for shard in stored_index(store, uri).shards:
             s3.delete_object(Bucket=store.bucket, Key=store.shard_key(shard.sha256))
         s3.delete_object(Bucket=store.bucket, Key=store.index_key(digest))
 
     def corrupt(self, uri: str, shard_name: str) -> None:
         """Flip the last byte of one shard of an artifact, in the store itself."""
-        store = self.store
-        if isinstance(store, LocalArtifactStore):
-            path = store.fetch(uri) / shard_name
-            data = bytearray(path.read_bytes())
-            data[-1] ^= 0xFF
-            path.write_bytes(bytes(data))
-            return
-        assert isinstance(store, S3ArtifactStore)
-        s3 = boto3.client("s3", endpoint_url=self.config.s3_endpoint_url)
-        shard = next(s for s in self._index(store, uri).shards if s.name == shard_name)
-        key = store.shard_key(shard.sha256)
-        data = bytearray(s3.get_object(Bucket=store.bucket, Key=key)["Body"].read())
-        data[-1] ^= 0xFF
-        s3.put_object(Bucket=store.bucket, Key=key, Body=bytes(data))
+        corrupt_in_place(self.store, uri, shard_name)
 
-    @staticmethod
-    def _index(store: S3ArtifactStore, uri: str) -> PackedIndex:
-        index = store.stored_index(store.digest_of(uri))
-        assert index is not None, uri
-        return index
+
+def stored_index(store: S3ArtifactStore, uri: str) -> PackedIndex:
+    index = store.stored_index(store.digest_of(uri))
+    assert index is not None, uri
+    return index
+
+
+def corrupt_in_place(store: ArtifactStore, uri: str, shard_name: str) -> None:
+    """Flip the last byte of one shard of an artifact, in the store itself. In S3 the object is
+    overwritten as it was uploaded, same size and same metadata (its recorded sha256 included),
+    as an operator copying a bad file over it with the metadata kept would leave it."""
+    if isinstance(store, LocalArtifactStore):
+        path = store.fetch(uri) / shard_name
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        return
+    assert isinstance(store, S3ArtifactStore)
+    shard = next(s for s in stored_index(store, uri).shards if s.name == shard_name)
+    key = store.shard_key(shard.sha256)
+    stored = store.s3.get_object(Bucket=store.bucket, Key=key)
+    data = bytearray(stored["Body"].read())
+    data[-1] ^= 0xFF
+    store.s3.put_object(Bucket=store.bucket, Key=key, Body=bytes(data), Metadata=stored["Metadata"])
 
 
 def toy_release(adapter: str, task: Task | str, **options: object) -> "ReleaseReport":

@@ -1,6 +1,7 @@
 """Freeze, pack, verify and export on a real (tiny, briefly trained) PEFT adapter."""
 
 import dataclasses
+import hashlib
 import stat
 import uuid
 from pathlib import Path
@@ -25,7 +26,7 @@ from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
 from mint_core.packing import load, pack, verify
 from mint_core.services import ManagedProcess
-from tests.helpers import create_bucket
+from tests.helpers import corrupt_in_place, create_bucket
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)
 
@@ -136,6 +137,36 @@ def test_store_is_content_addressed_and_keeps_good_copies(
     shard = index.shards[0].name
     (tmp_path / "packed" / shard).write_bytes(b"garbage")
     assert store.put(tmp_path / "packed", index.content_digest) == uri
+    assert verify(store.fetch(uri)) == index
+
+
+def test_a_shard_damaged_in_place_is_seen_by_its_bytes_and_replaced_by_an_export(
+    trained: TrainedAdapter, tmp_path: Path, store: ArtifactStore
+) -> None:
+    """A stored shard overwritten in place keeps its size and, in S3, its metadata (the sha256
+    MinT recorded at upload): only its bytes tell. `holds` reads them, and exporting again
+    (what `mint repair` does) replaces the damaged copy, so a fresh fetch verifies."""
+    index = pack(freeze(trained.path, tmp_path / "frozen"), tmp_path / "packed")
+    uri = store.put(tmp_path / "packed", index.content_digest)
+    shard = index.shards[0]
+    corrupt_in_place(store, uri, shard.name)
+    if isinstance(store, S3ArtifactStore):
+        head = store.s3.head_object(Bucket=store.bucket, Key=store.shard_key(shard.sha256))
+        assert (head["ContentLength"], head["Metadata"]) == (shard.bytes, {"sha256": shard.sha256})
+    assert not store.holds(uri)
+
+    assert store.put(tmp_path / "packed", index.content_digest) == uri
+
+    if isinstance(store, S3ArtifactStore):
+        key = store.shard_key(shard.sha256)
+        stored = store.s3.get_object(Bucket=store.bucket, Key=key)["Body"].read()
+        # A worker with no copy of its own reads it from the bucket.
+        store = S3ArtifactStore(store.bucket, store.prefix, store.s3.meta.endpoint_url,
+                                tmp_path / "fresh-cache")  # fmt: skip
+    else:
+        stored = (store.fetch(uri) / shard.name).read_bytes()
+    assert "sha256:" + hashlib.sha256(stored).hexdigest() == shard.sha256
+    assert store.holds(uri)
     assert verify(store.fetch(uri)) == index
 
 

@@ -8,9 +8,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import suppress
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -385,6 +386,76 @@ def test_a_signal_to_mint_registry_stops_mlflow(
     wait_for(lambda: "Ctrl-C stops it" in log.read_text(), registry, log, timeout_s=120)
     assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
     stop_and_check(registry, sig, [f"http://127.0.0.1:{port}/health"], log)
+
+
+@contextmanager
+def load_on(url: str, seconds: float) -> Iterator[threading.Event]:
+    """Load on this machine and on the MLflow server at `url`, for at most `seconds`: two CPU
+    burners, clients searching the registry without pause, and an upload a client sends slowly
+    (a request in flight all along, as a release retrying against a busy server keeps one).
+    Yields an event set once the upload is under way."""
+    stop, uploading = threading.Event(), threading.Event()
+    burn = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
+    burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(2)]
+
+    def search() -> None:
+        with httpx.Client(timeout=10) as client:
+            while not stop.is_set():
+                with suppress(httpx.HTTPError):
+                    client.get(url + "/api/2.0/mlflow/registered-models/search")
+
+    def upload() -> None:
+        def body() -> Iterator[bytes]:
+            while not stop.is_set():
+                uploading.set()
+                yield b"x" * 1024
+                time.sleep(0.2)
+
+        with suppress(httpx.HTTPError):
+            path = "/api/2.0/mlflow-artifacts/artifacts/load/slow.bin"
+            httpx.put(url + path, content=body(), timeout=seconds)
+
+    clients = [threading.Thread(target=f, daemon=True) for f in (search, search, upload)]
+    for client in clients:
+        client.start()
+    try:
+        yield uploading
+    finally:
+        stop.set()
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+        for client in clients:
+            client.join(15)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_mint_registry_within_seconds_under_load_and_all_it_started(
+    started: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "registry.log"
+    registry = start_mint(
+        started, ["registry", "--port", str(port)], mint_env(MINT_HOME=str(tmp_path)), log
+    )
+    wait_for(lambda: "Ctrl-C stops it" in log.read_text(), registry, log, timeout_s=120)
+    tree = psutil.Process(registry.pid).children(recursive=True)
+    assert any("uvicorn" in " ".join(p.cmdline()) for p in tree), [p.cmdline() for p in tree]
+
+    with load_on(url, seconds=90) as uploading:
+        assert uploading.wait(30)
+        time.sleep(1)  # the searches and the upload reach the server
+        registry.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        code = registry.wait(60)
+        seconds = time.monotonic() - sent
+        _, alive = psutil.wait_procs(tree, timeout=0.1)
+    print(f"mint registry exited {seconds:.1f} s after SIGTERM under load")
+    assert (code, seconds < 5) == (0, True), (seconds, log.read_text()[-3000:])
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(url + "/health", timeout=2)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ and served with exactly the answers PEFT's own PeftModel gives."""
 import copy
 import json
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,9 +25,9 @@ from mint_core.model.imports import inspect_import
 from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import Registry
-from mint_core.revisions import RevisionRef
+from mint_core.revisions import POLICY_FILE, RevisionRef
 from serving.client import WorkerClient
-from tests.helpers import family_folder, random_lora, tiny_base
+from tests.helpers import family_folder, make_policy, random_lora, tiny_base
 
 PROMPTS = [prompt_for(word) for word in held_out_words()[:16]]
 
@@ -210,3 +211,102 @@ def test_a_fused_expert_lora_is_checked_against_the_experts(tmp_path: Path) -> N
         BaseMismatchError, match=r"not a linear layer MinT can serve .*\(fused experts only as"
     ):
         inspect_import(no_targets, base)
+
+
+# --- The base an adapter records ----------------------------------------------------------
+
+SAME_WIDTH = LoraConfig(r=2, target_modules=["q_proj", "o_proj", "gate_proj", "up_proj"])
+"""Projections a tiny Qwen2 and a tiny Mistral both have at one shape (their k/v differ): a
+Qwen2 adapter on them fits a Mistral base tensor by tensor."""
+
+
+def foreign_pair(root: Path) -> tuple[Path, BaseModel]:
+    """(an adapter made on a tiny Qwen2 folder, a tiny Mistral base of the same width)."""
+    qwen2 = load_base(BaseSource(str(family_folder("qwen2", root / "bases"))), root)
+    adapter = made_elsewhere(qwen2.model, root / "qwen2-adapter", SAME_WIDTH, seed=1)
+    return adapter, load_base(BaseSource(str(family_folder("mistral", root / "bases"))), root)
+
+
+def recording(folder: Path, recorded: str | None, root: Path, policy: str = "") -> Path:
+    """A copy of the adapter `folder` whose config records `recorded` as its base, carrying
+    `policy` as its MinT policy record if given."""
+    copied = root / f"copy-{len(list(root.glob('copy-*')))}"
+    shutil.copytree(folder, copied)
+    config = json.loads((copied / PEFT_CONFIG).read_text())
+    (copied / PEFT_CONFIG).write_text(json.dumps(config | {"base_model_name_or_path": recorded}))
+    if policy:
+        (copied / POLICY_FILE).write_text(policy)
+    return copied
+
+
+def test_an_adapter_of_another_family_that_fits_the_shapes_is_refused_naming_both(
+    tmp_path: Path,
+) -> None:
+    adapter, mistral = foreign_pair(tmp_path)
+    qwen2_folder = json.loads((adapter / PEFT_CONFIG).read_text())["base_model_name_or_path"]
+    assert Path(qwen2_folder).name == "tiny-qwen2"
+    message = (
+        rf"trained on {re.escape(qwen2_folder)} \(a qwen2 model\), but the base is tiny-mistral "
+        r"\(a mistral model at .*tiny-mistral\)"
+    )
+    with pytest.raises(BaseMismatchError, match=message):
+        inspect_import(adapter, mistral)
+    # A renamed copy of a base may differ in name, never in family: no override takes it.
+    with pytest.raises(BaseMismatchError, match=message):
+        inspect_import(adapter, mistral, same_base_as=qwen2_folder)
+
+
+def test_the_recorded_base_is_compared_by_name_folder_and_policy_digest(tmp_path: Path) -> None:
+    """A full path, a folder name and a hub id of one base agree; another name is refused
+    unless the import says the base is a renamed copy of it; a MinT policy record's digest
+    settles it whatever the names; an adapter that records no base is refused."""
+    root = tmp_path
+    mistral = load_base(BaseSource(str(family_folder("mistral", root / "bases"))), root)
+    made = made_elsewhere(mistral.model, root / "mistral-adapter", SAME_WIDTH, seed=2)
+    assert inspect_import(made, mistral).source_base == str(mistral.path)  # its own folder
+    for same in ("tiny-mistral", "some-org/tiny-mistral", "/elsewhere/TINY-MISTRAL/"):
+        inspect_import(recording(made, same, root), mistral)
+
+    renamed = recording(made, "acme/mistral-7b-instruct", root)
+    refused = (
+        r"trained on acme/mistral-7b-instruct, but the base is tiny-mistral .* if tiny-mistral "
+        r"is a renamed copy of acme/mistral-7b-instruct, say so with --same-base-as "
+        "acme/mistral-7b-instruct"
+    )
+    with pytest.raises(BaseMismatchError, match=refused):
+        inspect_import(renamed, mistral)
+    with pytest.raises(BaseMismatchError, match=refused):
+        inspect_import(renamed, mistral, same_base_as="acme/other-model")
+    inspect_import(renamed, mistral, same_base_as="acme/mistral-7b-instruct")
+
+    # A folder copied under another name is still that base: the config's family agrees.
+    copy_folder = root / "bases" / "mistral-renamed"
+    shutil.copytree(mistral.path, copy_folder)
+    copy_base = load_base(BaseSource(str(copy_folder)), root)
+    with pytest.raises(BaseMismatchError, match=r"--same-base-as .*tiny-mistral"):
+        inspect_import(made, copy_base)
+    inspect_import(made, copy_base, same_base_as=str(mistral.path))
+
+    # A MinT policy record: the weights digest decides, the names do not.
+    same_weights = make_policy(base_model_id="mint-base-v1", base_digest=mistral.digest)
+    inspect_import(recording(made, "mint-base-v1", root, same_weights.to_json()), mistral)
+    other_weights = make_policy(base_model_id="tiny-mistral", base_digest="sha256:" + "e" * 64)
+    with pytest.raises(BaseMismatchError, match=r"trained on tiny-mistral \(weights sha256:e+\)"):
+        inspect_import(recording(made, "tiny-mistral", root, other_weights.to_json()), mistral)
+
+    for unrecorded in (None, ""):
+        with pytest.raises(BaseMismatchError, match="records no base model"):
+            inspect_import(recording(made, unrecorded, root), mistral)
+
+
+@pytest.mark.slow
+def test_mint_import_of_an_adapter_of_another_base_registers_nothing(
+    fleet_config: MintConfig, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    adapter, mistral = foreign_pair(tmp_path)
+    argv = ["import", str(adapter), "--adapter", "qwen2-on-mistral", "--base-model"]
+    assert mint([*argv, str(mistral.path)]) == 1
+    printed = capsys.readouterr()
+    assert re.search(r"\(a qwen2 model\), but the base is tiny-mistral", printed.err), printed
+    with pytest.raises(NotFoundError):
+        Registry(fleet_config.tracking_uri).revisions("qwen2-on-mistral")

@@ -5,21 +5,26 @@ Any rank and alpha, rsLoRA or not, per-module rank and alpha patterns, any subse
 linear projections and fused MoE expert parameters (PEFT's `target_parameters`). Refused,
 naming what is wrong: non-LoRA adapters, DoRA, extra trained modules (`modules_to_save`,
 biases, embeddings), any LoRA pair whose module is not in the base or whose shapes do not fit
-it, and any tensor holding NaN or infinity.
+it, any tensor holding NaN or infinity, and an adapter whose recorded base is another model
+than the one it is checked against (`check_recorded_base`: shapes alone cannot tell a Qwen2
+from a Mistral of the same width).
 """
 
+import itertools
 import json
+import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import torch
 from safetensors import safe_open
 
 from mint_core.errors import BaseMismatchError, ConfigurationError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, check_finite
-from mint_core.model.base import BaseModel, servable_modules
+from mint_core.model.base import BaseModel, BaseText, servable_modules
 from mint_core.model.experts import ExpertTarget, expert_lora_targets, expert_rank
 from mint_core.packing import check_keys
+from mint_core.revisions import POLICY_FILE, PolicyRecord
 
 _PREFIX = "base_model.model."
 
@@ -58,8 +63,9 @@ class ImportedAdapter:
         }
 
 
-def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
-    """Check that `adapter_dir` is a PEFT LoRA adapter that fits `base`, tensor by tensor."""
+def inspect_import(adapter_dir: Path, base: BaseModel, same_base_as: str = "") -> ImportedAdapter:
+    """Check that `adapter_dir` is a PEFT LoRA adapter made for `base`: tensor by tensor, then
+    by the base it records (`same_base_as`: see `check_recorded_base`)."""
     config_path, weights_path = adapter_dir / PEFT_CONFIG, adapter_dir / PEFT_WEIGHTS
     if not config_path.is_file() or not weights_path.is_file():
         raise ConfigurationError(
@@ -97,6 +103,8 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
     lora_modules = set(ranks)
     if not lora_modules:
         raise ConfigurationError(f"{weights_path} holds no LoRA weights")
+    # After the tensors: a shape that does not fit names the module, which says more.
+    check_recorded_base(adapter_dir, config, base.text, same_base_as)
     return ImportedAdapter(
         path=adapter_dir,
         base_model_id=base.model_id,
@@ -110,6 +118,110 @@ def inspect_import(adapter_dir: Path, base: BaseModel) -> ImportedAdapter:
         ),
         target_parameters=tuple(sorted(target_parameters)),
     )
+
+
+def check_recorded_base(
+    adapter_dir: Path, config: dict[str, object], base: BaseText, same_base_as: str = ""
+) -> None:
+    """Refuse (BaseMismatchError, naming both) an adapter whose recorded base is not `base`.
+
+    What the adapter says it was trained on: a MinT policy record it carries (`policy.json`,
+    base id and weights digest), else its config's `base_model_name_or_path`. The rule:
+    - a policy record's base digest equal to `base.digest` is the same base, whatever the names;
+    - a recorded base whose config MinT can read (a local folder, or a hub id in the local
+      Hugging Face cache) and whose `model_type` is not `base.family` is another model, always;
+    - otherwise the names must agree: the same folder, or the same name once each is reduced
+      to its last part (`base_name`: a full path, a folder's name and a hub id `org/name` of
+      one base all agree, case aside);
+    - `same_base_as`, set to the recorded name, accepts a renamed copy of the base (a name or
+      digest that differs, never a family that differs);
+    - an adapter that records no base is refused: nothing says what it was trained on.
+    """
+    policy = _carried_policy(adapter_dir)
+    recorded = policy.base_model_id if policy else str(config.get("base_model_name_or_path") or "")
+    source = adapter_dir / (POLICY_FILE if policy else PEFT_CONFIG)
+    target = f"{base.model_id} (a {base.family} model at {base.path})"
+    if not recorded:
+        raise BaseMismatchError(
+            f"{source} records no base model (base_model_name_or_path is empty), so MinT cannot "
+            f"tell whether it was trained on {target}: set base_model_name_or_path to the base "
+            "it was trained on"
+        )
+    family = _recorded_family(recorded)
+    if family and family != base.family:
+        raise BaseMismatchError(
+            f"{source}: the adapter was trained on {recorded} (a {family} model), but the base "
+            f"is {target}: import it on the base it was trained on (--base-model)"
+        )
+    renamed = bool(same_base_as) and base_name(same_base_as) == base_name(recorded)
+    if policy:
+        if policy.base_digest == base.digest or renamed:
+            return
+        raise BaseMismatchError(
+            f"{source}: the adapter was trained on {recorded} (weights {policy.base_digest}), "
+            f"but the base is {target} (weights {base.digest}): import it on the base it was "
+            f"trained on (--base-model), or, if {base.model_id} is a copy of {recorded} in "
+            f"other files, say so with --same-base-as {recorded}"
+        )
+    if _same_base_name(recorded, base) or renamed:
+        return
+    raise BaseMismatchError(
+        f"{source}: the adapter was trained on {recorded}, but the base is {target}: import "
+        f"it on the base it was trained on (--base-model), or, if {base.model_id} is a "
+        f"renamed copy of {recorded}, say so with --same-base-as {recorded}"
+    )
+
+
+def base_name(name: str) -> str:
+    """The name a base goes by however it is written: the last part of a path or hub id, lower
+    case; a Hugging Face cache snapshot (`.../models--org--name/snapshots/REV`) by its repo."""
+    parts = [p for p in PurePosixPath(name.replace(os.sep, "/")).parts if p != "/"]
+    for part, after in itertools.pairwise(parts):
+        if part.startswith("models--") and after == "snapshots":
+            return part.split("--", 2)[-1].lower()
+    return parts[-1].lower() if parts else ""
+
+
+def _same_base_name(recorded: str, base: BaseText) -> bool:
+    path = Path(recorded).expanduser()
+    if path.is_dir() and base.path.is_dir() and path.samefile(base.path):
+        return True
+    return base_name(recorded) in (base_name(base.model_id), base_name(str(base.path)))
+
+
+def _carried_policy(adapter_dir: Path) -> PolicyRecord | None:
+    """The MinT policy record an adapter folder carries (a revision's files taken out of
+    MinT), if any."""
+    path = adapter_dir / POLICY_FILE
+    if not path.is_file():
+        return None
+    try:
+        return PolicyRecord.from_json(path.read_text())
+    except (ValueError, TypeError) as e:
+        raise ConfigurationError(
+            f"{path} is not a MinT policy record ({e}); remove it if it is not one"
+        ) from e
+
+
+def _recorded_family(recorded: str) -> str:
+    """`model_type` of the recorded base's config where MinT can read it without a download
+    (a local folder, a hub id in the local cache); "" otherwise."""
+    path = Path(recorded).expanduser()
+    config_path: Path | None = path / "config.json" if path.is_dir() else None
+    if config_path is None and recorded.count("/") == 1 and not recorded.startswith((".", "/")):
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(recorded, "config.json")
+        except ValueError:  # not a valid repo id
+            cached = None
+        config_path = Path(cached) if isinstance(cached, str) else None
+    if config_path is None or not config_path.is_file():
+        return ""
+    try:
+        return str(json.loads(config_path.read_text()).get("model_type") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
 
 
 def _linear_rank(
