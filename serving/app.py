@@ -159,13 +159,19 @@ def adapter_of_url(ref: str, named: str | None = None) -> str:
     """The revision reference an adapter's base URL serves, `ref` from its path, written in
     full (`name` becomes `name@production`, so no path can name the base). `named` is what the
     body names; naming another revision is refused: the caller meant one of the two."""
-    full = str(RevisionRef.parse(ref))
-    if named not in (*_UNNAMED, ref, full):
+    full = RevisionRef.parse(ref)
+    if named in _UNNAMED:
+        return str(full)
+    try:
+        same = RevisionRef.parse(named) == full
+    except ConfigurationError:
+        same = False  # the base's model id, or no reference at all
+    if not same:
         raise ConfigurationError(
             f"this URL serves {full}, but the body names {named!r}; leave the adapter out of the "
-            f"body, or send it to /adapters/{named}"
+            "body (the URL names it), or send the request to the URL of the one you meant"
         )
-    return full
+    return str(full)
 
 
 def _answer_error(request: Request, e: Exception) -> Response:
