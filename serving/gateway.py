@@ -1,9 +1,10 @@
 """`mint gateway`: one front door for a fleet of workers serving several bases.
 
-Clients call the gateway with the workers' own APIs (TGI and OpenAI, streaming included); the
-gateway reads which revision a request names, resolves it in its catalog to the revision and
-its base, and forwards the request unchanged (the `Authorization` header too: each worker still
-authorises its callers) to a worker of that base, in this order of preference:
+Clients call the gateway with the workers' own APIs (TGI and OpenAI, streaming included, and
+each revision reference's own base URL, `/adapters/{ref}`); the gateway reads which revision a
+request names (there: the path), resolves it in its catalog to the revision and its base, and
+forwards the request unchanged (the `Authorization` header too: each worker still authorises
+its callers) to a worker of that base, in this order of preference:
 
 1. a worker where the revision is ready and already in a device slot (adapter affinity: no
    copy into a slot for this request);
@@ -59,7 +60,14 @@ from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
 from serving.answers import ErrorAnswer, error_answer, sse
-from serving.app import MAX_REQUEST_BYTES, REQUEST_ID_HEADER, REVISION_HEADER, BodyLimit
+from serving.app import (
+    ADAPTER_PREFIX,
+    MAX_REQUEST_BYTES,
+    REQUEST_ID_HEADER,
+    REVISION_HEADER,
+    BodyLimit,
+    adapter_of_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -342,7 +350,11 @@ class Gateway:
         async def generation(request: Request) -> Response:
             try:
                 body = await request.body()
-                return await self.forward(request, body, _model_of(request.url.path, body))
+                # Under an adapter's base URL the path names the revision; the worker, which
+                # gets the same path, refuses a body that names another.
+                ref = request.path_params.get("ref")
+                model = adapter_of_url(ref) if ref else _model_of(request.url.path, body)
+                return await self.forward(request, body, model)
             except Exception as e:
                 if not isinstance(e, MintError):
                     log.exception("gateway failed on %s", request.url.path)
@@ -368,6 +380,7 @@ class Gateway:
                 yield
 
         paths = ("/generate", "/generate_stream", "/", "/v1/completions", "/v1/chat/completions")
+        paths += (ADAPTER_PREFIX, *(ADAPTER_PREFIX + path for path in paths))
         routes = [Route(path, generation, methods=["POST"]) for path in paths]
         routes += [Route("/v1/models", models), Route("/health", health)]
         routes.append(Route("/v1/feedback", feedback, methods=["POST"]))

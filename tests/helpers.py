@@ -30,6 +30,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
+from mint_core.access import EVERYONE
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
@@ -112,10 +113,16 @@ def register_step_by_step(
 
 
 def register_random_adapter(
-    config: MintConfig, base: BaseModel, name: str, folder: Path, seed: int
+    config: MintConfig,
+    base: BaseModel,
+    name: str,
+    folder: Path,
+    seed: int,
+    principals: tuple[str, ...] = (EVERYONE,),
 ) -> RevisionId:
     """A random LoRA (a stand-in for one trained elsewhere) taken through the pipeline's steps
-    from import check to register: the next revision of `name`, not admitted anywhere."""
+    from import check to register: the next revision of `name`, not admitted anywhere, for
+    `principals`."""
     rank = 1 + seed % 8
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=["q_proj", "v_proj", "up_proj"])
     random_lora(base.model, lora, seed, std=0.3).save_pretrained(folder)
@@ -123,7 +130,7 @@ def register_random_adapter(
     frozen = freeze_adapter.fn(config, imported.path)
     packed_dir, index = pack_adapter.fn(config, frozen)
     exported = export_adapter.fn(config, packed_dir, index)
-    return register_revision.fn(config, name, imported, frozen, exported, "tests")
+    return register_revision.fn(config, name, imported, frozen, exported, "tests", principals)
 
 
 def make_policy(**changes: object) -> PolicyRecord:

@@ -185,11 +185,13 @@ def test_a_chat_completion_is_one_message_and_its_prompt_token_ids() -> None:
         "object": "chat.completion",
         "created": 5,
         "model": "base-model",
+        "system_fingerprint": "base-model",
         "prompt_token_ids": [1, 2, 3, 4],
         "choices": [
             {
                 "index": 0,
                 "message": {"role": "assistant", "content": "Hi!"},
+                "logprobs": None,
                 "finish_reason": "length",
                 "token_ids": (10, 11),
             }

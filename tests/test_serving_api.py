@@ -138,16 +138,34 @@ def test_openai_client_completions_and_chat(
         temperature=0, stop=[stop],
     )  # fmt: skip
     assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == (cut, "stop")
-    assert chat_answer is not None and len(chat_answer) >= 4, chat_answer
-    chat_stop = chat_answer[2:4]
+
+    # The same in a streamed chat. A random adapter's answer may be of any length (its first
+    # token can end it): the stop sequence is the second character of the first chat answer,
+    # over the adapters, that has two; the text it leaves is known from that answer.
+    def chat_text(model: str) -> str:
+        chat = client.chat.completions.create(
+            model=model, messages=messages, max_tokens=NEW_TOKENS, temperature=0
+        )
+        return chat.choices[0].message.content or ""
+
+    chat_model = model
+    chats = {chat_model: chat_answer or ""}
+    for other in ADAPTERS:
+        if len(chats[chat_model]) >= 2:
+            break
+        chat_model = f"{other}@production"
+        chats[chat_model] = chat_text(chat_model)
+    answer = chats[chat_model]
+    assert len(answer) >= 2, f"no chat answer of 2 characters or more to cut: {chats}"
+    chat_stop = answer[1]
     streamed = client.chat.completions.create(
-        model=model, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stop=chat_stop,
+        model=chat_model, messages=messages, max_tokens=NEW_TOKENS, temperature=0, stop=chat_stop,
         stream=True,
     )  # fmt: skip
-    assert (
-        "".join(c.choices[0].delta.content or "" for c in streamed)
-        == (chat_answer[: chat_answer.index(chat_stop)])
-    )
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == answer[: answer.index(chat_stop)], (text, answer, chat_stop)
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
     models = {m.id: m for m in client.models.list()}
     assert models[f"{name}:r1"].model_extra["parent"] == base.model_id  # type: ignore[index]

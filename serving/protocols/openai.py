@@ -14,7 +14,9 @@ Quirks kept, as OpenAI clients expect them:
   completed one; the last chunk carries the rest and the finish reason, then `data: [DONE]`.
 - Finish reasons are OpenAI's two: `length`, or `stop` for an end-of-sequence token and a stop
   sequence alike.
-- Chat applies the base's chat template; a streamed chat's first delta names the role.
+- Chat applies the base's chat template; a streamed chat's first delta names the role. A chat
+  answer carries `system_fingerprint` (the revision that answered: what the answer depends on)
+  and its choice `logprobs` (null): TGI's `text-generation` client requires both.
 - `return_token_ids` (vLLM's extension): each choice also carries its generated `token_ids`,
   and the answer its `prompt_token_ids` (what tokenization and the chat template made of the
   input); streams ignore it.
@@ -54,7 +56,8 @@ class OpenAIRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int | None = 1
+    """Choices per prompt; only 1 (null too: TGI's `text-generation` client sends it)."""
     stream: bool = False
     return_token_ids: bool = False
 
@@ -64,7 +67,7 @@ class OpenAIRequest(BaseModel):
 
     def sampling(self, context_length: int) -> SamplingParams:
         """The worker's parameters; 422 when the new tokens cannot fit `context_length`."""
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise ConfigurationError(f"n={self.n}: this worker returns one choice; send n=1")
         stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         return SamplingParams(
@@ -191,9 +194,10 @@ def chat_completion(
     choice: dict[str, object] = {
         "index": 0,
         "message": message,
+        "logprobs": None,
         "finish_reason": finish_reason(generation),
     }
-    body = head.json("chat.completion")
+    body = head.json("chat.completion") | {"system_fingerprint": head.model}
     if token_ids:
         choice["token_ids"] = generation.token_ids
         body["prompt_token_ids"] = list(prompt_ids)
