@@ -18,8 +18,12 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mint_core.errors import ServiceError
+
+if TYPE_CHECKING:
+    from mint_core.config import MintConfig
 
 LOOPBACK = "127.0.0.1"
 
@@ -169,10 +173,15 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
 
 
 def start_mlflow(
-    home: Path, port: int | None = None, backend_store_uri: str = ""
+    home: Path,
+    port: int | None = None,
+    backend_store_uri: str = "",
+    store: "MintConfig | None" = None,
 ) -> ManagedProcess:
     """An MLflow tracking server on loopback, one worker, artifacts under `home`; its backend
-    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`."""
+    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`.
+    Model-version pages show revisions' files from the artifact store `store` configures (by
+    default the one the environment's MINT_HOME and MINT_S3_* name)."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     backend_store_uri = backend_store_uri or f"sqlite:///{home.absolute() / 'mlflow.db'}"
@@ -185,6 +194,12 @@ def start_mlflow(
         "--artifacts-destination", str(home.absolute() / "mlflow-artifacts"),
     ]  # fmt: skip
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    if store is not None:
+        # mint-local:// sources resolve under the server's MINT_HOME (mint_core.mlflow_artifacts);
+        # MLflow reads s3:// ones itself, from the endpoint it is given.
+        env["MINT_HOME"] = str(store.home)
+        if store.s3_endpoint_url:
+            env["MLFLOW_S3_ENDPOINT_URL"] = store.s3_endpoint_url
     return start_process(
         "mlflow server",
         argv,
