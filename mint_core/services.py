@@ -234,6 +234,9 @@ def start_prefect(home: Path, port: int | None = None) -> ManagedProcess:
     env = {
         "PREFECT_HOME": str(home.absolute() / "prefect"),
         "PREFECT_API_URL": "",
+        # The UI asks its API at this address; Prefect's default is port 4200 whatever port
+        # the server was started on, and the UI of any other port shows only errors.
+        "PREFECT_UI_API_URL": f"http://{LOOPBACK}:{port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
     }
