@@ -13,6 +13,9 @@ GPU := $(shell command -v nvidia-smi)
 # the tests run it from an environment of its own, as its users install it.
 TGI_VENV := .venv-tgi
 TGI_INSTALLED := $(TGI_VENV)/.installed
+# The browser tests drive Debian's Chromium (Playwright's own browser downloads are not used):
+# the path of the one on PATH, or where Debian's package puts it, installed only when missing.
+CHROMIUM := $(or $(shell command -v chromium),/usr/bin/chromium)
 
 .PHONY: demo test vllm tgi-client lint bench clean
 
@@ -46,10 +49,14 @@ $(TGI_INSTALLED):
 
 tgi-client: $(TGI_INSTALLED)
 
+$(CHROMIUM):
+	apt-get update
+	apt-get install -y chromium
+
 demo: $(INSTALLED)
 	$(VENV)/bin/mint demo
 
-test: $(INSTALLED) $(VLLM_INSTALLED) $(TGI_INSTALLED)
+test: $(INSTALLED) $(VLLM_INSTALLED) $(TGI_INSTALLED) $(CHROMIUM)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/pytest

@@ -233,7 +233,9 @@ def cmd_gateway(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.services import start_mlflow
 
-    server = start_mlflow(config.home, args.port, args.backend_store_uri or config.registry_db)
+    server = start_mlflow(
+        config.home, args.port, args.backend_store_uri or config.registry_db, store=config
+    )
     try:
         print(
             f"MLflow server and UI at {server.url} (state in {config.home}); Ctrl-C stops it",
@@ -267,7 +269,10 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     started: list[ManagedProcess] = []
     try:
         mlflow = start_mlflow(
-            config.home, args.mlflow_port, args.backend_store_uri or config.registry_db
+            config.home,
+            args.mlflow_port,
+            args.backend_store_uri or config.registry_db,
+            store=config,
         )
         started.append(mlflow)
         prefect_server = start_prefect(config.home, args.prefect_port)

@@ -39,7 +39,7 @@ def run_demo(config: MintConfig, steps: int | None = None) -> None:
             f"base model {base.model_id} ({base.digest[:19]}...) ready in "
             f"{time.perf_counter() - clock:.1f} s"
         )
-        mlflow = start_mlflow(config.home)
+        mlflow = start_mlflow(config.home, store=config)
         started.append(mlflow)
         config = dataclasses.replace(config, tracking_uri=mlflow.url)
         print(f"MLflow server and UI at {mlflow.url}")

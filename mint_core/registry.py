@@ -62,6 +62,13 @@ VERSIONS_PAGE = 1000
 accepts up to 200,000; larger pages were no faster.)"""
 _ADAPTER_KIND = "adapter"
 _EXPERIMENT = "mint-releases"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The tag MLflow's UI reads to open an experiment as model training (runs, the model registry
+in its sidebar) rather than as GenAI development (an empty traces page)."""
+MODEL_DEVELOPMENT = "custom_model_development"
+REVISION_RUN_TAG = TAG_PREFIX + "revision"
+"""On a training (or import) run: the revision it made, e.g. `upper-bot:r2`."""
+RUN_NAME_TAG = "mlflow.runName"
 _POLICY_ARTIFACT = "policy.json"
 
 
@@ -279,15 +286,27 @@ class Registry:
                     f"content {policy.content_digest}"
                 ),
             )
+            # The revision's number exists only now: the run is named after it, so the
+            # experiment's runs list reads `upper-bot:r2`, not one name for every revision.
+            revision = str(RevisionId(policy.adapter, int(version.version)))
+            self._client.set_tag(run_id, RUN_NAME_TAG, revision)
+            self._client.set_tag(run_id, REVISION_RUN_TAG, revision)
         except MlflowException as e:
             raise RegistryError(f"MLflow refused to register {policy.adapter!r}: {e}") from e
         return self._revision(version, aliases=())
 
     def _experiment_id(self) -> str:
         experiment = self._client.get_experiment_by_name(_EXPERIMENT)
-        if experiment is not None:
-            return experiment.experiment_id
-        return self._client.create_experiment(_EXPERIMENT)
+        if experiment is None:
+            return self._client.create_experiment(
+                _EXPERIMENT, tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT}
+            )
+        if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_DEVELOPMENT:
+            # An experiment made before MinT set its kind (MLflow would open it as GenAI).
+            self._client.set_experiment_tag(
+                experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT
+            )
+        return experiment.experiment_id
 
     def start_training_run(
         self, adapter: str, params: Mapping[str, str], dataset: DatasetLog

