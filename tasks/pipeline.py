@@ -20,7 +20,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from tqdm.auto import tqdm
 
 from mint_core.access import EVERYONE
@@ -259,8 +259,17 @@ def rollout_lock(adapter: str, timeout_s: float | None = None) -> Iterator[None]
     taken for `timeout_s` (default `ROLLOUT_TIMEOUT_S`): the caller has changed nothing yet."""
     timeout_s = ROLLOUT_TIMEOUT_S if timeout_s is None else timeout_s
     name = f"mint-rollout-{adapter}"
-    with get_client(sync_client=True) as client, suppress(ObjectAlreadyExists):
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    with get_client(sync_client=True) as client:
+        # Look before creating: a create of an existing name fails inside the Prefect server,
+        # which logs a traceback for it (every roll-out takes its slot twice). Only two
+        # processes creating the same new limit at once still meet that, harmlessly.
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=1)
+                )
     with ExitStack() as held:
         try:
             held.enter_context(
