@@ -81,3 +81,24 @@ def test_a_service_that_fails_to_start_leaves_nothing_running(tmp_path: Path) ->
             timeout_s=30,
         )
     assert not running(int(pid_file.read_text()))
+
+
+@pytest.mark.parametrize(
+    ("script", "says"),
+    [
+        ("exit 3", r"its log \(.*service\.log\) is empty$"),
+        ("echo 'no such model'; exit 3", r"its log \(.*service\.log\) ends with:\nno such model$"),
+    ],
+)
+def test_a_failed_start_quotes_its_log_only_when_there_is_something_to_quote(
+    tmp_path: Path, script: str, says: str
+) -> None:
+    with pytest.raises(ServiceError, match=says):
+        start_process(
+            "quiet service",
+            ["bash", "-c", script],
+            "http://127.0.0.1:9",
+            lambda: False,
+            tmp_path / "service.log",
+            timeout_s=30,
+        )
