@@ -6,24 +6,58 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import AutoPeftModelForCausalLM
+from peft import AutoPeftModelForCausalLM, LoraConfig
 
 from mint_cli import main as mint
 from mint_core.artifact_store import LocalArtifactStore, open_store
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError
+from mint_core.freezing import freeze
 from mint_core.model.base import BaseModel
 from mint_core.model.generate import greedy_generate
+from mint_core.model.tiny import TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
+from mint_core.model.training import save_peft
+from mint_core.packing import pack
 from mint_core.pulling import pull
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
+from mint_core.services import ManagedProcess
 from serving.client import WorkerClient
-from tests.helpers import toy_release
-
-pytestmark = pytest.mark.slow
+from tests.helpers import make_policy, random_lora, tiny_base, toy_release
 
 PROMPTS = [prompt_for(word) for word in held_out_words()[:16]]
+
+
+def test_pull_writes_a_registered_revision_as_a_folder_peft_loads_alone(
+    mlflow_server: ManagedProcess, tmp_path: Path
+) -> None:
+    """A revision saved as MinT's training saves it (the base's full path in its config),
+    frozen, packed, exported and registered; pulled, PEFT's own loader finds the base and
+    computes what the adapter computed."""
+    config = MintConfig(home=tmp_path / "home", tracking_uri=mlflow_server.url)
+    spec = TinySpec(hidden_size=32, num_layers=1, num_heads=2, intermediate_size=32,
+                    pretrain_steps=0)  # fmt: skip
+    base = tiny_base(spec, config.home)
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "up_proj"])
+    adapter = random_lora(base.model, lora, seed=3, std=0.3)
+    save_peft(adapter, tmp_path / "trained", base.name_or_path)
+    packed = pack(freeze(tmp_path / "trained", config.frozen_root), tmp_path / "packed")
+    store = open_store(config)
+    uri = store.put(tmp_path / "packed", packed.content_digest)
+    name = f"pull-{tmp_path.name[-6:].replace('_', '-')}"
+    policy = make_policy(adapter=name, content_digest=packed.content_digest)
+    registry = Registry(mlflow_server.url)
+    revision = registry.register(policy, uri, policy.base_digest).id
+
+    pulled = pull(registry, store, RevisionRef.parse(f"{name}:r1"), tmp_path / "pulled")
+    assert (pulled.revision, pulled.content_digest) == (revision, packed.content_digest)
+    assert pulled.base == str(base.path)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(tmp_path / "pulled").eval()
+    ids = torch.tensor([base.codec.encode("hello=")])
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, adapter(ids).logits)
+        assert not torch.equal(loaded(ids).logits, base.model(ids).logits)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +66,7 @@ def pulled_bot(fleet_config: MintConfig) -> str:
     return toy_release("pulled-bot", "upper", steps=60).revision
 
 
+@pytest.mark.slow
 def test_a_pulled_revision_loads_with_peft_alone_and_answers_as_served(
     pulled_bot: str,
     fleet_config: MintConfig,
@@ -57,6 +92,7 @@ def test_a_pulled_revision_loads_with_peft_alone_and_answers_as_served(
     assert {revision for _, revision in served} == {pulled_bot}
 
 
+@pytest.mark.slow
 def test_pull_refuses_a_used_folder_and_a_damaged_artifact(
     pulled_bot: str, fleet_config: MintConfig, tmp_path: Path
 ) -> None:
