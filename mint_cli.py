@@ -315,11 +315,11 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
+    build_base(config)  # before any service (and Prefect's import): the worker only loads it
     from flows.deployments import start_flow_server
     from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from serving.server import start_worker
 
-    build_base(config)  # before any service: the worker then only loads it
     started: list[ManagedProcess] = []
     try:
         mlflow = start_mlflow(
@@ -367,6 +367,8 @@ def build_base(config: MintConfig) -> None:
             bar = tqdm(total=total, desc="base", unit="step", disable=None)
         bar.update(1)
 
+    # Prefect, imported next, makes PREFECT_HOME (under MINT_HOME) but not its parents.
+    config.home.mkdir(parents=True, exist_ok=True)
     try:
         resolve(config.base, config.home, progress)
     finally:

@@ -558,6 +558,7 @@ def test_mint_up_on_a_fresh_home_builds_the_base_before_starting_any_service(
     wait_for(first_service_log.exists, up, log, timeout_s=1800)
     assert list((home / "base").glob("mint-tiny-*/config.json")), "a service started first"
     assert f"building the default base model in {home / 'base'}" in log.read_text()
+    assert "Warning" not in log.read_text()  # e.g. Prefect's, for a home it could not make
     wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
     urls = [
         f"http://127.0.0.1:{ports[0]}/health",
