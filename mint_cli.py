@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mint_core.config import BackendKind, check_registry_db
 from mint_core.errors import ConfigurationError, MintError, ServiceError
-from mint_core.revisions import check_adapter_name
+from mint_core.revisions import RevisionRef, check_adapter_name
 from serving.status import (
     fleet_health,
     format_stage_times,
@@ -91,6 +91,27 @@ def quiet_libraries() -> None:
     warnings.filterwarnings("ignore", category=FutureWarning, module="transformers")
 
 
+def check_release(args: argparse.Namespace, config: MintConfig) -> None:
+    """Every row of the data files, read and checked before anything starts or loads: a bad
+    line is told in seconds. (The flow reads the files again: a UI run has only their names.)"""
+    from mint_core.model.datasets import DEFAULT_EVAL_FRACTION, load_datasets
+
+    def read(location: str) -> bytes:
+        if not location.startswith("s3://"):
+            return Path(location).read_bytes()  # a path argparse found to be a file
+        from mint_core.artifact_store import read_data  # boto3 and torch: only for S3
+
+        return read_data(config, location)
+
+    load_datasets(
+        read,
+        args.data,
+        args.eval_data,
+        getattr(args, "eval_fraction", DEFAULT_EVAL_FRACTION),
+        getattr(args, "seed", 0),
+    )
+
+
 def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import release
 
@@ -126,6 +147,13 @@ RL_OPTIONS = ("task", "steps", "prompts", "group", "sync_every", "max_chars", "l
               "rank", "reward", "seed", "start")  # fmt: skip
 
 
+def check_import(args: argparse.Namespace, config: MintConfig) -> None:
+    """DoRA, `modules_to_save`, NaN weights: refused before anything starts or loads."""
+    from mint_core.model.imports import check_adapter_files
+
+    check_adapter_files(args.path)
+
+
 def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import import_adapter
 
@@ -142,6 +170,11 @@ def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_promote(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.registry import Registry
+    from mint_core.revisions import RevisionId
+
+    # Refused before Prefect starts: unknown, or already production.
+    Registry(config.tracking_uri).get(RevisionId(args.adapter, args.revision)).check_promotable()
     from flows.promote import promote
 
     served = promote(args.adapter, args.revision, actor=args.actor, reason=args.reason)
@@ -149,6 +182,17 @@ def cmd_promote(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_rollback(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.registry import Registry
+    from mint_core.revisions import RevisionId
+
+    # Refused before Prefect starts: nothing to roll back to, or that is production already.
+    registry = Registry(config.tracking_uri)
+    target = (
+        RevisionId(args.adapter, args.to_revision)
+        if args.to_revision is not None
+        else registry.previous(args.adapter)
+    )
+    registry.get(target).check_promotable()
     from flows.promote import rollback
 
     served = rollback(args.adapter, args.to_revision, actor=args.actor, reason=args.reason)
@@ -166,6 +210,19 @@ def cmd_repair(args: argparse.Namespace, config: MintConfig) -> None:
         else "not re-admitted, as no production or candidate alias names it"
     )
     print(f"repaired {report.revision}: artifact {artifact}; {fleet}")
+
+
+def cmd_pull(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.artifact_store import open_store
+    from mint_core.pulling import pull
+    from mint_core.registry import Registry
+
+    pulled = pull(Registry(config.tracking_uri), open_store(config), args.ref, args.to, args.base)
+    print(
+        f"pulled {pulled.revision} into {pulled.folder} (content {pulled.content_digest}, "
+        f"verified), a PEFT adapter over {pulled.base}: "
+        f"AutoPeftModelForCausalLM.from_pretrained({str(pulled.folder)!r}) loads it"
+    )
 
 
 def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
@@ -243,8 +300,7 @@ def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
         )
         server.process.wait()
         raise ServiceError(
-            f"mlflow server stopped (exit {server.process.returncode}); its log "
-            f"({server.log_path}) ends with:\n{server.log_tail()}"
+            f"mlflow server stopped (exit {server.process.returncode}); {server.log_excerpt()}"
         )
     finally:
         server.stop()
@@ -262,6 +318,7 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
+    build_base(config)  # before any service (and Prefect's import): the worker only loads it
     from flows.deployments import start_flow_server
     from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from serving.server import start_worker
@@ -290,12 +347,39 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
             time.sleep(0.5)
         stopped = [s for s in started if s.process.poll() is not None]
         raise ServiceError(
-            f"{stopped[0].name} stopped (exit {stopped[0].process.returncode}); its log "
-            f"({stopped[0].log_path}) ends with:\n{stopped[0].log_tail()}"
+            f"{stopped[0].name} stopped (exit {stopped[0].process.returncode}); "
+            + stopped[0].log_excerpt()
         )
     finally:
         stop_all(started)
         print("stopped: " + ", ".join(service.name for service in reversed(started)), flush=True)
+
+
+def build_base(config: MintConfig) -> None:
+    """Build the base if it is the embedded default and missing (pretrained once: seconds on
+    a quiet machine, many minutes on a loaded one), with a progress bar and no time limit,
+    before any service starts: a worker started on a base still to build would spend its
+    health timeout pretraining it."""
+    from tqdm.auto import tqdm
+
+    from mint_core.model.base import resolve
+
+    bar: tqdm | None = None
+
+    def progress(step: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            print(f"building the default base model in {config.home / 'base'} (once)", flush=True)
+            bar = tqdm(total=total, desc="base", unit="step", disable=None)
+        bar.update(1)
+
+    # Prefect, imported next, makes PREFECT_HOME (under MINT_HOME) but not its parents.
+    config.home.mkdir(parents=True, exist_ok=True)
+    try:
+        resolve(config.base, config.home, progress)
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:
@@ -325,6 +409,7 @@ def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_demo(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_demo import run_demo
 
+    build_base(config)
     run_demo(config, steps=args.steps)
 
 
@@ -425,6 +510,7 @@ DATA = _checked(_data, "data file")
 FOLDER = _checked(_folder, "folder")
 PRINCIPAL = _checked(_principal, "principal")
 REVISION = _checked(_revision, "revision")
+REF = _checked(RevisionRef.parse, "adapter reference")
 BASE_MODEL_HELP = (
     "the base to train on or check against (a model folder or hub id; default MINT_BASE_MODEL): "
     "the workers serving it take the revision"
@@ -449,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # What each command needs running, whether it is a service that runs until stopped (its
     # own logs go to the terminal), and whether it loads models in this process.
-    parser.set_defaults(needs=(), service=False, loads_models=False)
+    # `check` refuses bad inputs that need no service, before anything is loaded or started.
+    parser.set_defaults(needs=(), service=False, loads_models=False, check=None)
     commands = parser.add_subparsers(dest="command", required=True)
 
     release = commands.add_parser(
@@ -518,7 +605,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="who may use it (repeat; default everyone)",
     )
     release.add_argument("--base-model", default=None, help=BASE_MODEL_HELP)
-    release.set_defaults(run=cmd_release, needs=(REGISTRY, WORKERS), loads_models=True)
+    release.set_defaults(
+        run=cmd_release, check=check_release, needs=(REGISTRY, WORKERS), loads_models=True
+    )
 
     rl = commands.add_parser(
         "rl", help="GRPO on a toy task, sampling from the worker serving ADAPTER@rl"
@@ -561,7 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
         "renamed copy of the base it is imported on: accept it (a different model family is "
         "refused all the same)",
     )
-    imports.set_defaults(run=cmd_import, needs=(REGISTRY, WORKERS), loads_models=True)
+    imports.set_defaults(
+        run=cmd_import, check=check_import, needs=(REGISTRY, WORKERS), loads_models=True
+    )
 
     promote = commands.add_parser("promote", help="serve an existing revision as production")
     promote.add_argument("--adapter", type=ADAPTER, required=True)
@@ -589,6 +680,21 @@ def build_parser() -> argparse.ArgumentParser:
     repair.add_argument("--actor", default=getpass.getuser())
     repair.add_argument("--reason", default="repair")
     repair.set_defaults(run=cmd_repair, needs=(REGISTRY, WORKERS))
+
+    pull = commands.add_parser(
+        "pull",
+        help="write a revision's files, verified, from the artifact store into a PEFT adapter "
+        "folder that tools outside MinT load",
+    )
+    pull.add_argument("ref", type=REF, help="ADAPTER:rN or ADAPTER@alias (ADAPTER: production)")
+    pull.add_argument("--to", type=Path, required=True, help="a new (or empty) folder")
+    pull.add_argument(
+        "--base",
+        default=None,
+        help="the base (hub id or folder) to record in its adapter_config.json instead of the "
+        "one it was trained on",
+    )
+    pull.set_defaults(run=cmd_pull, needs=(REGISTRY,))
 
     history = commands.add_parser("history", help="every alias move of an adapter")
     history.add_argument("adapter", type=ADAPTER)
@@ -742,6 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             config = MintConfig.from_env()
             log_path = config.home / "logs" / f"mint-{command.replace(' ', '-')}.log"
+            if args.check is not None:
+                args.check(args, config)
             _prepare_environment(config, args.loads_models)
             # A service's own logs belong on its terminal; a command's go to its log file.
             logs = contextlib.nullcontext() if args.service else _logging_to(log_path)

@@ -9,10 +9,8 @@ from prefect import flow
 
 from flows.rollout import roll_out
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError
 from mint_core.registry import Registry
-from mint_core.revisions import PRODUCTION, RevisionId, check_adapter_name
-from mint_core.states import Stage
+from mint_core.revisions import RevisionId, check_adapter_name
 from tasks.pipeline import ensure_exported
 
 
@@ -21,14 +19,7 @@ def promote_to_production(
 ) -> str:
     """Make `revision` what `name@production` serves, once every worker has it ready. Workers
     prewarm a rollback before anything else they have queued."""
-    registry = Registry(config.tracking_uri)
-    current = registry.get(revision)
-    if current.stage is Stage.ACTIVE and PRODUCTION in current.aliases:
-        raise ConfigurationError(
-            f"{revision} is already {revision.adapter}@{PRODUCTION}; if workers cannot load it "
-            f"(a damaged artifact), repair it: mint repair --adapter {revision.adapter} "
-            f"--revision {revision.number}"
-        )
+    Registry(config.tracking_uri).get(revision).check_promotable()
     ensure_exported(config, revision)
     roll_out(config, revision, actor, reason, rollback)
     return str(revision)

@@ -16,7 +16,7 @@ from flows.rollout import StageClock, roll_out
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
-from mint_core.model.datasets import Dataset
+from mint_core.model.datasets import DEFAULT_EVAL_FRACTION, Dataset
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
@@ -47,7 +47,7 @@ def release(
     adapter: str,
     data: str,
     eval_data: str | None = None,
-    eval_fraction: float = 0.1,
+    eval_fraction: float = DEFAULT_EVAL_FRACTION,
     rank: int = TrainingConfig.rank,
     alpha: int = TrainingConfig.alpha,
     target_modules: list[str] | None = None,

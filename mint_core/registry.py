@@ -179,6 +179,17 @@ class RegisteredRevision:
     aliases: tuple[str, ...]
     tags: Mapping[str, str]
 
+    def check_promotable(self) -> None:
+        """ConfigurationError if it already is what `production` serves: a promote or
+        rollback to it would change nothing. Checked by the CLI before anything starts, and by
+        the flows (a UI run starts none of the CLI's checks)."""
+        if self.stage is Stage.ACTIVE and PRODUCTION in self.aliases:
+            raise ConfigurationError(
+                f"{self.id} is already {self.id.adapter}@{PRODUCTION}; if workers cannot load "
+                f"it (a damaged artifact), repair it: mint repair --adapter {self.id.adapter} "
+                f"--revision {self.id.number}"
+            )
+
 
 class _Answering:
     """MLflow's client, except that a call the server does not answer (refused, timed out,

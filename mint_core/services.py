@@ -74,6 +74,14 @@ class ManagedProcess:
         except OSError:
             return ""
 
+    def log_excerpt(self) -> str:
+        """Where its log is and how it ends, for an error message; an empty log is said to be
+        empty rather than quoted."""
+        tail = self.log_tail().strip()
+        if not tail:
+            return f"its log ({self.log_path}) is empty"
+        return f"its log ({self.log_path}) ends with:\n{tail}"
+
 
 def group_running(group: int) -> bool:
     """Whether a process of process group `group` runs. Zombies do not count: they have
@@ -177,14 +185,14 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
         if service.process.poll() is not None:
             raise ServiceError(
                 f"{service.name} exited with code {service.process.returncode} while starting; "
-                f"its log ({service.log_path}) ends with:\n{service.log_tail()}"
+                + service.log_excerpt()
             )
         if healthy():
             return
         time.sleep(0.2)
     raise ServiceError(
-        f"{service.name} was not healthy at {service.url} within {timeout_s:.0f} s; its log "
-        f"({service.log_path}) ends with:\n{service.log_tail()}"
+        f"{service.name} was not healthy at {service.url} within {timeout_s:.0f} s; "
+        + service.log_excerpt()
     )
 
 

@@ -13,14 +13,16 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 from prefect import get_client, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import INPUTS, NO_CACHE, RUN_ID, TASK_SOURCE
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.objects import State
 from prefect.concurrency.sync import concurrency
-from prefect.exceptions import ObjectAlreadyExists
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from tqdm.auto import tqdm
 
 from mint_core.access import EVERYONE
@@ -30,8 +32,10 @@ from mint_core.catalog_snapshot import Snapshot
 from mint_core.config import MintConfig
 from mint_core.errors import (
     IntegrityError,
+    MintError,
     NotFoundError,
     NotReadyError,
+    RegistryError,
     RejectedError,
     RolloutBusyError,
     ServiceError,
@@ -50,7 +54,7 @@ from mint_core.evaluation import (
 from mint_core.freezing import FrozenAdapter, freeze, open_frozen
 from mint_core.gates import Gates
 from mint_core.model.base import identity, load_base
-from mint_core.model.datasets import Dataset, Row, parse_jsonl
+from mint_core.model.datasets import Dataset, Row, load_datasets, located, parse_jsonl
 from mint_core.model.imports import ImportedAdapter, inspect_import
 from mint_core.model.training import (
     EVAL_GENERATION_ROWS,
@@ -77,21 +81,29 @@ class Exported:
 _ONCE_PER_RUN = TASK_SOURCE + INPUTS + RUN_ID
 
 
-@task(name="load-data", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+def transient(task: object, task_run: object, state: State) -> bool:
+    """Whether a failed step may go otherwise if tried again: a service that did not answer
+    (or an error MinT did not foresee), not a refusal that would be the same every time (a
+    bad data file, a missing revision, a digest mismatch)."""
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, MintError) or isinstance(
+        error, ServiceError | RegistryError | NotReadyError
+    )
+
+
+@task(
+    name="load-data",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
 def load_data(
     config: MintConfig, data: str, eval_data: str | None, eval_fraction: float, seed: int
 ) -> tuple[Dataset, Dataset]:
     """(training rows, held-out rows), each file read and checked whole: `eval_data` when
     given, else a seeded `eval_fraction` of `data`'s rows."""
-    train = parse_jsonl(read_data(config, data), _located(data))
-    if eval_data:
-        return train, parse_jsonl(read_data(config, eval_data), _located(eval_data))
-    return train.split(eval_fraction, seed)
-
-
-def _located(location: str) -> str:
-    """A data file's name as records keep it: absolute for a local path."""
-    return location if location.startswith("s3://") else str(Path(location).expanduser().absolute())
+    return load_datasets(partial(read_data, config), data, eval_data, eval_fraction, seed)
 
 
 @task(name="train", cache_policy=_ONCE_PER_RUN, persist_result=True)
@@ -185,7 +197,13 @@ def pack_adapter(
     return out_dir, pack(frozen, out_dir, shard_bytes)
 
 
-@task(name="export", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(
+    name="export",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
 def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> Exported:
     store = open_store(config)
     return Exported(store.put(packed_dir, index.content_digest), index.content_digest)
@@ -259,8 +277,17 @@ def rollout_lock(adapter: str, timeout_s: float | None = None) -> Iterator[None]
     taken for `timeout_s` (default `ROLLOUT_TIMEOUT_S`): the caller has changed nothing yet."""
     timeout_s = ROLLOUT_TIMEOUT_S if timeout_s is None else timeout_s
     name = f"mint-rollout-{adapter}"
-    with get_client(sync_client=True) as client, suppress(ObjectAlreadyExists):
-        client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
+    with get_client(sync_client=True) as client:
+        # Look before creating: a create of an existing name fails inside the Prefect server,
+        # which logs a traceback for it (every roll-out takes its slot twice). Only two
+        # processes creating the same new limit at once still meet that, harmlessly.
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            with suppress(ObjectAlreadyExists):
+                client.create_global_concurrency_limit(
+                    GlobalConcurrencyLimitCreate(name=name, limit=1)
+                )
     with ExitStack() as held:
         try:
             held.enter_context(
@@ -292,7 +319,13 @@ def base_fleet(config: MintConfig, revision: RevisionId) -> list[WorkerClient]:
     return serving
 
 
-@task(name="admit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(
+    name="admit",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
 def admit_revision(config: MintConfig, revision: RevisionId, rollback: bool = False) -> None:
     """Make `revision` the adapter's `candidate` (workers that restart take it in again) and
     queue it on every worker of its base; a rollback goes to the front of their queues."""
@@ -304,7 +337,13 @@ def admit_revision(config: MintConfig, revision: RevisionId, rollback: bool = Fa
     registry.set_stage(revision, Stage.ADMITTED)
 
 
-@task(name="readmit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(
+    name="readmit",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
 def readmit_revision(config: MintConfig, revision: RevisionId) -> None:
     """Queue `revision` again on every worker of its base, ahead of anything else: one that
     failed it takes it again, one that has it ready keeps it. Its stage and aliases stay as
@@ -398,10 +437,10 @@ def _eval_sets(
     gates: Gates,
 ) -> dict[EvalSet, tuple[Row, ...]]:
     """Each set's rows, at most EVAL_GENERATION_ROWS (each is a generation per revision)."""
-    located = {EvalSet.EVAL: gates.eval_data, EvalSet.REGRESSION: gates.regression_data}
+    files = {EvalSet.EVAL: gates.eval_data, EvalSet.REGRESSION: gates.regression_data}
     sets = {
-        name: parse_jsonl(read_data(config, where), _located(where)).rows
-        for name, where in located.items()
+        name: parse_jsonl(read_data(config, where), located(where)).rows
+        for name, where in files.items()
         if where
     }
     if EvalSet.EVAL not in sets:
@@ -476,7 +515,13 @@ def activate_revision(
             log.warning("could not nudge worker %s to sync: %s", url, e)
 
 
-@task(name="ensure-exported", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(
+    name="ensure-exported",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
 def ensure_exported(
     config: MintConfig, revision: RevisionId, shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> bool:
@@ -510,7 +555,13 @@ def ensure_exported(
     return True
 
 
-@task(name="catalog-snapshot", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=1)
+@task(
+    name="catalog-snapshot",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
 def snapshot_catalog(config: MintConfig) -> Snapshot:
     """Publish the whole registry as the catalog snapshot workers start from, keeping the newest
     `config.catalog_snapshots`."""

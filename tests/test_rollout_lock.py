@@ -1,6 +1,11 @@
 """A roll-out that finds its adapter's roll-out slot taken waits, then gives up saying so and
 changes nothing: the revision keeps its stage and no failure is recorded on it."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 import tasks.pipeline
@@ -47,3 +52,33 @@ def test_a_busy_rollout_slot_leaves_the_revision_as_it_was(
     assert revision.stage is Stage.REGISTERED
     assert FAILURE_TAG not in revision.tags
     assert registry.stage_history(waiting) == []
+
+
+def test_taking_the_slot_again_logs_no_traceback(tmp_path: Path) -> None:
+    """A roll-out takes its slot twice (fleet, then the alias move) and the CLI runs Prefect's
+    temporary server in a fresh PREFECT_HOME: the second take must not make that server log
+    an IntegrityError traceback for a limit that already exists (issue 23, item 9)."""
+    script = (
+        "from prefect import flow\n"
+        "from tasks.pipeline import rollout_lock\n"
+        "@flow\n"
+        "def twice() -> None:\n"
+        "    for _ in range(3):\n"
+        "        with rollout_lock('quiet-bot'):\n"
+        "            pass\n"
+        "twice()\n"
+        "print('done')\n"
+    )
+    own = ("PREFECT_", "MINT_")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(own)} | {
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PYTHONPATH": str(Path(__file__).parent.parent),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "done" in done.stdout, output[-3000:]
+    assert "Traceback" not in output and "IntegrityError" not in output, output[-3000:]

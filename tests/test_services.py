@@ -166,3 +166,24 @@ server = VllmServer(settings, types.SimpleNamespace(path=home, model_id="stand-i
 print(server.start().process.pid, flush=True)
 time.sleep(600)
 """
+
+
+@pytest.mark.parametrize(
+    ("script", "says"),
+    [
+        ("exit 3", r"its log \(.*service\.log\) is empty$"),
+        ("echo 'no such model'; exit 3", r"its log \(.*service\.log\) ends with:\nno such model$"),
+    ],
+)
+def test_a_failed_start_quotes_its_log_only_when_there_is_something_to_quote(
+    tmp_path: Path, script: str, says: str
+) -> None:
+    with pytest.raises(ServiceError, match=says):
+        start_process(
+            "quiet service",
+            ["bash", "-c", script],
+            "http://127.0.0.1:9",
+            lambda: False,
+            tmp_path / "service.log",
+            timeout_s=30,
+        )

@@ -117,7 +117,9 @@ def test_chat_rows_train_and_report_every_step(
     assert set(trained.eval_metrics) == {"eval_loss", "eval_exact_match"}
     assert trained.eval_metrics["eval_loss"] < trained.losses[0] / 2
     saved = json.loads((trained.path / "adapter_config.json").read_text())
-    assert saved["base_model_name_or_path"] == trained.base_model_id == "qwen3-tiny"
+    # The full path, which PEFT's loaders find; the model id is the folder's name only.
+    assert trained.base_model_id == "qwen3-tiny"
+    assert saved["base_model_name_or_path"] == qwen3[0].name == str(qwen3[1] / "qwen3-tiny")
     assert sorted(saved["target_modules"]) == sorted(trained.target_modules)
     assert sorted(trained.target_modules) == sorted(DEFAULT_TARGETS)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -103,6 +104,13 @@ class BaseText:
     def digest(self) -> str:
         return self.identity.digest
 
+    @property
+    def name_or_path(self) -> str:
+        """What `from_pretrained` loads this base from, as adapter configs record it
+        (`base_model_name_or_path`): the hub id, else the folder's full path. A folder's model
+        id is only its name, which no loader finds."""
+        return self.model_id if "/" in self.model_id else str(self.path)
+
 
 @dataclass(frozen=True)
 class BaseModel:
@@ -132,6 +140,10 @@ class BaseModel:
         return self.text.digest
 
     @property
+    def name_or_path(self) -> str:
+        return self.text.name_or_path
+
+    @property
     def family(self) -> str:
         return self.text.family
 
@@ -144,10 +156,13 @@ class BaseModel:
         return next(self.model.parameters()).device
 
 
-def resolve(source: BaseSource, home: Path) -> tuple[Path, str]:
-    """(model folder, model id) of `source`; the embedded default is built if missing."""
+def resolve(
+    source: BaseSource, home: Path, progress: Callable[[int, int], None] | None = None
+) -> tuple[Path, str]:
+    """(model folder, model id) of `source`; the embedded default is built if missing, with
+    `progress(step, total)` after each of its pretraining steps."""
     if not source.name:
-        folder = ensure_tiny(TinySpec(), home / "base")
+        folder = ensure_tiny(TinySpec(), home / "base", progress)
         return folder, folder.name
     path = Path(source.name).expanduser()
     if path.is_dir():

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mint_core.digests import sha256_bytes
@@ -22,6 +23,8 @@ from mint_core.model.text import Message, TextCodec
 if TYPE_CHECKING:
     import torch
 
+DEFAULT_EVAL_FRACTION = 0.1
+"""Share of the training rows held out when no held-out file is given."""
 IGNORE = -100
 """Label of a position the loss skips (the prompt, padding)."""
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -92,6 +95,27 @@ def parse_jsonl(data: bytes, source: str) -> Dataset:
             '{"prompt": ..., "completion": ...} or {"messages": [...]}'
         )
     return Dataset(source, sha256_bytes(data), tuple(rows))
+
+
+def load_datasets(
+    read: Callable[[str], bytes],
+    data: str,
+    eval_data: str | None,
+    eval_fraction: float = DEFAULT_EVAL_FRACTION,
+    seed: int = 0,
+) -> tuple[Dataset, Dataset]:
+    """(training rows, held-out rows), each file read with `read` and checked whole:
+    `eval_data` when given, else a seeded `eval_fraction` of `data`'s rows. What a release
+    trains on; the CLI calls it too, so a bad file is refused before anything starts."""
+    train = parse_jsonl(read(data), located(data))
+    if eval_data:
+        return train, parse_jsonl(read(eval_data), located(eval_data))
+    return train.split(eval_fraction, seed)
+
+
+def located(location: str) -> str:
+    """A data file's name as records keep it: absolute for a local path."""
+    return location if location.startswith("s3://") else str(Path(location).expanduser().absolute())
 
 
 def _row(line: str, number: int, source: str) -> Row:

@@ -63,9 +63,10 @@ class ImportedAdapter:
         }
 
 
-def inspect_import(adapter_dir: Path, base: BaseModel, same_base_as: str = "") -> ImportedAdapter:
-    """Check that `adapter_dir` is a PEFT LoRA adapter made for `base`: tensor by tensor, then
-    by the base it records (`same_base_as`: see `check_recorded_base`)."""
+def check_adapter_files(adapter_dir: Path) -> dict[str, object]:
+    """The adapter config of `adapter_dir`, once it is a plain PEFT LoRA (no DoRA, no
+    `modules_to_save`, no bias) holding only LoRA tensors, every one finite. Needs no base,
+    so the CLI refuses such a folder before anything starts; `inspect_import` checks the fit."""
     config_path, weights_path = adapter_dir / PEFT_CONFIG, adapter_dir / PEFT_WEIGHTS
     if not config_path.is_file() or not weights_path.is_file():
         raise ConfigurationError(
@@ -77,15 +78,26 @@ def inspect_import(adapter_dir: Path, base: BaseModel, same_base_as: str = "") -
     except ValueError as e:
         raise ConfigurationError(f"{config_path} is not JSON: {e}") from e
     _check_config(config, config_path)
+    with safe_open(weights_path, framework="pt") as weights:
+        keys = list(weights.keys())
+        check_keys(keys)
+        for key in keys:
+            check_finite(key, weights.get_tensor(key), weights_path)
+    return config
+
+
+def inspect_import(adapter_dir: Path, base: BaseModel, same_base_as: str = "") -> ImportedAdapter:
+    """Check that `adapter_dir` is a PEFT LoRA adapter made for `base`: tensor by tensor, then
+    by the base it records (`same_base_as`: see `check_recorded_base`)."""
+    config = check_adapter_files(adapter_dir)
+    weights_path = adapter_dir / PEFT_WEIGHTS
 
     modules = servable_modules(base.model)
     target_parameters = config.get("target_parameters") or []
     experts = expert_lora_targets(base.model, target_parameters)
     ranks: dict[str, dict[str, int]] = {}
     with safe_open(weights_path, framework="pt") as weights:
-        keys = list(weights.keys())
-        check_keys(keys)
-        for key in keys:
+        for key in list(weights.keys()):  # safe_open is not iterable
             module_name, _, side = key.removeprefix(_PREFIX).rpartition(".lora_")
             shape = tuple(weights.get_slice(key).get_shape())
             if key.startswith(_PREFIX) and module_name in experts:
@@ -93,7 +105,6 @@ def inspect_import(adapter_dir: Path, base: BaseModel, same_base_as: str = "") -
             else:
                 rank = _linear_rank(key, shape, modules.get(module_name), module_name, base)
             ranks.setdefault(module_name, {})[side[0]] = rank
-            check_finite(key, weights.get_tensor(key), weights_path)
     for module_name, sides in ranks.items():
         if sides.keys() != {"A", "B"} or sides["A"] != sides["B"]:
             raise ConfigurationError(

@@ -400,7 +400,7 @@ class GrpoTrainer:
         if self._start_dir is not None and self.steps == 0:
             shutil.copytree(self._start_dir, out_dir, dirs_exist_ok=True)
         else:
-            save_peft(self.model, out_dir, self.base.model_id)
+            save_peft(self.model, out_dir, self.base.name_or_path)
         return out_dir
 
     @contextmanager

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -161,11 +162,14 @@ def save_base_folder(model: PreTrainedModel, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def ensure_tiny(spec: TinySpec, root: Path) -> Path:
-    """The folder of `spec`'s model under `root`, built and pretrained first if missing."""
+def ensure_tiny(
+    spec: TinySpec, root: Path, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """The folder of `spec`'s model under `root`, built and pretrained first if missing;
+    `progress(step, total)` after each pretraining step (seconds to minutes: a bar's worth)."""
     folder = root / spec.name
     if not (folder / "config.json").exists():
-        model = _pretrain(spec)
+        model = _pretrain(spec, progress)
         # Atomic: a crash or a concurrent builder never leaves half a base.
         with publish_folder(folder, prefix=f".{spec.name}-") as staging:
             save_base_folder(model, staging)
@@ -173,7 +177,9 @@ def ensure_tiny(spec: TinySpec, root: Path) -> Path:
     return folder
 
 
-def _pretrain(spec: TinySpec) -> PreTrainedModel:
+def _pretrain(
+    spec: TinySpec, progress: Callable[[int, int], None] | None = None
+) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -192,12 +198,14 @@ def _pretrain(spec: TinySpec) -> PreTrainedModel:
         optimizer, max_lr=spec.pretrain_learning_rate, total_steps=spec.pretrain_steps
     )
     stream = training_stream(Task.ECHO, spec.seed, mixed_case=True)
-    for _ in range(spec.pretrain_steps):
+    for step in range(1, spec.pretrain_steps + 1):
         rows = [next(stream) for _ in range(spec.pretrain_batch_size)]
         batch = collate([tokenize_example(codec, r.prompt, r.completion) for r in rows], codec)
         model(**batch).loss.backward()
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
+        if progress is not None:
+            progress(step, spec.pretrain_steps)
     model.eval()
     return model

@@ -186,7 +186,7 @@ def train_lora(
     losses = _optimize(model, base, rows, config, total, on_step)
     model.eval()
     metrics = evaluate(model, base, held_out, held_rows)
-    save_peft(model, out_dir, base.model_id)
+    save_peft(model, out_dir, base.name_or_path)
     return TrainedAdapter(
         path=out_dir,
         config=config,
@@ -312,9 +312,11 @@ def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence[Row]) ->
     return hits / max(len(rows), 1)
 
 
-def save_peft(model: PeftModel, out_dir: Path, base_model_id: str) -> None:
-    """`model`'s LoRA in PEFT's layout in `out_dir`, naming `base_model_id` as its base."""
-    model.peft_config["default"].base_model_name_or_path = base_model_id
+def save_peft(model: PeftModel, out_dir: Path, base_name_or_path: str) -> None:
+    """`model`'s LoRA in PEFT's layout in `out_dir`, naming `base_name_or_path` (a hub id or
+    a folder's full path: `BaseText.name_or_path`) as its base, so that PEFT's own loaders
+    (`AutoPeftModelForCausalLM`) find the base."""
+    model.peft_config["default"].base_model_name_or_path = base_name_or_path
     out_dir.mkdir(parents=True, exist_ok=True)
     # Embedding layers are not adapted; saying so stops PEFT from looking the base up on a hub.
     model.save_pretrained(out_dir, save_embedding_layers=False)
