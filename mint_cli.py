@@ -170,12 +170,11 @@ def cmd_repair(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.registry import Registry
 
-    rows = [["time", "alias", "from", "to", "actor", "reason"]]
+    rows = [["time", "alias", "from", "to", "actor", "approver", "reason"]]
     for move in Registry(config.tracking_uri).alias_history(args.adapter):
         before = f"r{move.from_revision}" if move.from_revision is not None else "-"
-        rows.append(
-            [move.at, move.alias, before, f"r{move.to_revision}", move.actor, move.reason or "-"]
-        )
+        rows.append([move.at, move.alias, before, f"r{move.to_revision}", move.actor,
+                     move.approver or "-", move.reason or "-"])  # fmt: skip
     print(format_table(rows))
 
 

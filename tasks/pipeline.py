@@ -447,10 +447,12 @@ def activate_revision(
     actor: str = "mint",
     reason: str = "release",
     timeout_s: float = 300.0,
+    approver: str = "",
 ) -> None:
     """Move `alias` to `revision` once every worker of its base reports it ready (waiting up to
     `timeout_s`); if one fails it or time runs out, the alias stays where it was. Then nudge
-    the workers, so they switch new requests at once instead of at their next sync."""
+    the workers, so they switch new requests at once instead of at their next sync. `approver`
+    (who approved this roll-out, if its gates asked) is recorded on the move."""
     registry = Registry(config.tracking_uri)
     stage = registry.get(revision).stage
     if stage not in _ACTIVATABLE:
@@ -463,7 +465,7 @@ def activate_revision(
         raise NotReadyError(f"not moving {revision.adapter}@{alias} to {revision}: {e}") from e
     for step in _ACTIVATABLE[_ACTIVATABLE.index(stage) + 1 :]:
         registry.set_stage(revision, step, actor, "every worker reports it ready")
-    previous = registry.move_alias(revision, alias, actor, reason)
+    previous = registry.move_alias(revision, alias, actor, reason, approver)
     if CANDIDATE in registry.get(revision).aliases:
         registry.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over
     registry.set_stage(revision, Stage.ACTIVE, actor, reason)
