@@ -106,8 +106,8 @@ def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     )
     metrics = report.eval_metrics
     print(
-        f"released {report.revision} (held-out exact match {metrics['eval_exact_match']:.0%}, "
-        f"eval loss {metrics['eval_loss']:.4f})"
+        f"released {report.revision} (exact match {metrics['eval_exact_match']:.0%} on "
+        f"{report.eval_rows}, eval loss {metrics['eval_loss']:.4f})"
     )
     print(format_stage_times(report.stage_seconds))
 
@@ -187,7 +187,7 @@ def cmd_gates(args: argparse.Namespace, config: MintConfig) -> None:
     if any(value is not None for value in changes.values()):
         gates = gates.changed(**changes)
         registry.set_gates(args.adapter, gates)
-    print(format_table([["gate", "value"]] + [[k, str(v)] for k, v in vars(gates).items()]))
+    print(format_table([["gate", "value"], *map(list, gates.rows())]))
 
 
 def cmd_approve(args: argparse.Namespace, config: MintConfig) -> None:

@@ -318,6 +318,12 @@ class Registry:
             raise RegistryError(f"MLflow refused a training run for {adapter!r}: {e}") from e
         return run_id
 
+    def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
+        """Every param in `params`, in one request (a param, once logged, never changes)."""
+        self._client.log_batch(
+            run_id, params=[Param(name, value) for name, value in sorted(params.items())]
+        )
+
     def log_losses(self, run_id: str, name: str, losses: Sequence[tuple[int, float]]) -> None:
         """Metric `name` at each (step, value), in one request."""
         now = int(datetime.now(UTC).timestamp() * 1000)
