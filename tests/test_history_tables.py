@@ -149,7 +149,9 @@ def test_a_release_an_approved_promote_and_a_rollback_read_as_tables(
 
     adapter = f"audited-{uuid.uuid4().hex[:6]}"
     registry = Registry(fleet_config.tracking_uri)
-    toy_release(adapter, "upper", steps=5, actor="carol")  # r1, ungated
+    released = toy_release(adapter, "upper", steps=5, actor="carol")  # r1, ungated
+    # (Issue 23, item 5: the CLI's figure says which rows it is on.)
+    assert released.eval_rows == "64 rows of upper-held-out-n64.jsonl"
     # Any score passes: this test is about what the approval records, not the evaluation.
     gates = Gates(requires_approval=True, approvers=("alice",), max_regression=1.0)
     registry.set_gates(adapter, gates)
