@@ -28,6 +28,7 @@ from mint_core.model.base import BaseModel
 from mint_core.registry import AliasMove, Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.services import ManagedProcess
+from mint_core.states import Stage
 from tests.helpers import make_policy, register_random_adapter, toy_release
 
 SECOND = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
@@ -133,6 +134,40 @@ def test_a_busy_adapter_keeps_registering_on_postgresql(postgres_mlflow: Managed
     assert (
         table(client.get_model_version(adapter, str(r3.number)).description, VERSION_HEADER) == []
     )
+
+
+@pytest.mark.slow
+def test_the_registry_writes_both_tables_as_it_records(mlflow_server: ManagedProcess) -> None:
+    """The registry's own calls, as a release, an approved promote and a rollback make them."""
+    registry = Registry(mlflow_server.url)
+    adapter = f"recorded-{uuid.uuid4().hex[:8]}"
+    r1, r2 = register(registry, adapter, 2)
+    registry.set_stage(r1, Stage.ADMITTED, "carol", "release")
+    registry.move_alias(r1, PRODUCTION, "carol", "release")
+    registry.note_stage(r2, "alice", "approved: looks right", approver="alice")
+    registry.move_alias(r2, PRODUCTION, "carol", "new data", approver="alice")
+    registry.move_alias(r1, PRODUCTION, "bob", "answers wrong")
+
+    client = MlflowClient(mlflow_server.url)
+    model = client.get_registered_model(adapter).description
+    assert [row[1:] for row in table(model, ADAPTER_HEADER)] == [
+        [PRODUCTION, "", "r1", "carol", "", "release"],
+        [PRODUCTION, "r1", "r2", "carol", "alice", "new data"],
+        [PRODUCTION, "r2", "r1", "bob", "", "answers wrong"],
+    ]
+    second = client.get_model_version(adapter, "2").description
+    assert second.startswith("trained on ")
+    assert [row[1:] for row in table(second, VERSION_HEADER)] == [
+        ["approved", "alice", "approved: looks right", "alice"],
+        ["production r1 → r2", "carol", "new data", "alice"],
+    ]
+    first = table(client.get_model_version(adapter, "1").description, VERSION_HEADER)
+    assert all(SECOND.match(row[0]) for row in first)
+    assert [row[1:] for row in first] == [
+        ["registered → admitted", "carol", "release", ""],
+        ["production → r1", "carol", "release", ""],
+        ["production r2 → r1", "bob", "answers wrong", ""],
+    ]
 
 
 @pytest.fixture
