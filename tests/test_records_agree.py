@@ -21,8 +21,9 @@ from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.training import TrainingConfig, train_lora
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
+from mint_core.services import ManagedProcess
 from tasks.pipeline import load_data, train_adapter
-from tests.helpers import register_random_adapter, toy_data
+from tests.helpers import make_policy
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)
 
@@ -80,33 +81,43 @@ def test_gates_show_approvers_by_name() -> None:
     assert dict(Gates().rows())["approvers"] == "none"
 
 
+@pytest.fixture
+def tiny_config(mlflow_server: ManagedProcess, tmp_path: Path) -> MintConfig:
+    """The real MLflow server and a tiny untrained base (built in seconds, unlike the session's
+    pretrained one): what recording needs, not what serving needs."""
+    base = BaseSource(str(ensure_tiny(TINY, tmp_path / "base")))
+    return MintConfig(home=tmp_path, tracking_uri=mlflow_server.url, base=base)
+
+
 @pytest.mark.slow
 def test_mint_gates_prints_approvers_by_name(
-    config: MintConfig, base: object, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny_config: MintConfig, capsys: pytest.CaptureFixture[str]
 ) -> None:
     adapter = f"gated-{uuid.uuid4().hex[:6]}"
-    register_random_adapter(config, base, adapter, tmp_path / "r1", seed=1)  # type: ignore[arg-type]
+    policy = make_policy(adapter=adapter)
+    uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+    Registry(tiny_config.tracking_uri).register(policy, uri, policy.base_digest)
     options = dict.fromkeys(GATE_OPTIONS) | {"approvers": ["alice"], "requires_approval": True}
-    cmd_gates(argparse.Namespace(adapter=adapter, **options), config)
+    cmd_gates(argparse.Namespace(adapter=adapter, **options), tiny_config)
     out = capsys.readouterr().out
     assert "('alice',)" not in out
     (line,) = [line for line in out.splitlines() if line.startswith("approvers")]
     assert line.split() == ["approvers", "alice"]
-    assert Registry(config.tracking_uri).gates(adapter).approvers == ("alice",)
+    assert Registry(tiny_config.tracking_uri).gates(adapter).approvers == ("alice",)
 
 
 @pytest.mark.slow
-def test_the_training_runs_params_agree_with_the_policy_record(config: MintConfig) -> None:
+def test_the_training_runs_params_agree_with_the_policy_record(tiny_config: MintConfig) -> None:
     """Against the real MLflow server: the run names the targets the policy lists and the rows
     held out of the training file, not the file itself."""
-    data, _ = toy_data(config.home, toy.Task.UPPER, rows=64)
-    rows, held_out = load_data.fn(config, data, None, 0.1, 0)
+    data = toy.write_task_data(toy.Task.UPPER, tiny_config.home / "data", rows=64)
+    rows, held_out = load_data.fn(tiny_config, str(data), None, 0.1, 0)
     adapter = f"agreeing-{uuid.uuid4().hex[:6]}"
-    trained = train_adapter.fn(config, adapter, rows, held_out, TrainingConfig(steps=2))
-    params = MlflowClient(config.tracking_uri).get_run(str(trained.run_id)).data.params
+    trained = train_adapter.fn(tiny_config, adapter, rows, held_out, TrainingConfig(steps=2))
+    params = MlflowClient(tiny_config.tracking_uri).get_run(str(trained.run_id)).data.params
     assert params["target_modules"].split(",") == list(trained.target_modules)
     assert len(trained.target_modules) == 7
     assert params["expert_targets"] == "none"
-    assert params["eval_data"] == f"{len(held_out.rows)} held-out rows of {Path(data).absolute()}"
+    assert params["eval_data"] == f"{len(held_out.rows)} held-out rows of {data.absolute()}"
     assert params["eval_rows"] == str(len(held_out.rows))
     assert isinstance(held_out, Dataset) and held_out.held_out
