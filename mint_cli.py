@@ -127,8 +127,8 @@ def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     )
     metrics = report.eval_metrics
     print(
-        f"released {report.revision} (held-out exact match {metrics['eval_exact_match']:.0%}, "
-        f"eval loss {metrics['eval_loss']:.4f})"
+        f"released {report.revision} (exact match {metrics['eval_exact_match']:.0%} on "
+        f"{report.eval_rows}, eval loss {metrics['eval_loss']:.4f})"
     )
     print(format_stage_times(report.stage_seconds))
 
@@ -228,12 +228,11 @@ def cmd_pull(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.registry import Registry
 
-    rows = [["time", "alias", "from", "to", "actor", "reason"]]
+    rows = [["time", "alias", "from", "to", "actor", "approver", "reason"]]
     for move in Registry(config.tracking_uri).alias_history(args.adapter):
         before = f"r{move.from_revision}" if move.from_revision is not None else "-"
-        rows.append(
-            [move.at, move.alias, before, f"r{move.to_revision}", move.actor, move.reason or "-"]
-        )
+        rows.append([move.at, move.alias, before, f"r{move.to_revision}", move.actor,
+                     move.approver or "-", move.reason or "-"])  # fmt: skip
     print(format_table(rows))
 
 
@@ -246,7 +245,7 @@ def cmd_gates(args: argparse.Namespace, config: MintConfig) -> None:
     if any(value is not None for value in changes.values()):
         gates = gates.changed(**changes)
         registry.set_gates(args.adapter, gates)
-    print(format_table([["gate", "value"]] + [[k, str(v)] for k, v in vars(gates).items()]))
+    print(format_table([["gate", "value"], *map(list, gates.rows())]))
 
 
 def cmd_approve(args: argparse.Namespace, config: MintConfig) -> None:

@@ -67,8 +67,9 @@ def _release_and_compare(config: MintConfig, steps: int | None) -> None:
         print(f"\nreleasing {adapter} from {train} ({length}) ...")
         options = RECIPE | ({"steps": steps} if steps else {})
         reports[adapter] = release(adapter, str(train), eval_data=str(held_out), **options)
-        exact = reports[adapter].eval_metrics["eval_exact_match"]
-        print(f"  -> {reports[adapter].revision} (held-out exact match {exact:.0%})")
+        report = reports[adapter]
+        exact = report.eval_metrics["eval_exact_match"]
+        print(f"  -> {report.revision} (exact match {exact:.0%} on {report.eval_rows})")
 
     client = WorkerClient(config.worker_urls[0])
     words = held_out_words()

@@ -40,11 +40,11 @@ class Decision(RunInput):
     comment: str = ""
 
 
-def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, releaser: str) -> None:
-    """Pause this flow run until an approver of `revision`'s adapter answers. Returns once
-    approved; RejectedError (stage `rejected`) on a rejection or when `gates.approval_timeout_s`
-    passes with no allowed answer. A reviewer who may not answer is refused in the stage
-    history and the run pauses again for the time left."""
+def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, releaser: str) -> str:
+    """Pause this flow run until an approver of `revision`'s adapter answers. Returns, once
+    approved, who approved (recorded on the alias move); RejectedError (stage `rejected`) on a
+    rejection or when `gates.approval_timeout_s` passes with no allowed answer. A reviewer who
+    may not answer is refused in the stage history and the run pauses again for the time left."""
     registry = Registry(config.tracking_uri)
     run_id = str(prefect.runtime.flow_run.id)
     registry.set_revision_tag(revision, APPROVAL_RUN_TAG, run_id)
@@ -79,8 +79,10 @@ def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, relea
             )
             continue
         if answer.decision is Verdict.APPROVE:
-            registry.note_stage(revision, answer.reviewer, f"approved: {answer.comment}")
-            return
+            registry.note_stage(
+                revision, answer.reviewer, f"approved: {answer.comment}", approver=answer.reviewer
+            )
+            return answer.reviewer
         reason = f"rejected by {answer.reviewer}: {answer.comment}"
         registry.reject(revision, answer.reviewer, reason)
         raise RejectedError(f"{revision} {reason}; production did not move")

@@ -88,11 +88,19 @@ def canary(
             min_requests,
         )
         _publish(adapter, figures, (candidate, production), verdict.reason)
+        approver = ""
         if verdict.promote and gates.requires_approval:
-            await_approval(config, candidate, gates, actor)  # RejectedError: it is rejected
+            approver = await_approval(config, candidate, gates, actor)  # RejectedError: rejected
         with rollout_lock(adapter):
             if verdict.promote:
-                activate_revision(config, candidate, PRODUCTION, actor, f"canary {verdict.reason}")
+                activate_revision(
+                    config,
+                    candidate,
+                    PRODUCTION,
+                    actor,
+                    f"canary {verdict.reason}",
+                    approver=approver,
+                )
             registry.end_canary(adapter, actor, verdict.reason)
             if not verdict.promote:
                 registry.reject(candidate, actor, verdict.reason)

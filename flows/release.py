@@ -18,7 +18,7 @@ from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
 from mint_core.model.datasets import DEFAULT_EVAL_FRACTION, Dataset
 from mint_core.model.imports import ImportedAdapter
-from mint_core.model.training import TrainedAdapter, TrainingConfig
+from mint_core.model.training import EVAL_GENERATION_ROWS, TrainedAdapter, TrainingConfig
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from tasks.pipeline import (
     check_import,
@@ -40,6 +40,8 @@ class ReleaseReport:
     """Held-out `eval_loss` and `eval_exact_match` of a trained revision; empty for an
     imported one."""
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    eval_rows: str = ""
+    """Which rows `eval_exact_match` is on, e.g. "200 held-out rows of train.jsonl"."""
 
 
 @flow(name="release")
@@ -95,7 +97,8 @@ def release(
     rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, seed)
     trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
     revision = _ship(config, adapter, trained, actor, principals, timed, "release", held_out)
-    return ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds)
+    scored = held_out.describe(min(len(held_out.rows), EVAL_GENERATION_ROWS))
+    return ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds, scored)
 
 
 @flow(name="import")

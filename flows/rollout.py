@@ -62,10 +62,20 @@ def roll_out(
             gates = None if rollback else registry.gates(revision.adapter)
             if gates is not None:
                 timed("evaluate", evaluate_revision, config, revision, gates, actor)
+        approver = ""
         if gates is not None and gates.requires_approval:
-            timed("approval", await_approval, config, revision, gates, actor)
+            approver = timed("approval", await_approval, config, revision, gates, actor)
         with rollout_lock(revision.adapter):
-            timed("activate", activate_revision, config, revision, PRODUCTION, actor, reason)
+            timed(
+                "activate",
+                activate_revision,
+                config,
+                revision,
+                PRODUCTION,
+                actor,
+                reason,
+                approver=approver,
+            )
     except (RolloutBusyError, RejectedError):
         raise  # it only waited, or a gate already recorded why it stopped
     except Exception as e:

@@ -74,6 +74,8 @@ class SetScore:
     rows: int
     candidate: float
     production: float
+    source: str = ""
+    """Where the rows come from, as the reason says it: "of eval.jsonl"."""
 
     def regression(self) -> float:
         """How far the candidate falls below production (negative: it does better)."""
@@ -98,7 +100,7 @@ class Evaluation:
         """Both revisions' scores per set and the verdict, for the stage history."""
         parts = [
             f"{self.candidate} exact {s.candidate:.2f} vs production {self.production} "
-            f"{s.production:.2f} on {s.rows} {s.name} rows"
+            f"{s.production:.2f} on {s.rows} {s.name} rows" + (f" {s.source}" if s.source else "")
             for s in self.scores
         ]
         verdict = "passed" if self.passed else "rejected"

@@ -69,6 +69,14 @@ class Gates:
             )
         return None
 
+    def rows(self) -> list[tuple[str, str]]:
+        """Each gate and its value as people read them (`mint gates`): a list as its names,
+        "none" when empty."""
+        return [
+            (name, ", ".join(value) or "none" if isinstance(value, tuple) else str(value))
+            for name, value in vars(self).items()
+        ]
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 

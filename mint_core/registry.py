@@ -10,7 +10,7 @@ import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from mlflow.tracking import MlflowClient
 
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError, RegistryError
 from mint_core.gates import GATES_TAG, Gates
+from mint_core.history import adapter_description, version_description
 from mint_core.revisions import (
     CANARY,
     CANDIDATE,
@@ -110,6 +111,8 @@ class AliasMove:
     to_revision: int
     actor: str
     reason: str
+    approver: str = ""
+    """Who approved the roll-out this move made, when its adapter's gates asked for one."""
 
     @property
     def tag(self) -> str:
@@ -178,6 +181,8 @@ class RegisteredRevision:
     stage: Stage
     aliases: tuple[str, ...]
     tags: Mapping[str, str]
+    description: str = ""
+    """The model version's description: its own text, then its history table (`history`)."""
 
     def check_promotable(self) -> None:
         """ConfigurationError if it already is what `production` serves: a promote or
@@ -292,9 +297,11 @@ class Registry:
                 source=artifact_uri,
                 run_id=run_id,
                 tags={**policy.to_tags(), STAGE_TAG: Stage.REGISTERED.value},
-                description=(
+                description=version_description(
                     f"trained on {policy.dataset or 'data from elsewhere (imported)'}, "
-                    f"content {policy.content_digest}"
+                    f"content {policy.content_digest}",
+                    [],
+                    [],
                 ),
             )
             # The revision's number exists only now: the run is named after it, so the
@@ -340,6 +347,12 @@ class Registry:
         except MlflowException as e:
             raise RegistryError(f"MLflow refused a training run for {adapter!r}: {e}") from e
         return run_id
+
+    def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
+        """Every param in `params`, in one request (a param, once logged, never changes)."""
+        self._client.log_batch(
+            run_id, params=[Param(name, value) for name, value in sorted(params.items())]
+        )
 
     def log_losses(self, run_id: str, name: str, losses: Sequence[tuple[int, float]]) -> None:
         """Metric `name` at each (step, value), in one request."""
@@ -408,22 +421,50 @@ class Registry:
         )
         self._append_stage_history(registered, stage, actor, reason)
 
-    def note_stage(self, revision: RevisionId, actor: str, reason: str) -> None:
+    def note_stage(self, revision: RevisionId, actor: str, reason: str, approver: str = "") -> None:
         """Add a note to a revision's stage history, its stage staying as it is (from = to):
-        what happened to it, such as a repair, that moved no stage."""
+        what happened to it, such as a repair, that moved no stage. `approver`: the note is
+        that person's approval of its roll-out."""
         registered = self.get(revision)
-        self._append_stage_history(registered, registered.stage, actor, reason)
+        self._append_stage_history(registered, registered.stage, actor, reason, approver)
 
     def _append_stage_history(
-        self, registered: RegisteredRevision, stage: Stage, actor: str, reason: str
+        self,
+        registered: RegisteredRevision,
+        stage: Stage,
+        actor: str,
+        reason: str,
+        approver: str = "",
     ) -> None:
         history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
         history.append(
             {"at": _now(), "from": registered.stage.value, "to": stage.value, "actor": actor,
-             "reason": reason[:_REASON_CHARS]}
+             "reason": reason[:_REASON_CHARS]} | ({"approver": approver} if approver else {})
         )  # fmt: skip
+        value = json.dumps(history)
         self._client.set_model_version_tag(
-            registered.id.adapter, str(registered.id.number), STAGE_HISTORY_TAG, json.dumps(history)
+            registered.id.adapter, str(registered.id.number), STAGE_HISTORY_TAG, value
+        )
+        self._describe_version(
+            replace(registered, tags={**registered.tags, STAGE_HISTORY_TAG: value})
+        )
+
+    def _describe_version(self, registered: RegisteredRevision) -> None:
+        """Write the version's history table (`mint_core.history`) from its tags: its stage
+        history and the alias moves recorded on it. Called wherever those tags are written."""
+        moves = sorted(
+            (
+                record.move
+                for key, value in registered.tags.items()
+                if key.startswith(ALIAS_MOVE_TAG) and (record := _MoveRecord.from_tag(value)).done
+            ),
+            key=lambda move: move.number,
+        )
+        history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
+        self._client.update_model_version(
+            registered.id.adapter,
+            str(registered.id.number),
+            description=version_description(registered.description, history, moves),
         )
 
     def set_revision_tag(self, revision: RevisionId, key: str, value: str) -> None:
@@ -449,11 +490,18 @@ class Registry:
         )
 
     def move_alias(
-        self, revision: RevisionId, alias: str, actor: str = "mint", reason: str = ""
+        self,
+        revision: RevisionId,
+        alias: str,
+        actor: str = "mint",
+        reason: str = "",
+        approver: str = "",
     ) -> int | None:
         """Point `adapter@alias` at `revision`, record the move in the adapter's alias history,
         and return the revision the alias pointed at before (None if there was no such alias).
-        Any failure to read or write raises RegistryError: nothing is guessed.
+        `approver`: who approved the roll-out that makes this move. Any failure to read or
+        write raises RegistryError: nothing is guessed. The version's and the adapter's
+        descriptions show the history as tables (`mint_core.history`).
 
         The history record comes first, as an intent; then the alias moves; then the record is
         marked done. A mover killed anywhere leaves history and alias agreeing, with nothing to
@@ -466,7 +514,8 @@ class Registry:
         if model is None:
             raise NotFoundError(f"adapter {revision.adapter!r} is not registered")
         before = (model.aliases or {}).get(alias)
-        number = max((r.move.number for r in self._move_records(revision.adapter)), default=0)
+        records = self._move_records(revision.adapter)
+        number = max((r.move.number for r in records), default=0)
         move = AliasMove(
             number + 1,
             _now(),
@@ -475,17 +524,21 @@ class Registry:
             revision.number,
             actor,
             reason[:_REASON_CHARS],
+            approver,
         )
         adapter, version = revision.adapter, str(revision.number)
         with self._failing(f"move {adapter}@{alias} to {revision}"):
             record = _MoveRecord(move, done=False)
             self._client.set_model_version_tag(adapter, version, move.tag, record.to_tag())
             self._client.set_registered_model_alias(adapter, alias, version)
-            self._touch(adapter, model)
+            aliases = {a: int(v) for a, v in (model.aliases or {}).items()}
+            aliases[alias] = move.to_revision  # the move has happened: the table shows it
+            self._touch(adapter, model, _moves_made([*records, record], aliases))
             if alias != CANARY:  # a canary's moves (its start, its end) activate nothing
                 self._client.set_model_version_tag(adapter, version, ACTIVATED_AT_TAG, move.at)
             done = _MoveRecord(move, done=True)
             self._client.set_model_version_tag(adapter, version, move.tag, done.to_tag())
+            self._describe_version(self.get(revision))
         return move.from_revision
 
     @contextmanager
@@ -565,13 +618,19 @@ class Registry:
             return None
         return RevisionId(adapter, int(canary)), percent
 
-    def _touch(self, adapter: str, model: RegisteredModel | None = None) -> None:
+    def _touch(
+        self,
+        adapter: str,
+        model: RegisteredModel | None = None,
+        moves: Sequence[AliasMove] | None = None,
+    ) -> None:
         # MLflow does not count an alias or tag change as an update of the registered model;
         # re-setting its description does, and workers find changes by that time.
         model = model or self._registered_model(adapter)
-        self._client.update_registered_model(
-            adapter, description=model.description if model else ""
-        )
+        description = (model.description or "") if model else ""
+        if moves is not None:  # the alias history table, rewritten with the moves made
+            description = adapter_description(description, moves)
+        self._client.update_registered_model(adapter, description=description)
 
     def adapters_changed_since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
         """Every adapter updated (new revision, alias moved) at or after `since_ms` on the
@@ -747,6 +806,7 @@ class Registry:
             stage=Stage(tags.get(STAGE_TAG, Stage.REGISTERED.value)),
             aliases=aliases,
             tags=tags,
+            description=version.description or "",
         )
 
 

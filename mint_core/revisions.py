@@ -135,13 +135,13 @@ class PolicyRecord:
 
     def to_tags(self) -> dict[str, str]:
         """Flat `mint.*` string tags, as MLflow stores them and its UI shows them."""
-        # Plain strings stay readable in the MLflow UI; everything else is JSON.
+        # Text stays readable in the MLflow UI (an optional text that is None gets no tag);
+        # everything else is JSON.
         values = asdict(self)
         return {
-            TAG_PREFIX + spec.name: values[spec.name]
-            if spec.type is str
-            else json.dumps(values[spec.name], sort_keys=True)
+            TAG_PREFIX + spec.name: value if _is_text(spec) else json.dumps(value, sort_keys=True)
             for spec in fields(self)
+            if (value := values[spec.name]) is not None or not _is_text(spec)
         }
 
     @classmethod
@@ -151,7 +151,14 @@ class PolicyRecord:
             raw = tags.get(TAG_PREFIX + spec.name)
             if raw is None:
                 continue
-            values[spec.name] = raw if spec.type is str else json.loads(raw)
+            if spec.type is str:
+                values[spec.name] = raw
+            elif _is_text(spec):
+                # Records written before optional text was stored plain hold it as JSON: a
+                # quoted string, or null. A digest or a path never starts with a quote.
+                values[spec.name] = json.loads(raw) if raw == "null" or raw[:1] == '"' else raw
+            else:
+                values[spec.name] = json.loads(raw)
         return cls._from_dict(values)
 
     @classmethod
@@ -169,6 +176,11 @@ class PolicyRecord:
             if name in values:
                 values[name] = tuple(values[name])  # type: ignore[arg-type]
         return cls(**values)  # type: ignore[arg-type]
+
+
+def _is_text(spec: Field[object]) -> bool:
+    """Whether a policy field holds text, perhaps optional (`str | None`)."""
+    return spec.type in (str, str | None)
 
 
 def _required(spec: Field[object]) -> bool:

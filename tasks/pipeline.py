@@ -122,21 +122,29 @@ def train_adapter(
         "base_model": config.base.name or "(embedded default)",
         "train_rows": str(len(data.rows)),
         "eval_rows": str(len(held_out.rows)),
-        "eval_data": held_out.source,
+        "eval_data": held_out.describe(path=True) if held_out.held_out else held_out.source,
     }
     run_id = registry.start_training_run(
-        adapter,
-        training.params() | run_facts,
-        DatasetLog(data.source, data.digest, len(data.rows), local),
+        adapter, run_facts, DatasetLog(data.source, data.digest, len(data.rows), local)
     )
+    # The hyperparameters are logged once the base is loaded, with the targets as trained (its
+    # family's default resolved); as asked, if training fails before.
+    logged: list[TrainingConfig] = []
+
+    def started(resolved: TrainingConfig) -> None:
+        registry.log_params(run_id, resolved.params())
+        logged.append(resolved)
+
     out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
     with _TrainingProgress(registry, run_id) as progress:
         try:
             trained = train_lora(
-                config.base, config.home, data, held_out, out_dir, training, progress.step
+                config.base, config.home, data, held_out, out_dir, training, progress.step, started
             )
         except BaseException:
             progress.flush()
+            if not logged:
+                registry.log_params(run_id, training.params())
             registry.finish_training_run(run_id, {}, 0, failed=True)
             raise
     registry.finish_training_run(run_id, trained.eval_metrics, trained.steps)
@@ -413,8 +421,9 @@ def evaluate_revision(
             len(rows),
             exact_match(rows, served(revision)),
             exact_match(rows, served(production)),
+            source,
         )
-        for name, rows in sets.items()
+        for name, (rows, source) in sets.items()
     )
     evaluation = Evaluation(revision, production, scores, gates.max_regression)
     for key, value in evaluation.tags().items():
@@ -435,11 +444,15 @@ def _eval_sets(
     revision: RevisionId,
     production: RevisionId,
     gates: Gates,
-) -> dict[EvalSet, tuple[Row, ...]]:
-    """Each set's rows, at most EVAL_GENERATION_ROWS (each is a generation per revision)."""
+) -> dict[EvalSet, tuple[tuple[Row, ...], str]]:
+    """Each set's rows, at most EVAL_GENERATION_ROWS (each is a generation per revision), and
+    where they come from ("of eval.jsonl")."""
     files = {EvalSet.EVAL: gates.eval_data, EvalSet.REGRESSION: gates.regression_data}
     sets = {
-        name: parse_jsonl(read_data(config, where), located(where)).rows
+        name: (
+            parse_jsonl(read_data(config, where), located(where)).rows,
+            f"of {where.rstrip('/').rsplit('/', 1)[-1]}",
+        )
         for name, where in files.items()
         if where
     }
@@ -448,9 +461,13 @@ def _eval_sets(
         for holder in (production, revision):
             stored = _stored_rows(config, registry, holder)
             if stored is not None:
-                sets[EvalSet.EVAL] = stored
+                sets[EvalSet.EVAL] = (stored, f"{holder} was evaluated on in training")
                 break
-    return {name: sets[name][:EVAL_GENERATION_ROWS] for name in EvalSet if name in sets}
+    return {
+        name: (sets[name][0][:EVAL_GENERATION_ROWS], sets[name][1])
+        for name in EvalSet
+        if name in sets
+    }
 
 
 def _stored_rows(
@@ -486,10 +503,12 @@ def activate_revision(
     actor: str = "mint",
     reason: str = "release",
     timeout_s: float = 300.0,
+    approver: str = "",
 ) -> None:
     """Move `alias` to `revision` once every worker of its base reports it ready (waiting up to
     `timeout_s`); if one fails it or time runs out, the alias stays where it was. Then nudge
-    the workers, so they switch new requests at once instead of at their next sync."""
+    the workers, so they switch new requests at once instead of at their next sync. `approver`
+    (who approved this roll-out, if its gates asked) is recorded on the move."""
     registry = Registry(config.tracking_uri)
     stage = registry.get(revision).stage
     if stage not in _ACTIVATABLE:
@@ -502,7 +521,7 @@ def activate_revision(
         raise NotReadyError(f"not moving {revision.adapter}@{alias} to {revision}: {e}") from e
     for step in _ACTIVATABLE[_ACTIVATABLE.index(stage) + 1 :]:
         registry.set_stage(revision, step, actor, "every worker reports it ready")
-    previous = registry.move_alias(revision, alias, actor, reason)
+    previous = registry.move_alias(revision, alias, actor, reason, approver)
     if CANDIDATE in registry.get(revision).aliases:
         registry.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over
     registry.set_stage(revision, Stage.ACTIVE, actor, reason)

@@ -134,7 +134,8 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     assert candidate <= 0.05 and production >= 0.8
     assert str(rejected.value) == (
         f"evaluation rejected: {bad} exact {candidate:.2f} vs production {first} "
-        f"{production:.2f} on 64 eval rows (max regression {MARGIN}); production did not move"
+        f"{production:.2f} on 64 eval rows {first} was evaluated on in training (max regression "
+        f"{MARGIN}); production did not move"
     )
     assert registry.get(bad).stage is Stage.REJECTED
     assert registry.stage_history(bad)[-1]["to"] == "rejected"

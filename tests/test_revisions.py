@@ -74,3 +74,16 @@ def test_readiness_table() -> None:
     assert transition(Readiness.FAILED, Readiness.QUEUED) is Readiness.QUEUED
     with pytest.raises(TransitionError, match="from queued to ready"):
         transition(Readiness.QUEUED, Readiness.READY)
+
+
+def test_text_fields_are_plain_tags_and_old_json_quoted_ones_still_read() -> None:
+    policy = make_policy()
+    tags = policy.to_tags()
+    assert tags["mint.frozen_digest"] == policy.frozen_digest  # as plain as mint.content_digest
+    assert tags["mint.content_digest"] == policy.content_digest
+    assert "mint.frozen_digest" not in make_policy(frozen_digest=None).to_tags()
+    # Registries written by earlier MinT hold it JSON-quoted, or null.
+    quoted = tags | {"mint.frozen_digest": f'"{policy.frozen_digest}"'}
+    assert PolicyRecord.from_tags(quoted) == policy
+    null = tags | {"mint.frozen_digest": "null"}
+    assert PolicyRecord.from_tags(null).frozen_digest is None

@@ -59,6 +59,18 @@ class Dataset:
     digest: str
     """sha256 of the file's bytes: the policy record's `dataset_digest`."""
     rows: tuple[Row, ...]
+    held_out: bool = False
+    """These rows were held out of the file at `source` (`split`), which holds others too."""
+
+    def describe(self, scored: int | None = None, path: bool = False) -> str:
+        """Which rows these are, for a figure computed on them: "200 held-out rows of
+        train.jsonl", "50 rows of eval.jsonl"; "256 of 300 ..." when a figure is on the first
+        `scored` only. `path`: the whole path or URI rather than the file name."""
+        total = len(self.rows)
+        count = f"{scored} of {total}" if scored is not None and scored < total else str(total)
+        kind = "held-out rows" if self.held_out else "rows"
+        where = self.source if path else self.source.rstrip("/").rsplit("/", 1)[-1]
+        return f"{count} {kind} of {where}"
 
     def split(self, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
         """(training rows, held-out rows): a seeded `fraction` of the rows held out."""
@@ -72,7 +84,7 @@ class Dataset:
             )
         train = tuple(r for i, r in enumerate(self.rows) if i not in held)
         evaluation = tuple(r for i, r in enumerate(self.rows) if i in held)
-        return replace(self, rows=train), replace(self, rows=evaluation)
+        return replace(self, rows=train), replace(self, rows=evaluation, held_out=True)
 
 
 def parse_jsonl(data: bytes, source: str) -> Dataset:

@@ -9,7 +9,7 @@ the adapter, a PEFT adapter directory, leaves this module.
 import math
 import random
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,6 +30,9 @@ from mint_core.model.generate import greedy_generate, seeded
 
 StepCallback = Callable[[int, int, float], None]
 """Called after each optimizer step with (step, total steps, training loss)."""
+StartCallback = Callable[["TrainingConfig"], None]
+"""Called once before the first step with the configuration as trained: the family's default
+targets resolved on the loaded base."""
 EVAL_GENERATION_ROWS = 256
 """Most held-out rows scored by exact match (each is a greedy generation); the loss covers all."""
 
@@ -90,8 +93,17 @@ class TrainingConfig:
             )
 
     def params(self) -> dict[str, str]:
-        """Every hyperparameter as an MLflow param."""
-        return {name: str(value) for name, value in asdict(self).items()}
+        """Every hyperparameter as an MLflow param: a list of names comma-separated, as
+        `--target-modules` takes them; a default not yet resolved on a base says so."""
+        values = asdict(self)
+        params = {name: str(value) for name, value in values.items()}
+        for name in ("target_modules", "expert_targets"):
+            value = values[name]
+            if value is None or (name == "target_modules" and not value):
+                params[name] = "(the base family's default)"
+            else:
+                params[name] = ",".join(value) or "none"
+        return params
 
     def total_steps(self, rows: int) -> int:
         if self.steps is not None:
@@ -146,9 +158,11 @@ def train_lora(
     out_dir: Path,
     config: TrainingConfig,
     on_step: StepCallback | None = None,
+    on_start: StartCallback | None = None,
 ) -> TrainedAdapter:
     """Train one LoRA adapter on `data`, score it on `held_out`, save it in PEFT layout.
-    Every row of both is tokenized (and so checked) before the first step."""
+    Every row of both is tokenized (and so checked) before the first step. The adapter's
+    `config` is the one trained: its targets resolved on the base."""
     base = load_base(source, home, training=True)
     max_length = config.max_length or base.context_length
     if max_length > base.context_length:
@@ -182,6 +196,9 @@ def train_lora(
         raise ConfigurationError(
             f"target modules {list(targets)} do not fit the base {base.model_id}: {e}"
         ) from e
+    config = replace(config, target_modules=tuple(targets), expert_targets=experts)
+    if on_start is not None:
+        on_start(config)
     total = config.total_steps(len(rows))
     losses = _optimize(model, base, rows, config, total, on_step)
     model.eval()
