@@ -60,10 +60,11 @@ def roll_out(
             timed("admit", admit_revision, config, revision, rollback=rollback)
             timed("prewarm", prewarm_revision, config, revision)
             gates = None if rollback else registry.gates(revision.adapter)
+            evaluation = None
             if gates is not None:
-                timed("evaluate", evaluate_revision, config, revision, gates, actor)
+                evaluation = timed("evaluate", evaluate_revision, config, revision, gates, actor)
         if gates is not None and gates.requires_approval:
-            timed("approval", await_approval, config, revision, gates, actor)
+            timed("approval", await_approval, config, revision, gates, actor, evaluation)
         with rollout_lock(revision.adapter):
             timed("activate", activate_revision, config, revision, PRODUCTION, actor, reason)
     except (RolloutBusyError, RejectedError):
