@@ -17,14 +17,16 @@ from prefect.flow_runs import resume_flow_run
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
 from mint_core.config import MintConfig
+from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
 from mint_core.gates import Gates
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import Task, write_held_out_data
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from mint_core.services import ManagedProcess
 from mint_core.states import Stage
-from tests.helpers import register_random_adapter, run_logs
+from tests.helpers import make_policy, register_random_adapter, run_logs
 from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
@@ -215,3 +217,25 @@ def test_the_form_asks_for_a_decision_shows_the_figures_and_every_refusal_is_kep
     answer_approval(fleet_config, candidate, Verdict.REJECT, "alice", "not now")
     with pytest.raises(RejectedError, match="rejected by alice: not now"):
         promoting.result(timeout=120)
+
+
+def test_mint_approve_records_each_refused_answer(mlflow_server: ManagedProcess) -> None:
+    """`mint approve` refuses a non-approver and the releaser at once, and the revision's stage
+    history keeps both refusals (no Prefect run is needed: nothing reaches it)."""
+    registry = Registry(mlflow_server.url)
+    policy = make_policy(adapter="refused-bot", content_digest=sha256_json(["refused-bot"]))
+    uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+    revision = registry.register(policy, uri, policy.base_digest).id
+    registry.set_gates("refused-bot", GATES)
+    registry.set_revision_tag(revision, APPROVAL_RUN_TAG, "00000000-0000-0000-0000-000000000000")
+    registry.note_stage(revision, RELEASER, "awaiting approval by alice, carol")
+    config = MintConfig(tracking_uri=mlflow_server.url)
+
+    with pytest.raises(ConfigurationError, match="'mallory' is not an approver"):
+        answer_approval(config, revision, Verdict.APPROVE, "mallory", "")
+    with pytest.raises(ConfigurationError, match="'carol' started this roll-out"):
+        answer_approval(config, revision, Verdict.REJECT, RELEASER, "mine")
+
+    answers = [(actor, reason.split(":")[0]) for actor, _, reason in decisions(registry, revision)]
+    assert answers[-2:] == [("mallory", "refused approve"), (RELEASER, "refused reject")]
+    assert registry.get(revision).stage is Stage.REGISTERED
