@@ -13,12 +13,15 @@ from prefect import flow
 from prefect.exceptions import FlowPauseTimeout, NotPausedError
 from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.input import RunInput
+from pydantic import Field
 
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
+from mint_core.evaluation import Evaluation
 from mint_core.gates import Gates
-from mint_core.registry import APPROVAL_RUN_TAG, Registry
-from mint_core.revisions import RevisionId, check_adapter_name
+from mint_core.registry import APPROVAL_RUN_TAG, RegisteredRevision, Registry
+from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
+from tasks.runs import label_run, run_log, summarize
 
 POLL_S = 2
 """How often a paused run looks for its answer (Prefect's default, 10 s, slows every
@@ -33,19 +36,34 @@ class Verdict(StrEnum):
 class Decision(RunInput):
     """The form the Prefect UI shows on a paused roll-out."""
 
-    decision: Verdict
-    reviewer: str
+    decision: Verdict = Field(
+        description="approve: it becomes production; reject: it never does. No default: choose one."
+    )
+    reviewer: str = Field(
+        description="Your name, as the adapter's gates list its approvers (the releaser may "
+        "not approve their own roll-out unless the gates allow it)."
+    )
     """Who answers. Prefect's open-source server does not authenticate its UI's users: the
     reviewer names themself, and the gates decide whether that name may answer."""
-    comment: str = ""
+    comment: str = Field(default="", description="Why; kept in the revision's stage history.")
 
 
-def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, releaser: str) -> str:
+def await_approval(
+    config: MintConfig,
+    revision: RevisionId,
+    gates: Gates,
+    releaser: str,
+    evaluation: Evaluation | None = None,
+) -> str:
     """Pause this flow run until an approver of `revision`'s adapter answers. Returns, once
     approved, who approved (recorded on the alias move); RejectedError (stage `rejected`) on a
     rejection or when `gates.approval_timeout_s` passes with no allowed answer. A reviewer who
-    may not answer is refused in the stage history and the run pauses again for the time left."""
+    may not answer is refused in the stage history and the run's log, and the run pauses again
+    for the time left, its form saying whose answer was refused and why. The form shows
+    `evaluation` (the gate's scores of `revision` and production) and the threshold it was held
+    to."""
     registry = Registry(config.tracking_uri)
+    log = run_log()
     run_id = str(prefect.runtime.flow_run.id)
     registry.set_revision_tag(revision, APPROVAL_RUN_TAG, run_id)
     approvers = ", ".join(gates.approvers) or "nobody"
@@ -56,13 +74,11 @@ def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, relea
         f"(Prefect flow run {run_id}; answer in the Prefect UI or with `mint approve "
         f"{revision.adapter} --revision {revision.number}`)",
     )
-    form = Decision.with_initial_data(
-        description=(
-            f"Approve **{revision}** as `{revision.adapter}@production`? Started by "
-            f"{releaser}; approvers: {approvers}. The flow run's artifacts hold its evaluation."
-        ),
-        decision=Verdict.APPROVE,
-    )
+    log.info("%s waits for approval by %s", revision, approvers)
+    question = _question(registry, revision, gates, releaser, evaluation)
+    # No initial data: the decision has no default, so a reviewer who only fills in a name and
+    # presses Submit has approved nothing.
+    form = Decision.with_initial_data(description=question)
     deadline = time.monotonic() + gates.approval_timeout_s
     while True:
         left = max(1, round(deadline - time.monotonic()))
@@ -71,21 +87,85 @@ def await_approval(config: MintConfig, revision: RevisionId, gates: Gates, relea
         except FlowPauseTimeout:
             reason = f"rejected: no allowed answer within {gates.approval_timeout_s} s"
             registry.reject(revision, "mint", reason)
+            log.warning("%s %s", revision, reason)
             raise RejectedError(f"{revision} {reason}; production did not move") from None
         refused = gates.may_approve(answer.reviewer, releaser)
         if refused is not None:
             registry.note_stage(
                 revision, answer.reviewer, f"refused {answer.decision}: {refused}; still waiting"
             )
+            log.warning(
+                "refused %r's answer (%s): %s; waiting for an allowed approver",
+                answer.reviewer,
+                answer.decision,
+                refused,
+            )
+            form = Decision.with_initial_data(
+                description=f"**Refused**: the answer of {answer.reviewer!r} "
+                f"({answer.decision}) was not taken: {refused}. Waiting for an allowed "
+                f"approver.\n\n{question}"
+            )
             continue
         if answer.decision is Verdict.APPROVE:
             registry.note_stage(
                 revision, answer.reviewer, f"approved: {answer.comment}", approver=answer.reviewer
             )
+            log.info("%s approved by %s: %s", revision, answer.reviewer, answer.comment)
             return answer.reviewer
         reason = f"rejected by {answer.reviewer}: {answer.comment}"
         registry.reject(revision, answer.reviewer, reason)
+        log.warning("%s %s", revision, reason)
         raise RejectedError(f"{revision} {reason}; production did not move")
+
+
+def _question(
+    registry: Registry,
+    revision: RevisionId,
+    gates: Gates,
+    releaser: str,
+    evaluation: Evaluation | None,
+) -> str:
+    """The form's description: what is asked, the candidate's figures beside production's, and
+    the threshold the evaluation gate held them to."""
+    try:
+        production: RegisteredRevision | None = registry.resolve(RevisionRef(revision.adapter))
+    except NotFoundError:
+        production = None
+    candidate = registry.get(revision)
+    approvers = ", ".join(gates.approvers) or "nobody"
+    serving = str(production.id) if production else "(none)"
+    lines = [
+        f"Approve **{revision}** as `{revision.adapter}@{PRODUCTION}`? Started by {releaser}; "
+        f"approvers: {approvers}. Choose a decision and name yourself as the reviewer.",
+        "",
+        f"| figure | candidate {revision} | production {serving} |",
+        "|---|---|---|",
+    ]
+    if evaluation is not None:
+        lines += [
+            f"| exact match on {s.rows} {s.name} rows (evaluation gate, same rows for both) "
+            f"| {s.candidate:.2f} | {s.production:.2f} |"
+            for s in evaluation.scores
+        ]
+    else:
+        lines.append("| evaluation gate | not scored: no rows to score both on | |")
+    lines.append(
+        "| held-out exact match at training (each on its own held-out rows) "
+        f"| {_held_out(candidate)} | {_held_out(production)} |"
+    )
+    passed = evaluation is None or evaluation.passed
+    verdict = "" if evaluation is None else f"; this candidate {'passed' if passed else 'failed'}"
+    lines += [
+        "",
+        f"Threshold: the evaluation gate lets the candidate fall at most {gates.max_regression} "
+        f"below production's exact match on each set (max_regression){verdict}.",
+    ]
+    return "\n".join(lines)
+
+
+def _held_out(registered: RegisteredRevision | None) -> str:
+    figure = registered.policy.eval_metrics.get("eval_exact_match") if registered else None
+    return "-" if figure is None else f"{figure:.2f}"
 
 
 def answer_approval(
@@ -105,6 +185,8 @@ def answer_approval(
     releaser = _releaser(registry, revision)
     refused = registry.gates(revision.adapter).may_approve(reviewer, releaser)
     if refused is not None:
+        # Recorded like a refusal in the Prefect UI: an audit sees every answer.
+        registry.note_stage(revision, reviewer, f"refused {verdict}: {refused}; still waiting")
         raise ConfigurationError(f"cannot answer the roll-out of {revision}: {refused}")
     decision = Decision(decision=verdict, reviewer=reviewer, comment=comment)
     try:
@@ -125,16 +207,29 @@ def _releaser(registry: Registry, revision: RevisionId) -> str:
     return ""
 
 
-@flow(name="approve")
+@flow(name="approve", flow_run_name="approve {adapter} r{revision} as {reviewer}")
 def approve(
     adapter: str, revision: int, reviewer: str, reject: bool = False, comment: str = ""
 ) -> str:
     """Approve (or, with `reject`, reject) the paused roll-out of `adapter:r<revision>` as
     `reviewer`: the same answer as the form on the paused run, for a reviewer who starts it
-    from the deployment or `mint approve`."""
+    from the deployment or `mint approve`.
+
+    Args:
+        adapter: The adapter whose roll-out waits for approval, e.g. `support-bot`.
+        revision: The number N of the revision `adapter:rN` waiting to become production.
+        reviewer: Your name, as the adapter's gates list its approvers; a name they do not
+            allow is refused, and the refusal is recorded.
+        reject: Reject the revision instead of approving it.
+        comment: Why; kept in the revision's stage history.
+    """
     config = MintConfig.from_env()
+    label_run(check_adapter_name(adapter))
     verdict = Verdict.REJECT if reject else Verdict.APPROVE
-    run_id = answer_approval(
-        config, RevisionId(check_adapter_name(adapter), revision), verdict, reviewer, comment
+    run_id = answer_approval(config, RevisionId(adapter, revision), verdict, reviewer, comment)
+    summarize(
+        adapter,
+        f"{verdict} of {adapter}:r{revision} by {reviewer}",
+        {"sent to": f"flow run {run_id}", "comment": comment or "-"},
     )
     return f"{verdict} sent to flow run {run_id}"

@@ -28,6 +28,7 @@ from tasks.pipeline import (
     prewarm_revision,
     rollout_lock,
 )
+from tasks.runs import label_run, production_move, summarize
 
 POLL_S = 2.0
 """How often the watch reads the workers' figures while waiting for enough requests."""
@@ -40,7 +41,7 @@ class CanaryReport:
     reason: str
 
 
-@flow(name="canary")
+@flow(name="canary", flow_run_name="canary {adapter} r{revision} at {percent}%")
 def canary(
     adapter: str,
     revision: int,
@@ -51,9 +52,19 @@ def canary(
 ) -> CanaryReport:
     """Send `percent`% of `adapter@production`'s requests to `adapter:r<revision>` for
     `window_s` seconds (longer, up to three windows, until it has served `min_requests`), then
-    promote it or roll it back by the adapter's canary margins (`mint gates`)."""
+    promote it or roll it back by the adapter's canary margins (`mint gates`).
+
+    Args:
+        adapter: The adapter, e.g. `support-bot`; it must have a production revision.
+        revision: The number N of the candidate `adapter:rN`.
+        percent: Share of production's requests the candidate answers, in percent.
+        window_s: How long to watch, in seconds (up to three windows until `min_requests`).
+        min_requests: Requests the candidate must serve before it is judged.
+        actor: Your name: recorded as who started the canary and moved production.
+    """
     config = MintConfig.from_env()
-    candidate = RevisionId(check_adapter_name(adapter), revision)
+    label_run(check_adapter_name(adapter))
+    candidate = RevisionId(adapter, revision)
     registry = Registry(config.tracking_uri)
     try:
         production = registry.resolve(RevisionRef(adapter)).id
@@ -115,6 +126,11 @@ def canary(
                 registry.mark_failed(candidate, stopped, actor)
         raise
     _nudge(config, candidate)
+    summarize(
+        adapter,
+        f"canary {candidate} {'promoted' if verdict.promote else 'rolled back'}",
+        {"verdict": verdict.reason, "production": production_move(config, adapter)},
+    )
     return CanaryReport(str(candidate), verdict.promote, verdict.reason)
 
 

@@ -7,9 +7,12 @@ from prefect import flow
 
 from mint_core.config import MintConfig
 from tasks.pipeline import snapshot_catalog
+from tasks.runs import summarize
 
 
-@flow(name="catalog-snapshot")
+@flow(name="catalog-snapshot", flow_run_name="catalog snapshot")
 def catalog_snapshot() -> str:
     """Publish a new catalog snapshot; its digest."""
-    return snapshot_catalog(MintConfig.from_env()).digest
+    digest = snapshot_catalog(MintConfig.from_env()).digest
+    summarize("catalog", "published a catalog snapshot", {"digest": digest})
+    return digest

@@ -28,8 +28,41 @@ from mint_core.services import ManagedProcess, answers, start_process
 # Flows are found by module path, so runs start from any working directory.
 _BY_MODULE = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["mint"]}
 
+PERSON_FIELDS = ("actor", "reviewer")
+"""Parameters that name who acts: a form leaves them blank and requires them, so a run started
+from the Prefect UI records a person (the flows' Python default, `mint`, is for callers in
+code; `mint` commands pass the user)."""
+
 
 def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
+    deployments = [_guided(deployment) for deployment in _deployments(config)]
+    return deployments
+
+
+def _guided(deployment: RunnerDeployment) -> RunnerDeployment:
+    """`deployment` with a parameter form that guides a person: each field's description comes
+    from its flow's docstring (`Args:`); an optional field is a plain field of its type, left
+    empty for its default, rather than a choice between that type and "None"; and the fields
+    in PERSON_FIELDS are required, with no default."""
+    # Prefect 3.9 builds the form from the flow's signature and keeps it in a private field,
+    # which `to_deployment` offers no way to adjust.
+    schema = deployment._parameter_openapi_schema
+    for name, field in schema.properties.items():
+        options = field.get("anyOf", [])
+        kept = [option for option in options if option != {"type": "null"}]
+        if len(kept) == 1 and len(options) == 2:
+            del field["anyOf"]
+            field.update(kept[0])
+            if field.get("default", "") is None:
+                del field["default"]
+        if name in PERSON_FIELDS:
+            field.pop("default", None)
+            if name not in schema.required:
+                schema.required.append(name)
+    return deployment
+
+
+def _deployments(config: MintConfig) -> list[RunnerDeployment]:
     deployments = [
         release.to_deployment(
             name="release", description="Train and release a new revision.", **_BY_MODULE

@@ -29,6 +29,7 @@ from tasks.pipeline import (
     register_revision,
     train_adapter,
 )
+from tasks.runs import label_run, production_move, summarize
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class ReleaseReport:
     """Which rows `eval_exact_match` is on, e.g. "200 held-out rows of train.jsonl"."""
 
 
-@flow(name="release")
+@flow(name="release", flow_run_name="release {adapter}")
 def release(
     adapter: str,
     data: str,
@@ -69,14 +70,38 @@ def release(
     """Train a LoRA on the JSONL rows at `data` (a path or an s3:// URI) and release it as the
     next revision of `adapter`.
 
-    Held-out rows come from `eval_data`, or else are a seeded `eval_fraction` of `data`.
-    `target_modules` default to the base family's projections and `expert_targets` (fused MoE
-    expert parameters; [] for none) to its experts' projections; `steps` overrides `epochs`;
-    `max_length` defaults to the base's context. `principals` may use the revision; default
-    everyone. `base_model` (a model folder or hub id) trains it on that base instead of
-    MINT_BASE_MODEL's: the workers serving that base take it."""
+    Args:
+        adapter: The adapter to release a new revision of, e.g. `support-bot` (lower-case
+            letters, digits, '-' or '_'); a new name starts at r1.
+        data: Training rows: a JSONL file (path on the flow server, or s3:// URI), one
+            `{"prompt", "completion"}` or `{"messages"}` object per line.
+        eval_data: Held-out rows (JSONL, as `data`) the revision is scored on; empty: a
+            seeded `eval_fraction` of `data` is held out instead.
+        eval_fraction: Share of `data` held out for scoring when `eval_data` is empty
+            (between 0 and 1).
+        rank: LoRA rank r.
+        alpha: LoRA alpha; the update is scaled by alpha / rank.
+        target_modules: Module names that get a LoRA pair, e.g. `q_proj`; empty: the base
+            family's projections.
+        expert_targets: Fused MoE expert parameters that get a LoRA pair, e.g.
+            `mlp.experts.down_proj`; empty: the family's experts (an empty list: none).
+        dropout: LoRA dropout while training, in [0, 1).
+        learning_rate: Peak AdamW learning rate (one-cycle schedule).
+        epochs: Passes over the training rows (unless `steps` is given).
+        steps: Optimizer steps; overrides `epochs`. Empty: from `epochs`.
+        batch_size: Rows per forward pass.
+        gradient_accumulation: Forward passes per optimizer step.
+        max_length: Longest row in tokens (a longer one is refused); empty: the base's
+            context.
+        seed: Seeds LoRA initialisation, dropout and the order of rows.
+        actor: Your name: recorded as who released it (stage and alias histories).
+        principals: API-key principals that may use the revision; empty: everyone.
+        base_model: Model folder or hub id to train on instead of MINT_BASE_MODEL; the
+            workers serving that base take the revision.
+    """
     config = on_base(MintConfig.from_env(), base_model)
     check_adapter_name(adapter)
+    label_run(adapter)
     training = TrainingConfig(
         rank=rank,
         alpha=alpha,
@@ -98,10 +123,12 @@ def release(
     trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
     revision = _ship(config, adapter, trained, actor, principals, timed, "release", held_out)
     scored = held_out.describe(min(len(held_out.rows), EVAL_GENERATION_ROWS))
-    return ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds, scored)
+    report = ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds, scored)
+    _summarize(config, adapter, report, scored)
+    return report
 
 
-@flow(name="import")
+@flow(name="import", flow_run_name="import {adapter}")
 def import_adapter(
     adapter: str,
     path: str,
@@ -111,15 +138,36 @@ def import_adapter(
     same_base_as: str = "",
 ) -> ReleaseReport:
     """Release a PEFT LoRA adapter trained elsewhere (the folder at `path`) as the next
-    revision of `adapter`, once it is checked to fit its base (`base_model`, default
-    MINT_BASE_MODEL's) and to have been trained on it; `same_base_as`, the base the adapter
-    records, says that base is a renamed copy of this one."""
+    revision of `adapter`, once it is checked to fit its base.
+
+    Args:
+        adapter: The adapter to release it as the next revision of, e.g. `support-bot`.
+        path: The PEFT adapter folder (adapter_config.json and weights) on the flow server.
+        actor: Your name: recorded as who imported it (stage and alias histories).
+        principals: API-key principals that may use the revision; empty: everyone.
+        base_model: Model folder or hub id it was trained on, if not MINT_BASE_MODEL.
+        same_base_as: The base the adapter records, when the base it is imported on is a
+            renamed copy of it (a different model family is refused all the same).
+    """
     config = on_base(MintConfig.from_env(), base_model)
     check_adapter_name(adapter)
+    label_run(adapter)
     timed = StageClock()
     imported = timed("check", check_import, config, Path(path), same_base_as)
     revision = _ship(config, adapter, imported, actor, principals, timed, "import")
-    return ReleaseReport(str(revision), {}, timed.seconds)
+    report = ReleaseReport(str(revision), {}, timed.seconds)
+    _summarize(config, adapter, report, "")
+    return report
+
+
+def _summarize(config: MintConfig, adapter: str, report: ReleaseReport, held_out: str) -> None:
+    """The run's summary artifact: the revision, where production went, its held-out figures
+    (and on which rows) and each stage's time."""
+    facts: dict[str, object] = {"revision": report.revision}
+    facts["production"] = production_move(config, adapter)
+    facts |= {f"{name} ({held_out})": value for name, value in report.eval_metrics.items()}
+    facts["stages"] = ", ".join(f"{k} {v:.1f} s" for k, v in report.stage_seconds.items())
+    summarize(adapter, f"released {report.revision}", facts)
 
 
 def on_base(config: MintConfig, base_model: str | None) -> MintConfig:
@@ -163,11 +211,18 @@ def _ship(
     return revision
 
 
-@flow(name="retrain")
+@flow(name="retrain", flow_run_name="retrain {adapter}")
 def retrain(adapter: str, data: str, steps: int | None = None) -> ReleaseReport:
     """Train `adapter` again on the rows at `data` as they are now (the file is read afresh)
     and release the result as its next revision. The seed is the run's scheduled time: each
-    scheduled run shuffles and initialises anew, and a rerun of one run does the same again."""
+    scheduled run shuffles and initialises anew, and a rerun of one run does the same again.
+
+    Args:
+        adapter: The adapter to retrain, e.g. `support-bot`.
+        data: Training rows: a JSONL file (path on the flow server, or s3:// URI).
+        steps: Optimizer steps; empty: one epoch over `data`.
+    """
+    label_run(check_adapter_name(adapter))
     scheduled = prefect.runtime.flow_run.scheduled_start_time
     seed = int(scheduled.timestamp()) if scheduled else int(time.time())
     return release(adapter, data, steps=steps, seed=seed, actor="retrain")

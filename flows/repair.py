@@ -18,6 +18,7 @@ from mint_core.config import MintConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, check_adapter_name
 from tasks.pipeline import ensure_exported, readmit_revision, rollout_lock, wait_fleet_ready
+from tasks.runs import label_run, summarize
 
 READY_TIMEOUT_S = 300.0
 """How long a repair waits for every worker to report the revision ready again."""
@@ -35,16 +36,24 @@ class RepairReport:
     hold (production, candidate) names it, as then none should hold it."""
 
 
-@flow(name="repair")
+@flow(name="repair", flow_run_name="repair {adapter} r{revision}")
 def repair(
     adapter: str, revision: int, actor: str = "mint", reason: str = "repair"
 ) -> RepairReport:
     """Make `adapter:r<revision>` servable from an intact artifact again: export it again from
     its frozen files if it is missing or damaged in the store; then, if workers should hold it
     (production or candidate names it), re-admit it on every worker and wait until each reports
-    it ready. Aliases and stage stay as they are; its stage history records the repair."""
+    it ready. Aliases and stage stay as they are; its stage history records the repair.
+
+    Args:
+        adapter: The adapter, e.g. `support-bot`.
+        revision: The number N of the revision `adapter:rN` to repair.
+        actor: Your name: recorded in its stage history as who repaired it.
+        reason: Why; recorded in its stage history.
+    """
     config = MintConfig.from_env()
-    target = RevisionId(check_adapter_name(adapter), revision)
+    label_run(check_adapter_name(adapter))
+    target = RevisionId(adapter, revision)
     registry = Registry(config.tracking_uri)
     held = [alias for alias in registry.get(target).aliases if alias in DESIRED_ALIASES]
     exported_again = ensure_exported(config, target)
@@ -56,4 +65,5 @@ def repair(
     artifact = "exported again from its frozen files" if exported_again else "artifact intact"
     fleet = f"ready again on {report.workers} workers" if held else "no worker should hold it"
     registry.note_stage(target, actor, f"{reason}: {artifact}; {fleet}")
+    summarize(adapter, f"repaired {target}", {"artifact": artifact, "fleet": fleet})
     return report

@@ -50,6 +50,7 @@ from tasks.rl import (
     start_rl_run,
     start_trainer,
 )
+from tasks.runs import label_run, run_log, summarize
 
 RL_ALIAS = "rl"
 
@@ -64,7 +65,7 @@ class RlReport:
     stage_seconds: dict[str, float] = field(default_factory=dict)
 
 
-@flow(name="rl")
+@flow(name="rl", flow_run_name="rl {adapter} on {task}")
 def rl(
     adapter: str,
     task: str = Task.REVERSE.value,
@@ -91,9 +92,31 @@ def rl(
     (rank and alpha as given) or, with `start` (`adapter:rN` or `adapter@alias`), from that
     revision's adapter, whose rank, alpha and targets then apply; the KL is to the start.
     IcePop drops the gradient of tokens whose ratio π_train/π_sample leaves [icepop_low,
-    icepop_high]. `base_model` as in `release`."""
+    icepop_high]. `base_model` as in `release`.
+
+    Args:
+        adapter: The adapter whose revisions the run ships, e.g. `upper-rl`.
+        task: The toy task: `echo`, `upper` or `reverse`.
+        steps: GRPO steps.
+        prompts: Prompts per step.
+        group: Completions sampled per prompt (at least 2: GRPO compares them).
+        sync_every: Ship the LoRA and move `adapter@rl` to it every this many steps.
+        max_chars: Longest word of the task's prompts, in letters.
+        learning_rate: AdamW learning rate.
+        rank: LoRA rank of a zero start (a `start` revision keeps its own).
+        alpha: LoRA alpha of a zero start.
+        reward: How a completion is scored: `exact` (all or nothing) or `chars` (share of
+            right characters).
+        kl_coef: Weight of the KL to the start in the loss.
+        icepop_low: IcePop's lower bound on the ratio of training to sampling probability.
+        icepop_high: IcePop's upper bound on that ratio.
+        seed: Seeds the prompts, the sampling and a zero start.
+        start: Revision to start from, `adapter:rN` or `adapter@alias`; empty: a zero LoRA.
+        actor: Your name: recorded as who shipped each revision.
+        base_model: Model folder or hub id to train on instead of MINT_BASE_MODEL.
+    """
     config = on_base(MintConfig.from_env(), base_model)
-    check_adapter_name(adapter)
+    label_run(check_adapter_name(adapter))
     toy_task = Task.parse(task)
     grpo = GrpoConfig(
         rank=rank,
@@ -129,6 +152,8 @@ def rl(
             sampled_by = [RevisionRef.parse(r).revision or 0 for r in revisions]
             figures["sampler_revision"] = float(max(sampled_by))
             registry.log_metrics(run.run_id, metrics.step, figures)
+            shown = ", ".join(f"{name} {value:.4g}" for name, value in figures.items())
+            run_log().info("rl step %d/%d: %s", metrics.step, steps, shown)
             if metrics.step % sync_every == 0:
                 shipped.append(
                     _ship(config, adapter, trainer, run, figures, actor, timed, shipped[-1])
@@ -137,6 +162,11 @@ def rl(
         registry.finish_training_run(run.run_id, {}, trainer.steps, failed=True)
         raise
     registry.finish_training_run(run.run_id, {}, trainer.steps)
+    summarize(
+        adapter,
+        f"rl {adapter} on {toy_task.value}: {trainer.steps} steps",
+        {"revisions": ", ".join(map(str, shipped)), "MLflow run": run.run_id} | figures,
+    )
     return RlReport(run.run_id, tuple(map(str, shipped)), figures, timed.seconds)
 
 

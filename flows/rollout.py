@@ -60,11 +60,12 @@ def roll_out(
             timed("admit", admit_revision, config, revision, rollback=rollback)
             timed("prewarm", prewarm_revision, config, revision)
             gates = None if rollback else registry.gates(revision.adapter)
+            evaluation = None
             if gates is not None:
-                timed("evaluate", evaluate_revision, config, revision, gates, actor)
+                evaluation = timed("evaluate", evaluate_revision, config, revision, gates, actor)
         approver = ""
         if gates is not None and gates.requires_approval:
-            approver = timed("approval", await_approval, config, revision, gates, actor)
+            approver = timed("approval", await_approval, config, revision, gates, actor, evaluation)
         with rollout_lock(revision.adapter):
             timed(
                 "activate",

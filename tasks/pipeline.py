@@ -8,6 +8,7 @@ a strict global concurrency limit per adapter around rolling a revision out.
 """
 
 import logging
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, suppress
@@ -67,6 +68,7 @@ from mint_core.registry import DatasetLog, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
 from serving.client import WorkerClient
+from tasks.runs import run_log
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +138,7 @@ def train_adapter(
         logged.append(resolved)
 
     out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
-    with _TrainingProgress(registry, run_id) as progress:
+    with _TrainingProgress(registry, run_id, run_log()) as progress:
         try:
             trained = train_lora(
                 config.base, config.home, data, held_out, out_dir, training, progress.step, started
@@ -152,16 +154,24 @@ def train_adapter(
 
 
 class _TrainingProgress:
-    """Each step's loss to the MLflow run (a few steps per request) and to a progress bar on a
-    terminal (step, loss, ETA)."""
+    """Each step's loss to the MLflow run (a few steps per request), to a progress bar on a
+    terminal, and (step, loss, ETA) to the run's log about ten times per training."""
 
     LOG_EVERY = 20
+    LOG_LINES = 10
 
-    def __init__(self, registry: Registry, run_id: str) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        run_id: str,
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> None:
         self._registry = registry
         self._run_id = run_id
+        self._log = log
         self._pending: list[tuple[int, float]] = []
         self._bar: tqdm | None = None
+        self._started = time.monotonic()
 
     def __enter__(self) -> "_TrainingProgress":
         return self
@@ -180,6 +190,17 @@ class _TrainingProgress:
         self._pending.append((step, loss))
         if len(self._pending) >= self.LOG_EVERY or step == total:
             self.flush()
+        if step % max(1, total // self.LOG_LINES) == 0 or step == total:
+            elapsed = time.monotonic() - self._started
+            eta = elapsed / step * (total - step)
+            self._log.info(
+                "training step %d/%d: loss %.4f, %.0f s elapsed, ETA %.0f s",
+                step,
+                total,
+                loss,
+                elapsed,
+                eta,
+            )
 
     def flush(self) -> None:
         if self._pending:
@@ -255,6 +276,7 @@ def register_revision(
     revision = registry.register(policy, exported.uri, serving_base, run_id).id
     if held_out is not None:
         registry.set_revision_tag(revision, EVAL_ROWS_TAG, _store_rows(config, held_out))
+    run_log().info("registered %s (%s)", revision, exported.content_digest)
     return revision
 
 
@@ -400,6 +422,7 @@ def evaluate_revision(
         production = None
     if production in (None, revision):
         registry.note_stage(revision, actor, "evaluation passed: no other revision in production")
+        run_log().info("%s evaluation passed: no other revision in production", revision)
         return None
     sets = _eval_sets(config, registry, revision, production, gates)
     if not sets:
@@ -409,6 +432,7 @@ def evaluate_revision(
             f"evaluation passed: no rows to score {revision} and {production} on (neither has "
             "held-out rows, and the adapter's gates name no eval_data)",
         )
+        run_log().info("%s evaluation passed: no rows to score it and %s on", revision, production)
         return None
     worker = base_fleet(config, revision)[0]
 
@@ -433,8 +457,10 @@ def evaluate_revision(
     )
     if not evaluation.passed:
         registry.reject(revision, actor, evaluation.reason())
+        run_log().warning("%s %s", revision, evaluation.reason())
         raise RejectedError(f"{evaluation.reason()}; production did not move")
     registry.note_stage(revision, actor, evaluation.reason())
+    run_log().info("%s %s", revision, evaluation.reason())
     return evaluation
 
 
@@ -522,6 +548,8 @@ def activate_revision(
     for step in _ACTIVATABLE[_ACTIVATABLE.index(stage) + 1 :]:
         registry.set_stage(revision, step, actor, "every worker reports it ready")
     previous = registry.move_alias(revision, alias, actor, reason, approver)
+    before = "none" if previous is None else f"r{previous}"
+    run_log().info("%s@%s %s → r%d (%s)", revision.adapter, alias, before, revision.number, reason)
     if CANDIDATE in registry.get(revision).aliases:
         registry.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over
     registry.set_stage(revision, Stage.ACTIVE, actor, reason)

@@ -6,12 +6,15 @@ shape."""
 
 import copy
 import json
+import logging
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from uuid import UUID
 
 import boto3
 import httpx
@@ -393,3 +396,32 @@ def strict_json(text: str) -> dict[str, object]:
         raise AssertionError(f"{constant} in {text[:200]!r} is not JSON")
 
     return json.loads(text, parse_constant=refuse)
+
+
+def run_logs(run_id: UUID, expect: str = "", timeout_s: float = 30.0) -> list[str]:
+    """The messages of a flow run's log (its tasks' included) as the Prefect API holds them,
+    oldest first; waits up to `timeout_s` for a line containing `expect` (log lines reach
+    the API in batches)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+            lines = [f"{logging.getLevelName(log.level)} {log.message}" for log in logs]
+            if any(expect in line for line in lines) or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.5)
+
+
+def run_markdown(run_id: UUID) -> list[str]:
+    """The markdown artifacts of a flow run, as the Prefect API holds them."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+        )
+    return [str(a.data) for a in artifacts if a.type == "markdown"]

@@ -2,6 +2,7 @@
 pauses before `activate` with a form; only an allowed reviewer's answer resumes it for good, and
 every answer lands in the revision's stage history in MLflow."""
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,13 +17,16 @@ from prefect.flow_runs import resume_flow_run
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
 from mint_core.config import MintConfig
+from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
 from mint_core.gates import Gates
 from mint_core.model.base import BaseModel
+from mint_core.model.toy import Task, write_held_out_data
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from mint_core.services import ManagedProcess
 from mint_core.states import Stage
-from tests.helpers import register_random_adapter
+from tests.helpers import make_policy, register_random_adapter, run_logs
 from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
@@ -152,3 +156,86 @@ def test_no_answer_before_the_timeout_is_a_rejection(
     assert production(registry, "timeout-bot") == 1
     assert registry.get(candidate).stage is Stage.REJECTED
     assert PRODUCTION not in registry.get(candidate).aliases
+
+
+def paused_form(run_id: UUID) -> tuple[str, dict[str, object]]:
+    """The description and the JSON schema of the form the Prefect UI shows on a paused run."""
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run_id).state
+        assert state is not None and state.state_details.run_input_keyset is not None
+        keys = state.state_details.run_input_keyset
+        description = json.loads(client.read_flow_run_input(run_id, keys["description"]))
+        schema = json.loads(client.read_flow_run_input(run_id, keys["schema"]))
+    return description, schema
+
+
+def test_the_form_asks_for_a_decision_shows_the_figures_and_every_refusal_is_kept(
+    gated: Callable[[str], tuple[Registry, RevisionId]],
+    background: ThreadPoolExecutor,
+    fleet_config: MintConfig,
+    tmp_path: Path,
+) -> None:
+    registry, candidate = gated("form-bot")
+    rows = write_held_out_data(Task.UPPER, tmp_path, count=4)
+    registry.set_gates("form-bot", GATES.changed(eval_data=str(rows), max_regression=1.0))
+    promoting = background.submit(promote, "form-bot", candidate.number, actor=RELEASER)
+    run_id = paused_run(registry, candidate)
+
+    description, schema = paused_form(run_id)
+    # Nothing is preset: a reviewer who only fills in a name approves nothing.
+    assert "decision" in schema["required"]  # type: ignore[operator]
+    assert "default" not in schema["properties"]["decision"]  # type: ignore[index]
+    lines = description.splitlines()
+    header = next(line for line in lines if line.startswith("|"))
+    assert f"candidate {candidate}" in header and "production form-bot:r1" in header
+    assert any(line.startswith("| exact match on 4 eval rows") for line in lines), description
+    assert any("Threshold" in line and "at most 1.0 below production" in line for line in lines)
+
+    # Refused on the command line (`mint approve`): each refusal is in the stage history.
+    with pytest.raises(ConfigurationError, match="'mallory' is not an approver"):
+        answer_approval(fleet_config, candidate, Verdict.APPROVE, "mallory", "")
+    with pytest.raises(ConfigurationError, match="'carol' started this roll-out"):
+        answer_approval(fleet_config, candidate, Verdict.REJECT, RELEASER, "")
+    history = decisions(registry, candidate)
+    assert ("mallory", "ready", "refused approve: 'mallory' is not an approver of this adapter; "
+            "its approvers: alice, carol; still waiting") in history  # fmt: skip
+    assert any(
+        actor == RELEASER and reason.startswith("refused reject: 'carol' started this roll-out")
+        for actor, _, reason in history
+    ), history
+
+    # Refused in the UI's form: a warning in the run's log, and the new form says why.
+    resume_flow_run(run_id, run_input={"decision": "approve", "reviewer": "mallory"})
+    paused_run(registry, candidate, pauses=2)
+    again, _ = paused_form(run_id)
+    assert again.startswith("**Refused**: the answer of 'mallory' (approve) was not taken: "
+                            "'mallory' is not an approver of this adapter")  # fmt: skip
+    assert header in again.splitlines()
+    warning = "WARNING refused 'mallory''s answer (approve): 'mallory' is not an approver"
+    assert any(line.startswith(warning) for line in run_logs(run_id, expect=warning))
+
+    answer_approval(fleet_config, candidate, Verdict.REJECT, "alice", "not now")
+    with pytest.raises(RejectedError, match="rejected by alice: not now"):
+        promoting.result(timeout=120)
+
+
+def test_mint_approve_records_each_refused_answer(mlflow_server: ManagedProcess) -> None:
+    """`mint approve` refuses a non-approver and the releaser at once, and the revision's stage
+    history keeps both refusals (no Prefect run is needed: nothing reaches it)."""
+    registry = Registry(mlflow_server.url)
+    policy = make_policy(adapter="refused-bot", content_digest=sha256_json(["refused-bot"]))
+    uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+    revision = registry.register(policy, uri, policy.base_digest).id
+    registry.set_gates("refused-bot", GATES)
+    registry.set_revision_tag(revision, APPROVAL_RUN_TAG, "00000000-0000-0000-0000-000000000000")
+    registry.note_stage(revision, RELEASER, "awaiting approval by alice, carol")
+    config = MintConfig(tracking_uri=mlflow_server.url)
+
+    with pytest.raises(ConfigurationError, match="'mallory' is not an approver"):
+        answer_approval(config, revision, Verdict.APPROVE, "mallory", "")
+    with pytest.raises(ConfigurationError, match="'carol' started this roll-out"):
+        answer_approval(config, revision, Verdict.REJECT, RELEASER, "mine")
+
+    answers = [(actor, reason.split(":")[0]) for actor, _, reason in decisions(registry, revision)]
+    assert answers[-2:] == [("mallory", "refused approve"), (RELEASER, "refused reject")]
+    assert registry.get(revision).stage is Stage.REGISTERED

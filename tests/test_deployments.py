@@ -50,7 +50,7 @@ def test_deployments_are_served_with_parameters_and_schedule(flow_server: Manage
     assert {"release/release", "promote/promote", "rollback/rollback", "retrain/retrain",
             "retrain/retrain-nightly-bot", "rl/rl"} <= deployments.keys()  # fmt: skip
     rollback_form = deployments["rollback/rollback"].parameter_openapi_schema
-    assert rollback_form["required"] == ["adapter"]
+    assert rollback_form["required"] == ["adapter", "actor"]
     assert {"adapter", "to_revision", "actor", "reason"} <= rollback_form["properties"].keys()
     release_form = deployments["release/release"].parameter_openapi_schema
     # Every hyperparameter is a field of the Prefect UI's form.
@@ -60,11 +60,33 @@ def test_deployments_are_served_with_parameters_and_schedule(flow_server: Manage
     assert {"adapter", "data", "eval_data", "eval_fraction", "principals"} | hyperparameters <= (
         release_form["properties"].keys()
     )
-    assert release_form["required"] == ["adapter", "data"]
+    assert release_form["required"] == ["adapter", "data", "actor"]
     nightly = deployments["retrain/retrain-nightly-bot"]
     assert nightly.parameters == {"adapter": "nightly-bot", "data": "/data/nightly.jsonl"}
     assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
     assert deployments["retrain/retrain"].schedules == []
+
+
+def test_deployment_forms_guide_a_person(flow_server: ManagedProcess) -> None:
+    """Each field of each form has help, an optional field is a field of its own type (not a
+    choice between it and "None"), and who acts must be named: no default person."""
+    with get_client(sync_client=True) as client:
+        forms = {d.name: d.parameter_openapi_schema for d in client.read_deployments()}
+    people = 0
+    for name, form in forms.items():
+        assert form is not None
+        for field_name, field in form["properties"].items():
+            where = f"{name}.{field_name}"
+            assert field.get("description"), f"{where} has no description"
+            assert "anyOf" not in field and field.get("type") != "null", f"{where}: {field}"
+            if field_name in ("actor", "reviewer"):
+                people += 1
+                assert field_name in form["required"] and "default" not in field, where
+    assert people == 7  # release, promote, rollback, canary, repair, rl; approve's reviewer
+    release = forms["release"]["properties"]
+    assert release["steps"]["type"] == "integer" and "default" not in release["steps"]
+    assert release["target_modules"]["type"] == "array"
+    assert forms["approve"]["required"] == ["adapter", "revision", "reviewer"]
 
 
 def test_rollback_through_the_prefect_api_changes_what_the_worker_serves(
@@ -76,7 +98,9 @@ def test_rollback_through_the_prefect_api_changes_what_the_worker_serves(
     assert answer(worker, "ui-bot")[0] == "ui-bot:r2"
 
     run = run_deployment(
-        "rollback/rollback", parameters={"adapter": "ui-bot", "reason": "from the UI"}, timeout=300
+        "rollback/rollback",
+        parameters={"adapter": "ui-bot", "actor": "dana", "reason": "from the UI"},
+        timeout=300,
     )
 
     assert run.state is not None and run.state.is_completed(), run.state
