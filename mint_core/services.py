@@ -20,6 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mint_core.errors import ServiceError
+from mint_core.registry_accounts import (
+    PASSWORD_VARIABLE,
+    USERNAME_VARIABLE,
+    RegistryAccounts,
+    auth_config,
+    provision,
+)
 
 LOOPBACK = "127.0.0.1"
 
@@ -39,6 +46,8 @@ class ManagedProcess:
     process: subprocess.Popen[bytes]
     url: str
     log_path: Path
+    accounts: RegistryAccounts | None = None
+    """For an MLflow server with authentication: who may sign in, and as what."""
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop the process and everything in its process group: SIGTERM, then SIGKILL to
@@ -169,10 +178,15 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
 
 
 def start_mlflow(
-    home: Path, port: int | None = None, backend_store_uri: str = ""
+    home: Path,
+    port: int | None = None,
+    backend_store_uri: str = "",
+    accounts: RegistryAccounts | None = None,
 ) -> ManagedProcess:
     """An MLflow tracking server on loopback, one worker, artifacts under `home`; its backend
-    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`."""
+    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`.
+    With `accounts`, MLflow's basic-auth app guards it (users in sqlite under `home`): every
+    account reads, only the pipeline's writes (`mint_core.registry_accounts`)."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     backend_store_uri = backend_store_uri or f"sqlite:///{home.absolute() / 'mlflow.db'}"
@@ -185,7 +199,19 @@ def start_mlflow(
         "--artifacts-destination", str(home.absolute() / "mlflow-artifacts"),
     ]  # fmt: skip
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    return start_process(
+    if accounts is not None:
+        ini = home / "mlflow-auth.ini"
+        ini.touch(mode=0o600)  # it holds the admin's password
+        ini.write_text(auth_config(accounts, f"sqlite:///{home.absolute() / 'mlflow-auth.db'}"))
+        argv += ["--app-name", "basic-auth"]
+        # The server's own settings, not a client's: it must not sign in as anyone.
+        env |= {
+            "MLFLOW_AUTH_CONFIG_PATH": str(ini.absolute()),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": accounts.secret_key,
+            USERNAME_VARIABLE: "",
+            PASSWORD_VARIABLE: "",
+        }
+    server = start_process(
         "mlflow server",
         argv,
         f"http://{LOOPBACK}:{port}",
@@ -193,6 +219,15 @@ def start_mlflow(
         home / "logs" / "mlflow.log",
         env,
     )
+    if accounts is None:
+        return server
+    try:
+        provision(server.url, accounts)
+    except BaseException:
+        server.stop()
+        raise
+    server.accounts = accounts
+    return server
 
 
 def start_s3(home: Path, port: int | None = None) -> ManagedProcess:

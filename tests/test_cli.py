@@ -24,6 +24,7 @@ from mint_core.config import MintConfig
 from mint_core.errors import RegistryError
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
+from mint_core.registry_accounts import RegistryAccounts
 from mint_core.services import ManagedProcess, free_port, start_mlflow
 from tests.helpers import postgres_database, toy_data
 
@@ -389,7 +390,10 @@ def test_a_signal_to_mint_registry_stops_mlflow(
 
 @pytest.mark.slow
 def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
-    postgres: "PostgresServer", started: list[subprocess.Popen[bytes]], tmp_path: Path
+    postgres: "PostgresServer",
+    started: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     database = postgres_database(postgres, "cli")
     port = free_port()
@@ -398,6 +402,10 @@ def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
     registry = start_mint(started, args, mint_env(MINT_HOME=str(tmp_path)), log)
     wait_for(lambda: "Ctrl-C stops it" in log.read_text(), registry, log, timeout_s=120)
 
+    accounts = RegistryAccounts.load(tmp_path)  # `mint registry` runs MLflow with its auth app
+    assert accounts is not None
+    for name, value in accounts.pipeline.env().items():
+        monkeypatch.setenv(name, value)
     MlflowClient(f"http://127.0.0.1:{port}").create_experiment("kept-in-postgres")
 
     with psycopg.connect(database) as connection:
