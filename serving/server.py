@@ -42,7 +42,11 @@ def build_worker(config: MintConfig) -> Worker:
     backend = build_backend(config)
     store = open_store(config)
     catalog = Catalog(
-        Registry(config.tracking_uri), config.pins, backend.text.digest, config.home / "catalog"
+        Registry(config.tracking_uri),
+        config.pins,
+        backend.text.digest,
+        config.home / "catalog",
+        config.alias_audit_interval_s,
     )
     catalog.start_from_snapshot(store)
     return Worker(
