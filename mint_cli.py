@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from mint_core.config import BackendKind, check_registry_db
 from mint_core.errors import ConfigurationError, MintError, ServiceError
+from mint_core.registry_accounts import ACCOUNTS_FILE, USERNAME_VARIABLE, RegistryAccounts
 from mint_core.revisions import RevisionRef, check_adapter_name
 from serving.status import (
     fleet_health,
@@ -76,6 +77,11 @@ def _prepare_environment(config: MintConfig, loads_models: bool) -> None:
     }
     for name, value in defaults.items():
         os.environ.setdefault(name, value)
+    # The registry `mint registry`/`mint up` run from this state dir: commands act as its
+    # pipeline account unless MLFLOW_TRACKING_USERNAME names another.
+    accounts = RegistryAccounts.load(config.home)
+    if accounts is not None and not os.environ.get(USERNAME_VARIABLE):
+        os.environ.update(accounts.pipeline.env())
     if loads_models:
         quiet_libraries()
 
@@ -289,14 +295,16 @@ def cmd_gateway(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.services import start_mlflow
 
+    accounts = RegistryAccounts.load_or_create(config.home)
     server = start_mlflow(
-        config.home, args.port, args.backend_store_uri or config.registry_db, store=config
+        config.home, args.port, args.backend_store_uri or config.registry_db, accounts, store=config
     )
     try:
         print(
             f"MLflow server and UI at {server.url} (state in {config.home}); Ctrl-C stops it",
             flush=True,
         )
+        print(_accounts_line(accounts, config.home), flush=True)
         server.process.wait()
         raise ServiceError(
             f"mlflow server stopped (exit {server.process.returncode}); {server.log_excerpt()}"
@@ -323,24 +331,28 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     from serving.server import start_worker
 
     started: list[ManagedProcess] = []
+    accounts = RegistryAccounts.load_or_create(config.home)
     try:
         mlflow = start_mlflow(
             config.home,
             args.mlflow_port,
             args.backend_store_uri or config.registry_db,
+            accounts,
             store=config,
         )
         started.append(mlflow)
         prefect_server = start_prefect(config.home, args.prefect_port)
         started.append(prefect_server)
         config = dataclasses.replace(config, tracking_uri=mlflow.url)
-        worker = start_worker(config, args.worker_port)
+        os.environ.update(accounts.pipeline.env())  # the flow server's runs write
+        worker = start_worker(config, args.worker_port, env=accounts.worker.env())
         started.append(worker)
         config = dataclasses.replace(config, worker_urls=(worker.url,))
         started.append(start_flow_server(config, prefect_server.url + "/api"))
         print(f"MLflow UI (registry):    {mlflow.url}")
         print(f"Prefect UI (flows):      {prefect_server.url}")
         print(f"serving API (worker):    {worker.url}")
+        print(_accounts_line(accounts, config.home))
         print(f"state and logs in {config.home}; Ctrl-C stops everything", flush=True)
         while all(service.process.poll() is None for service in started):
             time.sleep(0.5)
@@ -379,6 +391,14 @@ def build_base(config: MintConfig) -> None:
     finally:
         if bar is not None:
             bar.close()
+
+
+def _accounts_line(accounts: RegistryAccounts, home: Path) -> str:
+    auditors = ", ".join(a.username for a in accounts.auditors)
+    return (
+        f"MLflow sign-in: {accounts.pipeline.username} (the pipeline: writes), {auditors} "
+        f"(read only); passwords in {home / ACCOUNTS_FILE}"
+    )
 
 
 def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:

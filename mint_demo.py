@@ -20,6 +20,7 @@ from mint_core.model.toy import (
     write_held_out_data,
     write_task_data,
 )
+from mint_core.registry_accounts import ACCOUNTS_FILE, RegistryAccounts
 from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.client import WorkerClient
 from serving.server import start_worker
@@ -39,11 +40,14 @@ def run_demo(config: MintConfig, steps: int | None = None) -> None:
             f"base model {base.model_id} ({base.digest[:19]}...) ready in "
             f"{time.perf_counter() - clock:.1f} s"
         )
-        mlflow = start_mlflow(config.home, store=config)
+        accounts = RegistryAccounts.load_or_create(config.home)
+        mlflow = start_mlflow(config.home, accounts=accounts, store=config)
         started.append(mlflow)
         config = dataclasses.replace(config, tracking_uri=mlflow.url)
-        print(f"MLflow server and UI at {mlflow.url}")
-        worker = start_worker(config)
+        print(f"MLflow server and UI at {mlflow.url} (passwords in {config.home / ACCOUNTS_FILE})")
+        # The demo's releases run in this process, as the pipeline; the worker only reads.
+        os.environ.update(accounts.pipeline.env())
+        worker = start_worker(config, env=accounts.worker.env())
         started.append(worker)
         config = dataclasses.replace(config, worker_urls=(worker.url,))
         print(f"serving worker at {worker.url}")

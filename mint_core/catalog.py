@@ -28,11 +28,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mint_core import catalog_snapshot
+from mint_core.alias_intents import HeldMove
 from mint_core.artifact_store import ArtifactStore
 from mint_core.catalog_index import CatalogIndex
 from mint_core.catalog_snapshot import Snapshot
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS
-from mint_core.errors import IntegrityError, RegistryError, ServiceError
+from mint_core.errors import IntegrityError, NotFoundError, RegistryError, ServiceError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 
@@ -44,6 +45,10 @@ _OVERLAP_MS = 2000
 in one millisecond, or a commit that lands late, are not missed. Seeing one twice is harmless."""
 INDEX_PREFIX = "mint-catalog-"
 """How a catalog's index file is named in its folder: then the pid of its process."""
+DEFAULT_AUDIT_INTERVAL_S = 30.0
+"""How often a catalog reads every adapter's aliases, changed or not: an alias moved by hand
+(the MLflow UI) does not change the adapter's last-updated time, so only a full read finds
+it (one request per thousand adapters)."""
 RECENT_RECORDS = 4096
 """Records kept as objects, most recently used: the revisions a worker serves, without a
 lookup in the index each time."""
@@ -56,8 +61,14 @@ class Catalog:
         pins: Iterable[RevisionId] = (),
         base_digest: str | None = None,
         folder: Path | None = None,
+        audit_interval_s: float = DEFAULT_AUDIT_INTERVAL_S,
     ) -> None:
         self.registry = registry
+        self.audit_interval_s = audit_interval_s
+        """Seconds between full reads of every adapter's aliases (see DEFAULT_AUDIT_INTERVAL_S)."""
+        self._last_audit = time.monotonic()
+        """`time.monotonic()` of the last full read (a new catalog starts from a snapshot or
+        reads everything: its first sync needs none)."""
         self.pins = frozenset(pins)
         """Revisions configured to be held whatever the aliases say."""
         self.base_digest = base_digest
@@ -124,11 +135,14 @@ class Catalog:
     def sync(self) -> list[str]:
         """Catch up with the registry; the adapters that changed. RegistryError if it is down
         (the catalog keeps what it had)."""
+        audit = time.monotonic() - self._last_audit >= self.audit_interval_s
         try:
-            changed = catch_up(self._index, self.registry)
+            changed = catch_up(self._index, self.registry, every_adapter=audit)
         except RegistryError as e:
             self.unreachable = str(e)
             raise
+        if audit:
+            self._last_audit = time.monotonic()
         if changed:
             with self._lock:
                 self._changes += 1
@@ -162,6 +176,11 @@ class Catalog:
     def alias_target(self, adapter: str, alias: str) -> int | None:
         return self._index.alias_target(adapter, alias)
 
+    def held_moves(self) -> list[HeldMove]:
+        """Aliases the registry points where the pipeline did not move them, as of the last
+        sync: each is served at the pipeline's last target meanwhile."""
+        return self._index.held_moves()
+
     def canary(self, adapter: str) -> tuple[RevisionId, float] | None:
         """The revision that takes a share of `adapter@production`'s requests, and the share
         in percent, as of the last sync; None when the adapter has no canary."""
@@ -178,6 +197,9 @@ class Catalog:
             return self.record(RevisionId(ref.adapter, ref.revision))
         number = self.alias_target(ref.adapter, str(ref.alias))
         if number is None:
+            for held in self._index.held_moves(ref.adapter):
+                if held.alias == ref.alias:  # set outside the pipeline, never by it
+                    raise NotFoundError(f"{held.describe()}; nothing serves {ref} here")
             registered = self._ask_registry(ref).resolve(ref)
             self._index.put_revisions([registered])
             self._remember(registered)
@@ -238,11 +260,15 @@ def _runs(pid: int) -> bool:
     return True
 
 
-def catch_up(index: CatalogIndex, registry: Registry) -> list[AdapterAliases]:
+def catch_up(
+    index: CatalogIndex, registry: Registry, every_adapter: bool = False
+) -> list[AdapterAliases]:
     """Write into `index` what changed in `registry` since its cursor (everything, every
-    revision included, when it holds nothing yet); the adapters that changed."""
+    revision included, when it holds nothing yet); the adapters that changed (with
+    `every_adapter`, every adapter, changed or not)."""
     cursor = index.cursor_ms
-    changed = registry.adapters_changed_since(max(0, cursor - _OVERLAP_MS))
+    since = 0 if every_adapter else max(0, cursor - _OVERLAP_MS)
+    changed = registry.adapters_changed_since(since)
     if cursor == 0:
         for page in registry.all_revisions():
             index.put_revisions(page)

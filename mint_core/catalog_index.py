@@ -18,6 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from mint_core.alias_intents import HeldMove
 from mint_core.errors import IntegrityError
 from mint_core.registry import (
     ALIAS_MOVE_TAG,
@@ -29,9 +30,11 @@ from mint_core.registry import (
 from mint_core.revisions import CANARY, TAG_PREFIX, PolicyRecord, RevisionId
 from mint_core.states import Stage
 
-FORMAT = 2
+FORMAT = 3
 """The index's layout; a file of another format is refused (rebuild the snapshot). 2: adapters
-carry their canary share. A worker refusing an older snapshot reads the registry instead."""
+carry their canary share; 3: aliases are the ones the pipeline moved, and the held moves are
+kept beside them (`mint_core.alias_intents`). A worker refusing an older snapshot reads the
+registry instead."""
 CACHE_KIB = 16 << 10
 """sqlite's page cache per index: what its memory is bounded by, whatever it indexes."""
 _POLICY_TAGS = frozenset(TAG_PREFIX + spec.name for spec in fields(PolicyRecord))
@@ -49,6 +52,13 @@ CREATE TABLE IF NOT EXISTS aliases (
     adapter TEXT NOT NULL,
     alias TEXT NOT NULL,
     number INTEGER NOT NULL,
+    PRIMARY KEY (adapter, alias)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS held_moves (
+    adapter TEXT NOT NULL,
+    alias TEXT NOT NULL,
+    registry_number INTEGER,
+    serving_number INTEGER,
     PRIMARY KEY (adapter, alias)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS revisions (
@@ -141,10 +151,12 @@ class CatalogIndex:
 
     def put_adapters(self, adapters: Sequence[AdapterAliases]) -> None:
         """These adapters' bases, aliases and canary shares as the registry has them now; moves
-        the cursor to the newest of their last-updated times."""
+        the cursor to the newest of their last-updated times. The aliases kept are those the
+        pipeline moved; the others are kept as held moves."""
         if not adapters:
             return
         newest = max(adapter.updated_ms for adapter in adapters)
+        sanctioned = {a.adapter: a.sanctioned() for a in adapters}
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.executemany(
@@ -156,8 +168,17 @@ class CatalogIndex:
             )
             self._db.executemany(
                 "INSERT INTO aliases VALUES (?, ?, ?)",
-                [(a.adapter, alias, n) for a in adapters for alias, n in a.aliases.items()],
+                [(name, alias, n) for name, (served, _) in sanctioned.items()
+                 for alias, n in served.items()],
+            )  # fmt: skip
+            self._db.executemany(
+                "DELETE FROM held_moves WHERE adapter = ?", [(a.adapter,) for a in adapters]
             )
+            self._db.executemany(
+                "INSERT INTO held_moves VALUES (?, ?, ?, ?)",
+                [(h.adapter, h.alias, h.registry_revision, h.serving_revision)
+                 for _, held in sanctioned.values() for h in held],
+            )  # fmt: skip
             self._db.execute(
                 "INSERT INTO meta VALUES ('cursor_ms', ?) ON CONFLICT (key) DO UPDATE "
                 "SET value = max(CAST(value AS INTEGER), excluded.value)",
@@ -188,6 +209,17 @@ class CatalogIndex:
                 "SELECT number FROM aliases WHERE adapter = ? AND alias = ?", (adapter, alias)
             ).fetchone()
         return found[0] if found else None
+
+    def held_moves(self, adapter: str | None = None) -> list[HeldMove]:
+        """The aliases the registry points where the pipeline did not move them (of `adapter`;
+        None: of every adapter)."""
+        query = "SELECT adapter, alias, registry_number, serving_number FROM held_moves"
+        with self._lock:
+            if adapter is None:
+                rows = self._db.execute(query + " ORDER BY 1, 2").fetchall()
+            else:
+                rows = self._db.execute(query + " WHERE adapter = ?", (adapter,)).fetchall()
+        return [HeldMove(*row) for row in rows]
 
     def canary(self, adapter: str) -> tuple[int, float] | None:
         """The revision number `adapter@canary` names and its share in percent; None unless

@@ -104,6 +104,10 @@ class MintConfig:
     sync_interval_s: float = 1.0
     """How often a worker catches up with the registry (`MINT_SYNC_INTERVAL_MS`); activation
     also nudges every worker to sync at once."""
+    alias_audit_interval_s: float = 30.0
+    """How often a worker reads every adapter's aliases, changed or not
+    (`MINT_ALIAS_AUDIT_INTERVAL_MS`): an alias moved outside the pipeline (the MLflow UI)
+    leaves no other trace a sync finds, and is reported within this time."""
     pins: tuple[RevisionId, ...] = ()
     """Revisions every worker holds whatever the aliases say (`MINT_PINS`, `name:rN,...`)."""
     worker_api_key: str = ""
@@ -142,6 +146,11 @@ class MintConfig:
             check_registry_db(self.registry_db)
         if self.sync_interval_s <= 0:
             raise ConfigurationError(f"sync_interval_s={self.sync_interval_s} must be positive")
+        if self.alias_audit_interval_s <= 0:
+            raise ConfigurationError(
+                f"MINT_ALIAS_AUDIT_INTERVAL_MS={self.alias_audit_interval_s * 1000:g} must be "
+                "positive"
+            )
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ConfigurationError(
                 f"MINT_MAX_LORA_RANK={self.max_lora_rank} is not one of vLLM's ranks "
@@ -211,6 +220,7 @@ class MintConfig:
             max_batch=_integer(env, "MINT_MAX_BATCH", 64),
             admission_k=_integer(env, "MINT_ADMISSION_K", 1),
             sync_interval_s=float(_integer(env, "MINT_SYNC_INTERVAL_MS", 1000)) / 1000,
+            alias_audit_interval_s=_integer(env, "MINT_ALIAS_AUDIT_INTERVAL_MS", 30_000) / 1000,
             pins=tuple(_pin(text) for text in env.get("MINT_PINS", "").split(",") if text.strip()),
             worker_api_key=env.get("MINT_WORKER_API_KEY", ""),
             admin_principals=_names(env.get("MINT_ADMIN_PRINCIPALS", "")) or (ADMIN,),
@@ -244,6 +254,7 @@ class MintConfig:
             "MINT_MAX_BATCH": str(self.max_batch),
             "MINT_ADMISSION_K": str(self.admission_k),
             "MINT_SYNC_INTERVAL_MS": str(round(self.sync_interval_s * 1000)),
+            "MINT_ALIAS_AUDIT_INTERVAL_MS": str(round(self.alias_audit_interval_s * 1000)),
             "MINT_PINS": ",".join(str(pin) for pin in self.pins),
             "MINT_WORKER_API_KEY": self.worker_api_key,
             "MINT_ADMIN_PRINCIPALS": ",".join(self.admin_principals),

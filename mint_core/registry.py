@@ -10,7 +10,7 @@ import json
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from mint_core.alias_intents import INTENT_TAG, AliasIntent, HeldMove, intents_of, sanctioned
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError, RegistryError
 from mint_core.gates import GATES_TAG, Gates
 from mint_core.history import adapter_description, version_description
@@ -169,6 +170,12 @@ class AdapterAliases:
     """The base every revision of the adapter was trained on."""
     canary_percent: float | None = None
     """The share of `production`'s requests sent to the `canary` revision; None: no canary."""
+    intents: Mapping[str, AliasIntent] = field(default_factory=dict)
+    """Alias -> the pipeline's last move of it."""
+
+    def sanctioned(self) -> tuple[dict[str, int], list[HeldMove]]:
+        """The aliases workers serve (those the pipeline moved) and the held moves."""
+        return sanctioned(self.adapter, self.aliases, self.intents)
 
 
 @dataclass(frozen=True)
@@ -530,7 +537,10 @@ class Registry:
         with self._failing(f"move {adapter}@{alias} to {revision}"):
             record = _MoveRecord(move, done=False)
             self._client.set_model_version_tag(adapter, version, move.tag, record.to_tag())
+            intent = AliasIntent(revision.number, move.from_revision, actor, move.at, done=False)
+            self._intend(adapter, alias, intent)
             self._client.set_registered_model_alias(adapter, alias, version)
+            self._intend(adapter, alias, replace(intent, done=True))
             aliases = {a: int(v) for a, v in (model.aliases or {}).items()}
             aliases[alias] = move.to_revision  # the move has happened: the table shows it
             self._touch(adapter, model, _moves_made([*records, record], aliases))
@@ -550,20 +560,46 @@ class Registry:
         except MlflowException as e:
             raise RegistryError(f"MLflow failed to {action}: {e}") from e
 
-    def point_alias(self, revision: RevisionId, alias: str) -> None:
+    def point_alias(self, revision: RevisionId, alias: str, actor: str = "mint") -> None:
         """Set `adapter@alias` to `revision` with no history: for working aliases such as
         `candidate`. Workers see the change at their next sync."""
-        self._client.set_registered_model_alias(revision.adapter, alias, str(revision.number))
-        self._touch(revision.adapter)
+        adapter = revision.adapter
+        intent = self._intent_from(adapter, alias, revision.number, actor)
+        with self._failing(f"point {adapter}@{alias} at {revision}"):
+            self._intend(adapter, alias, intent)
+            self._client.set_registered_model_alias(adapter, alias, str(revision.number))
+            self._intend(adapter, alias, replace(intent, done=True))
+        self._touch(adapter)
 
-    def drop_alias(self, adapter: str, alias: str) -> None:
+    def drop_alias(self, adapter: str, alias: str, actor: str = "mint") -> None:
         """Remove `adapter@alias` (nothing happens if it does not exist)."""
+        if self._registered_model(adapter) is None:
+            return
+        intent = self._intent_from(adapter, alias, None, actor)
+        with self._failing(f"remove {adapter}@{alias}"):
+            self._intend(adapter, alias, intent)
         try:
             self._client.delete_registered_model_alias(adapter, alias)
         except MlflowException as e:
             if e.error_code != "RESOURCE_DOES_NOT_EXIST":
                 raise RegistryError(f"MLflow failed to remove {adapter}@{alias}: {e}") from e
+        with self._failing(f"remove {adapter}@{alias}"):
+            self._intend(adapter, alias, replace(intent, done=True))
         self._touch(adapter)
+
+    def _intent_from(
+        self, adapter: str, alias: str, revision: int | None, actor: str
+    ) -> AliasIntent:
+        """The intent of moving `adapter@alias` from where it is now to `revision`."""
+        model = self._registered_model(adapter)
+        before = (model.aliases or {}).get(alias) if model else None
+        previous = int(before) if before is not None else None
+        return AliasIntent(revision, previous, actor, _now(), done=False)
+
+    def _intend(self, adapter: str, alias: str, intent: AliasIntent) -> None:
+        """Record the pipeline's move of `adapter@alias` (see `mint_core.alias_intents`):
+        workers follow an alias only where an intent accounts for it."""
+        self._client.set_registered_model_tag(adapter, INTENT_TAG + alias, intent.to_tag())
 
     def start_canary(
         self, revision: RevisionId, percent: float, actor: str = "mint", reason: str = ""
@@ -660,6 +696,7 @@ class Registry:
                                 model.last_updated_timestamp,
                                 base,
                                 _canary_percent(model),
+                                intents_of(model.tags),
                             )
                         )
                 page_token = page.token

@@ -20,6 +20,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mint_core.errors import ServiceError
+from mint_core.registry_accounts import (
+    PASSWORD_VARIABLE,
+    USERNAME_VARIABLE,
+    RegistryAccounts,
+    auth_config,
+    provision,
+)
 
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
@@ -44,6 +51,8 @@ class ManagedProcess:
     log_path: Path
     grace_s: float = 10.0
     """How long `stop` lets it shut down after SIGTERM before it kills what is left."""
+    accounts: RegistryAccounts | None = None
+    """For an MLflow server with authentication: who may sign in, and as what."""
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop the process and everything in its process group: SIGTERM, then SIGKILL to
@@ -204,12 +213,15 @@ def start_mlflow(
     home: Path,
     port: int | None = None,
     backend_store_uri: str = "",
+    accounts: RegistryAccounts | None = None,
     store: "MintConfig | None" = None,
 ) -> ManagedProcess:
     """An MLflow tracking server on loopback, one worker, artifacts under `home`; its backend
     store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`.
-    Model-version pages show revisions' files from the artifact store `store` configures (by
-    default the one the environment's MINT_HOME and MINT_S3_* name)."""
+    With `accounts`, MLflow's basic-auth app guards it (users in sqlite under `home`): every
+    account reads, only the pipeline's writes (`mint_core.registry_accounts`). Model-version
+    pages show revisions' files from the artifact store `store` configures (by default the one
+    the environment's MINT_HOME and MINT_S3_* name)."""
     port = port or free_port()
     home.mkdir(parents=True, exist_ok=True)
     backend_store_uri = backend_store_uri or f"sqlite:///{home.absolute() / 'mlflow.db'}"
@@ -231,7 +243,19 @@ def start_mlflow(
         env["MINT_HOME"] = str(store.home)
         if store.s3_endpoint_url:
             env["MLFLOW_S3_ENDPOINT_URL"] = store.s3_endpoint_url
-    return start_process(
+    if accounts is not None:
+        ini = home / "mlflow-auth.ini"
+        ini.touch(mode=0o600)  # it holds the admin's password
+        ini.write_text(auth_config(accounts, f"sqlite:///{home.absolute() / 'mlflow-auth.db'}"))
+        argv += ["--app-name", "basic-auth"]
+        # The server's own settings, not a client's: it must not sign in as anyone.
+        env |= {
+            "MLFLOW_AUTH_CONFIG_PATH": str(ini.absolute()),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": accounts.secret_key,
+            USERNAME_VARIABLE: "",
+            PASSWORD_VARIABLE: "",
+        }
+    server = start_process(
         "mlflow server",
         argv,
         f"http://{LOOPBACK}:{port}",
@@ -243,6 +267,15 @@ def start_mlflow(
         # request cut short leaves nothing half-written.
         grace_s=MLFLOW_SHUTDOWN_S + 1,
     )
+    if accounts is None:
+        return server
+    try:
+        provision(server.url, accounts)
+    except BaseException:
+        server.stop()
+        raise
+    server.accounts = accounts
+    return server
 
 
 def start_s3(home: Path, port: int | None = None) -> ManagedProcess:

@@ -431,6 +431,8 @@ def create_app(
             "queue_depth": worker.queue_depth,
             "batch_size": worker.batch_size,
             "request_path_loads": worker.request_path_loads,
+            # Aliases moved outside the pipeline: each serves the pipeline's last target.
+            "held_alias_moves": [move.to_json() for move in worker.held_moves],
         }
 
     @app.get("/metrics")
@@ -498,12 +500,17 @@ def create_app(
 
     @admin_api.get("/events")
     def events() -> dict[str, object]:
-        """Every readiness change on this worker since it started, oldest first."""
+        """Every readiness change on this worker since it started, oldest first; and every
+        held alias move that appeared or ended."""
         return {
             "events": [
                 {"at": e.since, "id": str(e.revision), "state": e.state.value, "reason": e.reason}
                 for e in worker.events()
-            ]
+            ],
+            "alias_events": [
+                {"at": e.at, "kind": e.kind.value, **e.move.to_json()}
+                for e in worker.alias_events()
+            ],
         }
 
     @admin_api.get("/outcomes")

@@ -4,6 +4,7 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Mapping
 
 import uvicorn
 from transformers.utils import logging as transformers_logging
@@ -41,7 +42,11 @@ def build_worker(config: MintConfig) -> Worker:
     backend = build_backend(config)
     store = open_store(config)
     catalog = Catalog(
-        Registry(config.tracking_uri), config.pins, backend.text.digest, config.home / "catalog"
+        Registry(config.tracking_uri),
+        config.pins,
+        backend.text.digest,
+        config.home / "catalog",
+        config.alias_audit_interval_s,
     )
     catalog.start_from_snapshot(store)
     return Worker(
@@ -71,12 +76,16 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:
 
 
 def start_worker(
-    config: MintConfig, port: int | None = None, timeout_s: float = 300.0
+    config: MintConfig,
+    port: int | None = None,
+    timeout_s: float = 300.0,
+    env: Mapping[str, str] | None = None,
 ) -> ManagedProcess:
-    """A worker in a child process on loopback; returns once `/health` answers (base loaded)."""
+    """A worker in a child process on loopback; returns once `/health` answers (base loaded).
+    `env`: more of its environment (e.g. the registry account it reads with)."""
     port = port or free_port()
     # MINT_API_KEYS_FILE would add keys to the ones `config` already holds.
-    env = config.to_env() | {"MINT_API_KEYS_FILE": ""}
+    env = config.to_env() | {"MINT_API_KEYS_FILE": ""} | dict(env or {})
     argv = [sys.executable, "-m", "serving", "--host", LOOPBACK, "--port", str(port)]
     return start_process(
         "serving worker",

@@ -77,9 +77,23 @@ def worker_rows(config: MintConfig, fleet: Health | None = None) -> list[list[st
         if health is None:
             rows.append(["?", worker.url, "?", "unreachable"])
         else:
+            status = str(health["status"])
+            held = health.get("held_alias_moves")
+            for move in held if isinstance(held, list) else []:
+                status += f"; HELD {_held(move)}"
             rows.append([str(health["base_model"]), worker.url, str(health["backend"]),
-                         str(health["status"])])  # fmt: skip
+                         status])  # fmt: skip
     return [["base", "worker", "backend", "status"], *sorted(rows)]
+
+
+def _held(move: Mapping[str, object]) -> str:
+    """A held alias move as `mint status` shows it: where the registry points the alias, and
+    what the worker serves until the pipeline moves it."""
+    there, kept = move["registry_revision"], move["serving_revision"]
+    return (
+        f"{move['adapter']}@{move['alias']} -> {f'r{there}' if there else 'nothing'} outside "
+        f"the pipeline, serving {f'r{kept}' if kept else 'nothing'}"
+    )
 
 
 def format_table(rows: Sequence[Sequence[str]]) -> str:

@@ -25,8 +25,14 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
 - **Tiers**: the residency plan holds the host tier's contents itself: there is no second copy
   to keep in step with it.
 
-Every readiness change is kept in an event log (`events`), which is how tests and operators
-see what happened and when.
+- **Held alias moves**: the worker serves an alias where the pipeline moved it
+  (`mint_core.alias_intents`). One moved by anyone else (the MLflow UI) is held: the previous
+  target keeps serving, `held_moves` reports it (`/health`, `mint status`) and an alias event
+  records it, until the pipeline moves the alias (promote, rollback).
+
+Every readiness change is kept in an event log (`events`), and every held alias move that
+appears or ends in another (`alias_events`), which is how tests and operators see what
+happened and when.
 """
 
 import contextlib
@@ -37,10 +43,12 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from mint_core.access import ANONYMOUS, allows, check_access
 from mint_core.admission import DEFAULT_CONCURRENCY, AdmissionQueue, Priority
+from mint_core.alias_intents import HeldMove
 from mint_core.artifact_store import ArtifactStore
 from mint_core.catalog import Catalog
 from mint_core.errors import (
@@ -87,6 +95,23 @@ class ReadinessEntry:
     """For `queued`: how many queued revisions go before it."""
 
 
+class AliasEventKind(StrEnum):
+    HELD = "held"
+    """An alias moved outside the pipeline: the worker keeps serving the previous target."""
+    RELEASED = "released"
+    """The pipeline moved the alias (or the registry's alias came back): followed again."""
+
+
+@dataclass(frozen=True)
+class AliasEvent:
+    """A held alias move appearing or ending on this worker."""
+
+    at: float
+    """Unix time the worker saw it."""
+    kind: AliasEventKind
+    move: HeldMove
+
+
 class RevisionNotReady(NotReadyError):
     def __init__(self, entry: ReadinessEntry) -> None:
         super().__init__(f"{entry.revision} is {entry.state} on this worker, not ready")
@@ -121,6 +146,9 @@ class Worker:
         self._request_path_fetches = 0
         self._prewarming = threading.local()
         """`active` is set on prewarm threads: their fetches are not on the request path."""
+        self._held: frozenset[HeldMove] = frozenset()
+        """The held alias moves as of the last sync."""
+        self._alias_events: list[AliasEvent] = []
         self._registry_problem: str | None = None
         """Why the last sync with the registry failed; None while it succeeds."""
         self.sync_interval_s = sync_interval_s
@@ -208,6 +236,7 @@ class Worker:
             self._registry_problem = str(e)
             raise
         self._registry_problem = None
+        self._note_held_moves()
         if self.backend.problem() is not None:
             return []  # nothing can load now; admitted once the engine is back
         admitted = []
@@ -216,6 +245,30 @@ class Worker:
                 self.admit(revision, self._priority(revision))
                 admitted.append(revision)
         return admitted
+
+    def _note_held_moves(self) -> None:
+        """Record held alias moves that appeared or ended since the last sync."""
+        held = frozenset(self.catalog.held_moves())
+        now = time.time()
+        with self._lock:
+            seen, self._held = self._held, held
+            for move in sorted(held - seen, key=_alias_of):
+                log.warning("%s", move.describe())
+                self._alias_events.append(AliasEvent(now, AliasEventKind.HELD, move))
+            for move in sorted(seen - held, key=_alias_of):
+                log.info("%s@%s follows the pipeline again", move.adapter, move.alias)
+                self._alias_events.append(AliasEvent(now, AliasEventKind.RELEASED, move))
+
+    @property
+    def held_moves(self) -> list[HeldMove]:
+        """Aliases the registry points where the pipeline did not move them; each keeps
+        serving the pipeline's last target here."""
+        with self._lock:
+            return sorted(self._held, key=_alias_of)
+
+    def alias_events(self) -> list[AliasEvent]:
+        with self._lock:
+            return list(self._alias_events)
 
     def nudge(self) -> None:
         """Sync now rather than at the next interval."""
@@ -500,3 +553,7 @@ class Worker:
             for revision, entry in self._table.items():
                 if str(revision) == key and entry.state is Readiness.READY:
                     self._set(revision, Readiness.NOT_ADMITTED, reason="evicted from host cache")
+
+
+def _alias_of(move: HeldMove) -> tuple[str, str]:
+    return move.adapter, move.alias

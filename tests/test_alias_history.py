@@ -115,9 +115,10 @@ def test_an_error_reading_the_alias_moves_nothing(registry: Registry, inject: Ca
     assert moves(registry, adapter) == [(PRODUCTION, None, 1)]
 
 
-MOVE_WRITES = 5
-"""Writes one alias move makes: its history record (an intent), the alias, the adapter's
-last-updated time (workers find changes by it), the activation time, the record marked done."""
+MOVE_WRITES = 7
+"""Writes one alias move makes: its history record (an intent), the adapter's alias intent
+(what workers follow), the alias, the alias intent marked done, the adapter's last-updated time
+(workers find changes by it), the activation time, the record marked done."""
 
 
 @pytest.mark.parametrize("crash_at", range(1, MOVE_WRITES + 1))

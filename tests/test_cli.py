@@ -28,6 +28,7 @@ from mint_core.config import MintConfig
 from mint_core.errors import RegistryError
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
+from mint_core.registry_accounts import RegistryAccounts
 from mint_core.revisions import PRODUCTION
 from mint_core.services import ManagedProcess, free_port, start_mlflow
 from mint_core.states import Stage
@@ -465,7 +466,10 @@ def test_sigterm_stops_mint_registry_within_seconds_under_load_and_all_it_starte
 
 @pytest.mark.slow
 def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
-    postgres: "PostgresServer", started: list[subprocess.Popen[bytes]], tmp_path: Path
+    postgres: "PostgresServer",
+    started: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     database = postgres_database(postgres, "cli")
     port = free_port()
@@ -474,6 +478,10 @@ def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
     registry = start_mint(started, args, mint_env(MINT_HOME=str(tmp_path)), log)
     wait_for(lambda: "Ctrl-C stops it" in log.read_text(), registry, log, timeout_s=120)
 
+    accounts = RegistryAccounts.load(tmp_path)  # `mint registry` runs MLflow with its auth app
+    assert accounts is not None
+    for name, value in accounts.pipeline.env().items():
+        monkeypatch.setenv(name, value)
     MlflowClient(f"http://127.0.0.1:{port}").create_experiment("kept-in-postgres")
 
     with psycopg.connect(database) as connection:
