@@ -217,13 +217,14 @@ def test_a_fused_expert_lora_is_checked_against_the_experts(tmp_path: Path) -> N
 
 SAME_WIDTH = LoraConfig(r=2, target_modules=["q_proj", "o_proj", "gate_proj", "up_proj"])
 """Projections a tiny Qwen2 and a tiny Mistral both have at one shape (their k/v differ): a
-Qwen2 adapter on them fits a Mistral base tensor by tensor."""
+Qwen2 adapter on them fits a Mistral base tensor by tensor. (PEFT writes the base into the
+config it is given: use copies.)"""
 
 
 def foreign_pair(root: Path) -> tuple[Path, BaseModel]:
     """(an adapter made on a tiny Qwen2 folder, a tiny Mistral base of the same width)."""
     qwen2 = load_base(BaseSource(str(family_folder("qwen2", root / "bases"))), root)
-    adapter = made_elsewhere(qwen2.model, root / "qwen2-adapter", SAME_WIDTH, seed=1)
+    adapter = made_elsewhere(qwen2.model, root / "qwen2-adapter", copy.deepcopy(SAME_WIDTH), 1)
     return adapter, load_base(BaseSource(str(family_folder("mistral", root / "bases"))), root)
 
 
@@ -262,7 +263,7 @@ def test_the_recorded_base_is_compared_by_name_folder_and_policy_digest(tmp_path
     settles it whatever the names; an adapter that records no base is refused."""
     root = tmp_path
     mistral = load_base(BaseSource(str(family_folder("mistral", root / "bases"))), root)
-    made = made_elsewhere(mistral.model, root / "mistral-adapter", SAME_WIDTH, seed=2)
+    made = made_elsewhere(mistral.model, root / "mistral-adapter", copy.deepcopy(SAME_WIDTH), 2)
     assert inspect_import(made, mistral).source_base == str(mistral.path)  # its own folder
     for same in ("tiny-mistral", "some-org/tiny-mistral", "/elsewhere/TINY-MISTRAL/"):
         inspect_import(recording(made, same, root), mistral)
