@@ -157,8 +157,8 @@ def _question(
     verdict = "" if evaluation is None else f"; this candidate {'passed' if passed else 'failed'}"
     lines += [
         "",
-        f"Threshold: the evaluation gate lets the candidate fall at most {gates.max_regression} "
-        f"below production's exact match on each set (max_regression){verdict}.",
+        f"Gate threshold: the candidate may fall at most {gates.max_regression} below "
+        f"production's exact match on each set (max_regression){verdict}.",
     ]
     return "\n".join(lines)
 

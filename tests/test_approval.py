@@ -189,7 +189,7 @@ def test_the_form_asks_for_a_decision_shows_the_figures_and_every_refusal_is_kep
     header = next(line for line in lines if line.startswith("|"))
     assert f"candidate {candidate}" in header and "production form-bot:r1" in header
     assert any(line.startswith("| exact match on 4 eval rows") for line in lines), description
-    assert any("Threshold" in line and "at most 1.0 below production" in line for line in lines)
+    assert any("threshold" in line and "at most 1.0 below production" in line for line in lines)
 
     # Refused on the command line (`mint approve`): each refusal is in the stage history.
     with pytest.raises(ConfigurationError, match="'mallory' is not an approver"):
