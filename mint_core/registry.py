@@ -27,6 +27,7 @@ from mint_core.history import adapter_description, version_description
 from mint_core.revisions import (
     CANARY,
     CANDIDATE,
+    POLICY_FILE,
     PRODUCTION,
     TAG_PREFIX,
     PolicyRecord,
@@ -71,7 +72,6 @@ MODEL_DEVELOPMENT = "custom_model_development"
 REVISION_RUN_TAG = TAG_PREFIX + "revision"
 """On a training (or import) run: the revision it made, e.g. `upper-bot:r2`."""
 RUN_NAME_TAG = "mlflow.runName"
-_POLICY_ARTIFACT = "policy.json"
 
 
 @dataclass(frozen=True)
@@ -393,7 +393,7 @@ class Registry:
             for name, value in policy.eval_metrics.items():
                 self._client.log_metric(run_id, name, value, step=policy.training_steps)
             self._client.set_terminated(run_id)
-        self._client.log_text(run_id, policy.to_json(), _POLICY_ARTIFACT)
+        self._client.log_text(run_id, policy.to_json(), POLICY_FILE)
         return run_id
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
