@@ -4,13 +4,17 @@ local API, all on loopback, started once per session and always stopped."""
 import dataclasses
 import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import psutil
 import pytest
 
 # Prefect reads its settings when first imported, and a bare import writes to PREFECT_HOME:
@@ -296,3 +300,19 @@ def ui(browser: "Browser", request: pytest.FixtureRequest) -> Iterator["UiPage"]
         if call is not None and call.failed:
             path = screenshot(page.page, request.node.nodeid)
             print(f"screenshot of the failed test's page: {path}")
+
+
+@pytest.fixture
+def started() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """`mint` processes a test starts, each in a process group of its own; whatever is left of
+    them (children included) is killed afterwards, so a failing test leaks nothing."""
+    processes: list[subprocess.Popen[bytes]] = []
+    yield processes
+    for process in processes:
+        with suppress(psutil.NoSuchProcess):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                with suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.pid, signal.SIGKILL)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)

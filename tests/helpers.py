@@ -7,10 +7,14 @@ shape."""
 import copy
 import json
 import logging
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,7 +22,9 @@ from uuid import UUID
 
 import boto3
 import httpx
+import psutil
 import psycopg
+import pytest
 import torch
 from fastapi.testclient import TestClient
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
@@ -37,6 +43,7 @@ from mint_core.access import EVERYONE
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
+from mint_core.errors import NotFoundError
 from mint_core.folders import publish_folder
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
@@ -51,7 +58,7 @@ from mint_core.model.toy import (
 )
 from mint_core.model.training import TrainingConfig
 from mint_core.packing import PackedIndex
-from mint_core.registry import Registry
+from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.services import ManagedProcess
 from serving.app import create_app
@@ -425,3 +432,79 @@ def run_markdown(run_id: UUID) -> list[str]:
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
         )
     return [str(a.data) for a in artifacts if a.type == "markdown"]
+
+
+# --- The `mint` command as a subprocess ---------------------------------------------------
+
+
+MINT = str(Path(sys.executable).with_name("mint"))
+"""The console script, as the README runs it."""
+
+
+def mint_env(**settings: str) -> dict[str, str]:
+    """This environment without MinT's, MLflow's and Prefect's settings, plus `settings`."""
+    own = ("MINT_", "MLFLOW_", "PREFECT_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(own)} | settings
+
+
+def start_mint(
+    started: list[subprocess.Popen[bytes]], args: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen[bytes]:
+    with log.open("wb") as output:
+        process = subprocess.Popen(
+            [MINT, *args],
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+    started.append(process)
+    return process
+
+
+def wait_for(
+    check: Callable[[], bool], process: subprocess.Popen[bytes], log: Path, timeout_s: float
+) -> None:
+    """Wait until `check()` holds; fail, showing the log, if `process` exits first or it times
+    out."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert process.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def stop_and_check(
+    process: subprocess.Popen[bytes], sig: signal.Signals, urls: list[str], log: Path
+) -> None:
+    """Send `sig` to `process` alone (not its group, as `kill PID` does); it exits cleanly
+    within a minute, and none of its descendants or services outlives it."""
+    descendants = psutil.Process(process.pid).children(recursive=True)
+    assert descendants, "the command started nothing"
+    process.send_signal(sig)
+    assert process.wait(60) == 0, log.read_text()[-3000:]
+    _, alive = psutil.wait_procs(descendants, timeout=5)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    for url in urls:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url, timeout=2)
+
+
+def paused_run(registry: Registry, revision: RevisionId, pauses: int = 1) -> UUID:
+    """The flow run paused for `revision`'s approval, once it has paused `pauses` times."""
+    from prefect import get_client
+
+    deadline = time.monotonic() + 180
+    run_id = None
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            with suppress(NotFoundError):  # a release registers it after training
+                run_id = registry.get(revision).tags.get(APPROVAL_RUN_TAG)
+            if run_id is not None:
+                run = client.read_flow_run(UUID(run_id))
+                paused = sum(s.is_paused() for s in client.read_flow_run_states(run.id))
+                if run.state is not None and run.state.is_paused() and paused >= pauses:
+                    return run.id
+            time.sleep(0.5)
+    raise AssertionError(f"{revision}'s roll-out never paused {pauses} time(s) for approval")

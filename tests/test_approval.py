@@ -3,10 +3,8 @@ pauses before `activate` with a form; only an allowed reviewer's answer resumes 
 every answer lands in the revision's stage history in MLflow."""
 
 import json
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import suppress
 from pathlib import Path
 from uuid import UUID
 
@@ -18,7 +16,7 @@ from flows.approval import Verdict, answer_approval
 from flows.promote import promote
 from mint_core.config import MintConfig
 from mint_core.digests import sha256_json
-from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
+from mint_core.errors import ConfigurationError, RejectedError
 from mint_core.gates import Gates
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import Task, write_held_out_data
@@ -26,7 +24,7 @@ from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
 from mint_core.states import Stage
-from tests.helpers import make_policy, register_random_adapter, run_logs
+from tests.helpers import make_policy, paused_run, register_random_adapter, run_logs
 from tests.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
@@ -58,23 +56,6 @@ def gated(
         return registry, second
 
     return make
-
-
-def paused_run(registry: Registry, revision: RevisionId, pauses: int = 1) -> UUID:
-    """The flow run paused for `revision`'s approval, once it has paused `pauses` times."""
-    deadline = time.monotonic() + 180
-    run_id = None
-    with get_client(sync_client=True) as client:
-        while time.monotonic() < deadline:
-            with suppress(NotFoundError):  # a release registers it after training
-                run_id = registry.get(revision).tags.get(APPROVAL_RUN_TAG)
-            if run_id is not None:
-                run = client.read_flow_run(UUID(run_id))
-                paused = sum(s.is_paused() for s in client.read_flow_run_states(run.id))
-                if run.state is not None and run.state.is_paused() and paused >= pauses:
-                    return run.id
-            time.sleep(0.5)
-    raise AssertionError(f"{revision}'s roll-out never paused {pauses} time(s) for approval")
 
 
 def production(registry: Registry, adapter: str) -> int:

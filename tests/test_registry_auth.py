@@ -17,10 +17,7 @@ from mint_core.registry import Registry
 from mint_core.registry_accounts import ACCOUNTS_FILE, Account, RegistryAccounts
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from mint_core.services import free_port
-from tests.helpers import make_policy
-from tests.test_cli import mint_env, start_mint, started, stop_and_check, wait_for
-
-__all__ = ["started"]  # the fixture, used here by name
+from tests.helpers import make_policy, mint_env, start_mint, stop_and_check, wait_for
 
 
 def acting_as(monkeypatch: pytest.MonkeyPatch, account: Account) -> None:
