@@ -1,11 +1,11 @@
 """Who may do what in the registry: MLflow's own basic-auth app, with MinT's accounts.
 
-`mint registry` and `mint up` run MLflow with `--app-name basic-auth`. Every account may read
-(the auth app's default permission); only the pipeline's principal may write: it holds MANAGE
-on every registered model and experiment (register, move aliases, set `mint.*` tags). Workers
-read with an account of their own; auditors read in the UI. The admin account only manages
-users. Clients pass MLflow's usual variables, `MLFLOW_TRACKING_USERNAME` and
-`MLFLOW_TRACKING_PASSWORD` (`Account.env`).
+`mint registry` and `mint up` run MLflow's basic-auth app (in MinT's MLflow app, `mint_mlflow`).
+Every account may read (the auth app's default permission); only the pipeline's principal may
+write: it holds MANAGE on every registered model and experiment (register, move aliases, set
+`mint.*` tags). Workers read with an account of their own; auditors read in the UI. The admin
+account only manages users. Clients pass MLflow's usual variables, `MLFLOW_TRACKING_USERNAME`
+and `MLFLOW_TRACKING_PASSWORD` (`Account.env`).
 
 Passwords are generated once per state dir and kept, readable by its owner only, in
 `mlflow-accounts.json` beside MLflow's files (`RegistryAccounts.load_or_create`).
@@ -24,6 +24,9 @@ ACCOUNTS_FILE = "mlflow-accounts.json"
 """The accounts of one registry, in the folder that holds its files."""
 USERNAME_VARIABLE = "MLFLOW_TRACKING_USERNAME"
 PASSWORD_VARIABLE = "MLFLOW_TRACKING_PASSWORD"
+AUTH_VARIABLE = "MINT_MLFLOW_AUTH"
+"""Set in an MLflow server's environment: MinT's MLflow app (`mint_mlflow`) puts MLflow's
+basic-auth app in front, with the settings MLFLOW_AUTH_CONFIG_PATH names."""
 
 
 class RegistryRole(StrEnum):

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from mint_core.errors import ServiceError
 from mint_core.registry_accounts import (
+    AUTH_VARIABLE,
     PASSWORD_VARIABLE,
     USERNAME_VARIABLE,
     RegistryAccounts,
@@ -235,6 +236,8 @@ def start_mlflow(
         # uvicorn otherwise waits on SIGTERM for every request in flight, however long a
         # client takes to send it (a release retrying, a slow upload): stopping would hang.
         "--uvicorn-opts", f"--timeout-graceful-shutdown {MLFLOW_SHUTDOWN_S:g}",
+        # MinT's app (mint_mlflow): MLflow's, its UI opening on model training, not GenAI.
+        "--app-name", "mint",
     ]  # fmt: skip
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     if store is not None:
@@ -247,9 +250,9 @@ def start_mlflow(
         ini = home / "mlflow-auth.ini"
         ini.touch(mode=0o600)  # it holds the admin's password
         ini.write_text(auth_config(accounts, f"sqlite:///{home.absolute() / 'mlflow-auth.db'}"))
-        argv += ["--app-name", "basic-auth"]
         # The server's own settings, not a client's: it must not sign in as anyone.
         env |= {
+            AUTH_VARIABLE: "1",
             "MLFLOW_AUTH_CONFIG_PATH": str(ini.absolute()),
             "MLFLOW_FLASK_SERVER_SECRET_KEY": accounts.secret_key,
             USERNAME_VARIABLE: "",

@@ -70,3 +70,21 @@ def test_the_version_page_shows_the_history_and_no_error(
     history.wait_for()
     header = [cell.strip().lower() for cell in history.locator("th").all_inner_texts()]
     assert {"event", "actor", "approver"} <= set(header), header
+
+
+def test_the_ui_opens_on_model_training_with_the_registry_in_view(
+    config: MintConfig, released: list[RevisionId], ui: UiPage
+) -> None:
+    """A first visit (no view remembered) opens on model training: the model registry is in the
+    sidebar, and MinT's experiment opens on its runs, not on an empty GenAI traces page."""
+    page = ui.open(config.tracking_uri + "/")
+    page.get_by_role("link", name="Model registry").wait_for()
+    remembered = page.evaluate("localStorage.getItem('mlflow.workflowType_v1')")
+    assert remembered == '"machine_learning"'
+
+    client = MlflowClient(config.tracking_uri)
+    run = client.get_run(client.get_model_version(ADAPTER, str(released[-1].number)).run_id)
+    page = ui.open(f"{config.tracking_uri}/#/experiments/{run.info.experiment_id}")
+    page.get_by_text(str(released[-1])).first.wait_for()  # its runs, named after revisions
+    assert "genai" not in page.url and "traces" not in page.url, page.url
+    assert not ui.server_errors
