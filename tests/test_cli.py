@@ -336,17 +336,17 @@ def test_a_signal_to_mint_registry_stops_mlflow(
 
 
 @contextmanager
-def load_on(url: str, seconds: float) -> Iterator[threading.Event]:
+def load_on(url: str, seconds: float, auth: tuple[str, str]) -> Iterator[threading.Event]:
     """Load on this machine and on the MLflow server at `url`, for at most `seconds`: two CPU
     burners, clients searching the registry without pause, and an upload a client sends slowly
     (a request in flight all along, as a release retrying against a busy server keeps one).
-    Yields an event set once the upload is under way."""
+    Yields an event set once the upload is under way. The clients sign in as `auth`."""
     stop, uploading = threading.Event(), threading.Event()
     burn = f"import time\nend = time.monotonic() + {seconds}\nwhile time.monotonic() < end: pass"
     burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(2)]
 
     def search() -> None:
-        with httpx.Client(timeout=10) as client:
+        with httpx.Client(timeout=10, auth=auth) as client:
             while not stop.is_set():
                 with suppress(httpx.HTTPError):
                     client.get(url + "/api/2.0/mlflow/registered-models/search")
@@ -360,7 +360,7 @@ def load_on(url: str, seconds: float) -> Iterator[threading.Event]:
 
         with suppress(httpx.HTTPError):
             path = "/api/2.0/mlflow-artifacts/artifacts/load/slow.bin"
-            httpx.put(url + path, content=body(), timeout=seconds)
+            httpx.put(url + path, content=body(), timeout=seconds, auth=auth)
 
     clients = [threading.Thread(target=f, daemon=True) for f in (search, search, upload)]
     for client in clients:
@@ -390,7 +390,10 @@ def test_sigterm_stops_mint_registry_within_seconds_under_load_and_all_it_starte
     tree = psutil.Process(registry.pid).children(recursive=True)
     assert any("uvicorn" in " ".join(p.cmdline()) for p in tree), [p.cmdline() for p in tree]
 
-    with load_on(url, seconds=90) as uploading:
+    accounts = RegistryAccounts.load(tmp_path)
+    assert accounts is not None
+    pipeline = accounts.pipeline  # signed in, so MLflow serves the load rather than refusing it
+    with load_on(url, 90, (pipeline.username, pipeline.password)) as uploading:
         assert uploading.wait(30)
         time.sleep(1)  # the searches and the upload reach the server
         registry.send_signal(signal.SIGTERM)
