@@ -16,7 +16,6 @@ from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import RESOURCE_DOES_NOT_EXIST
 from mlflow.store.artifact.local_artifact_repo import LocalArtifactRepository
 
-from mint_core.artifact_store import LocalArtifactStore
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
 
@@ -28,6 +27,10 @@ class MintLocalArtifactRepository(LocalArtifactRepository):
     def __init__(
         self, artifact_uri: str, tracking_uri: str | None = None, registry_uri: str | None = None
     ) -> None:
+        # Here, not at the top: MLflow imports every artifact-repository plugin when it is
+        # itself imported (`mint status` too), and the store loads torch through packing.
+        from mint_core.artifact_store import LocalArtifactStore
+
         # The server's environment is its edge: MINT_HOME names the store it reads. Only that:
         # the rest of MinT's configuration is not the server's (its MLFLOW_TRACKING_URI is its
         # backend store, not a server URL).

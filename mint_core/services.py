@@ -206,7 +206,7 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
     )
 
 
-MLFLOW_SHUTDOWN_S = 2.0
+MLFLOW_SHUTDOWN_S = 0.5
 """How long the MLflow server may spend finishing requests in flight once told to stop."""
 
 
@@ -265,10 +265,10 @@ def start_mlflow(
         "/health",
         home / "logs" / "mlflow.log",
         env,
-        # Past its own shutdown timeout, with a second to spare, what is left is killed; its
+        # Past its own shutdown timeout, with half a second to spare, what is left is killed; its
         # database keeps only committed transactions (sqlite's journal, PostgreSQL), so a
         # request cut short leaves nothing half-written.
-        grace_s=MLFLOW_SHUTDOWN_S + 1,
+        grace_s=MLFLOW_SHUTDOWN_S + 0.5,
     )
     if accounts is None:
         return server

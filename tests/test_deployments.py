@@ -182,8 +182,10 @@ def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path
                 break
         output = "".join(lines)
         assert process.poll() is None, output
+        services = ("MLflow UI (registry)", "Prefect UI (flows)", "serving API (worker)")
         urls = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
-                for line in lines if "://" in line}  # fmt: skip
+                for line in lines if line.startswith(services)}  # fmt: skip
+        assert urls.keys() == set(services), output
         assert urls["MLflow UI (registry)"] == f"http://127.0.0.1:{ports[0]}"
         assert httpx.get(urls["MLflow UI (registry)"] + "/health").status_code == 200
         assert httpx.get(urls["Prefect UI (flows)"] + "/api/health").status_code == 200
