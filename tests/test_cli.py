@@ -187,7 +187,9 @@ def test_a_registry_that_does_not_answer_is_named_before_anything_starts(
 ) -> None:
     registry = f"http://127.0.0.1:{closed_port()}"
     env = mint_env(MINT_HOME=str(tmp_path), MLFLOW_TRACKING_URI=registry)
-    for args in (["status"], ["release", "--adapter", "ok-bot", "--data", ANY_FILE]):
+    # Good data (a bad file is refused before the registry is asked: test below).
+    data, _ = toy_data(tmp_path / "user", "reverse", rows=64)
+    for args in (["status"], ["release", "--adapter", "ok-bot", "--data", data]):
         done, seconds = run_mint(*args, env=env, timeout_s=60)
         line = failure_line(done, args[0])
         assert f"MLflow at {registry} (MLFLOW_TRACKING_URI) does not answer" in line
