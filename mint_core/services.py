@@ -206,8 +206,9 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
     )
 
 
-MLFLOW_SHUTDOWN_S = 0.5
-"""How long the MLflow server may spend finishing requests in flight once told to stop."""
+MLFLOW_SHUTDOWN_S = 1
+"""How long the MLflow server may spend finishing requests in flight once told to stop (whole
+seconds: uvicorn takes an integer)."""
 
 
 def start_mlflow(
