@@ -475,6 +475,18 @@ def wait_for(
         time.sleep(0.2)
 
 
+def still_running(processes: list[psutil.Process], timeout_s: float) -> list[tuple[int, str]]:
+    """Which of `processes` still run after up to `timeout_s`: pid and command line. A zombie
+    (exited, its parent gone before reaping it) runs no more."""
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    running = []
+    for process in alive:
+        with suppress(psutil.NoSuchProcess, psutil.ZombieProcess):
+            if process.status() != psutil.STATUS_ZOMBIE:
+                running.append((process.pid, " ".join(process.cmdline())))
+    return running
+
+
 def stop_and_check(
     process: subprocess.Popen[bytes], sig: signal.Signals, urls: list[str], log: Path
 ) -> None:
@@ -484,8 +496,8 @@ def stop_and_check(
     assert descendants, "the command started nothing"
     process.send_signal(sig)
     assert process.wait(60) == 0, log.read_text()[-3000:]
-    _, alive = psutil.wait_procs(descendants, timeout=5)
-    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    alive = still_running(descendants, timeout_s=5)
+    assert not alive, alive
     for url in urls:
         with pytest.raises(httpx.ConnectError):
             httpx.get(url, timeout=2)
