@@ -277,9 +277,12 @@ def mixed_fleet(
         stop_all([*workers.values(), mlflow])
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator["Browser"]:
-    """Headless Chromium (Debian's, driven by Playwright) for the session's UI tests."""
+    """Headless Chromium (Debian's, driven by Playwright) for a module's UI tests. Not for the
+    session: while Playwright's sync API runs, this thread has an event loop running, and
+    Prefect's sync calls made from it afterwards (a state's result, a client) would hand back
+    coroutines that never run."""
     from playwright.sync_api import sync_playwright
 
     from tests.browser import launch
