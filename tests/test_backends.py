@@ -379,7 +379,7 @@ def test_an_engine_core_death_is_answered_503_then_the_worker_restarts_vllm_and_
     assert set(refusals) <= {"not_ready", "engine_unavailable", "service"}, refusals
     assert health(worker)["status"] == "ok"
     # Prewarmed again after the engine came back, through both phases.
-    after = [e for e in events_of(worker) if e["id"] == revision and e["since"] > killed_at]
+    after = [e for e in events_of(worker) if e["id"] == revision and e["at"] > killed_at]
     states = [e["state"] for e in after]
     assert states[0] == "not_admitted" and states[-1] == "ready", states
     assert "warming" in states, states

@@ -141,12 +141,17 @@ def served_by(worker: ManagedProcess, adapter: str) -> str:
     return answer.headers[REVISION_HEADER]
 
 
-def wait_health(worker: ManagedProcess, held: bool, timeout_s: float = 30) -> dict[str, object]:
+def wait_health(
+    worker: ManagedProcess, adapter: str, held: bool, timeout_s: float = 30
+) -> tuple[dict[str, object], list[dict[str, object]]]:
+    """The worker's health once it holds (or no longer holds) a move of `adapter`'s aliases,
+    and those held moves (others' adapters, moved by other tests, are not this test's)."""
     deadline = time.monotonic() + timeout_s
     while True:
         health = httpx.get(worker.url + "/health", timeout=10).json()
-        if bool(health.get("held_alias_moves")) == held or time.monotonic() > deadline:
-            return health
+        moves = [m for m in health.get("held_alias_moves", []) if m["adapter"] == adapter]
+        if bool(moves) == held or time.monotonic() > deadline:
+            return health, moves
         time.sleep(0.2)
 
 
@@ -179,9 +184,9 @@ def test_a_worker_keeps_serving_production_moved_by_hand_until_a_promote(
 
     # Someone moves production in the MLflow UI, past prewarm, gates and approval.
     MlflowClient(config.tracking_uri).set_registered_model_alias(name, PRODUCTION, "2")
-    health = wait_health(worker, held=True)
+    health, moves = wait_health(worker, name, held=True)
     held = {"adapter": name, "alias": PRODUCTION, "registry_revision": 2, "serving_revision": 1}
-    assert health["held_alias_moves"] == [held], health
+    assert moves == [held], health
     time.sleep(3 * AUDIT_INTERVAL_S)  # a few more syncs change nothing
     assert served_by(worker, name) == str(r1)
     assert served_by(worker, f"{name}@production") == str(r1)
@@ -198,16 +203,18 @@ def test_a_worker_keeps_serving_production_moved_by_hand_until_a_promote(
     events = httpx.get(
         worker.url + "/admin/events", headers={"Authorization": "Bearer key-admin"}
     ).json()["alias_events"]
+    events = [e for e in events if e["adapter"] == name]  # not other tests' adapters
     assert [(e["kind"], e["adapter"], e["registry_revision"]) for e in events] == [
         ("held", name, 2)
     ]
 
     # The pipeline's promote takes it: prewarmed, then moved with its intent.
     assert promote(name, r2.number, actor="release-manager") == str(r2)
-    health = wait_health(worker, held=False)
-    assert health["held_alias_moves"] == [], health
+    health, moves = wait_health(worker, name, held=False)
+    assert moves == [], health
     assert served_by(worker, name) == str(r2)
     events = httpx.get(
         worker.url + "/admin/events", headers={"Authorization": "Bearer key-admin"}
     ).json()["alias_events"]
-    assert [(e["kind"], e["adapter"]) for e in events] == [("held", name), ("released", name)]
+    mine = [(e["kind"], e["adapter"]) for e in events if e["adapter"] == name]
+    assert mine == [("held", name), ("released", name)]
