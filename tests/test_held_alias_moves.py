@@ -155,14 +155,7 @@ def wait_health(
         time.sleep(0.2)
 
 
-OPEN = pytest.mark.xfail(
-    strict=False,
-    reason="issue 23 open: failed in the merged clean-clone run, cause not yet found",
-)
-
-
 @pytest.mark.slow
-@OPEN
 def test_a_worker_keeps_serving_production_moved_by_hand_until_a_promote(
     audited: tuple[MintConfig, ManagedProcess],
     base: BaseModel,

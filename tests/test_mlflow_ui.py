@@ -56,13 +56,6 @@ def test_a_versions_files_are_served_from_mints_store(
     assert mlmodel.status_code == 404, mlmodel.text
 
 
-OPEN = pytest.mark.xfail(
-    strict=False,
-    reason="issue 23 open: failed in the merged clean-clone run, cause not yet found",
-)
-
-
-@OPEN
 def test_the_version_page_shows_the_history_and_no_error(
     config: MintConfig, released: list[RevisionId], ui: UiPage
 ) -> None:
