@@ -79,13 +79,13 @@ def test_the_paused_roll_out_shows_its_evaluation_in_the_form(
     ui: UiPage,
 ) -> None:
     registry = Registry(fleet_config.tracking_uri)
-    first = register_random_adapter(fleet_config, base, "form-bot", tmp_path / "r1", seed=1)
-    in_prefect(prefect_ui, promote, "form-bot", first.number)
-    registry.set_gates("form-bot", GATES)
-    second = register_random_adapter(fleet_config, base, "form-bot", tmp_path / "r2", seed=2)
+    first = register_random_adapter(fleet_config, base, "ui-form-bot", tmp_path / "r1", seed=1)
+    in_prefect(prefect_ui, promote, "ui-form-bot", first.number)
+    registry.set_gates("ui-form-bot", GATES)
+    second = register_random_adapter(fleet_config, base, "ui-form-bot", tmp_path / "r2", seed=2)
     with ThreadPoolExecutor(max_workers=1) as background:
         promoting = background.submit(
-            in_prefect, prefect_ui, promote, "form-bot", second.number, actor=RELEASER
+            in_prefect, prefect_ui, promote, "ui-form-bot", second.number, actor=RELEASER
         )
         try:
             run_id = paused_run_id(prefect_ui, registry, second)
