@@ -387,15 +387,23 @@ def test_an_engine_core_death_is_answered_503_then_the_worker_restarts_vllm_and_
 
 def engine_core_pid(server: int) -> int:
     """vLLM's EngineCore process: the child of its API server `server` that runs the model."""
+    found = child_pid(server, b"EngineCore")
+    if found is None:
+        raise NotFoundError(f"vLLM's API server {server} has no EngineCore child")
+    return found
+
+
+def child_pid(parent: int, marker: bytes) -> int | None:
+    """A child of `parent` whose command line contains `marker`; None if there is none."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            parent = int(stat.read_text().rpartition(")")[2].split()[1])
+            ppid = int(stat.read_text().rpartition(")")[2].split()[1])
             cmdline = (stat.parent / "cmdline").read_bytes()
         except (OSError, IndexError, ValueError):
             continue
-        if parent == server and b"EngineCore" in cmdline:
+        if ppid == parent and marker in cmdline:
             return int(stat.parent.name)
-    raise NotFoundError(f"vLLM's API server {server} has no EngineCore child")
+    return None
 
 
 def known(worker: ManagedProcess, revision: RevisionId) -> bool:
@@ -421,15 +429,10 @@ def health(worker: ManagedProcess) -> dict[str, object]:
 
 def vllm_pid(worker: ManagedProcess) -> int:
     """The vLLM server the worker started: its child running vLLM's OpenAI entry point."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            parent = int(stat.read_text().rpartition(")")[2].split()[1])
-            cmdline = (stat.parent / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if parent == worker.process.pid and b"vllm.entrypoints.openai.api_server" in cmdline:
-            return int(stat.parent.name)
-    raise NotFoundError(f"worker {worker.url} runs no vLLM server")
+    found = child_pid(worker.process.pid, b"vllm.entrypoints.openai.api_server")
+    if found is None:
+        raise NotFoundError(f"worker {worker.url} runs no vLLM server")
+    return found
 
 
 def wait_for(probe: Callable[[], bool], timeout_s: float) -> bool:
