@@ -16,7 +16,7 @@ from prefect.artifacts import create_table_artifact
 
 from flows.approval import await_approval
 from mint_core.canary import RevisionOutcomes, judge, merge
-from mint_core.config import MintConfig
+from mint_core.config import CANARY_MIN_REQUESTS, CANARY_PERCENT, CANARY_WINDOW_S, MintConfig
 from mint_core.errors import ConfigurationError, MintError, NotFoundError, RejectedError
 from mint_core.registry import Registry, check_canary_percent
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
@@ -45,9 +45,9 @@ class CanaryReport:
 def canary(
     adapter: str,
     revision: int,
-    percent: float = 10.0,
-    window_s: float = 300.0,
-    min_requests: int = 50,
+    percent: float = CANARY_PERCENT,
+    window_s: float = CANARY_WINDOW_S,
+    min_requests: int = CANARY_MIN_REQUESTS,
     actor: str = "mint",
 ) -> CanaryReport:
     """Send `percent`% of `adapter@production`'s requests to `adapter:r<revision>` for

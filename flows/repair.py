@@ -14,14 +14,11 @@ from dataclasses import dataclass
 from prefect import flow
 
 from mint_core.catalog import DESIRED_ALIASES
-from mint_core.config import MintConfig
+from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, check_adapter_name
 from tasks.pipeline import ensure_exported, readmit_revision, rollout_lock, wait_fleet_ready
 from tasks.runs import label_run, summarize
-
-READY_TIMEOUT_S = 300.0
-"""How long a repair waits for every worker to report the revision ready again."""
 
 
 @dataclass(frozen=True)

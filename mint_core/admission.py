@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Generic, TypeVar
 
+from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
 
-DEFAULT_CONCURRENCY = 1
+DEFAULT_CONCURRENCY = MintConfig.admission_k
 Key = TypeVar("Key", bound=Hashable)
 
 

@@ -1,13 +1,19 @@
 """MinT's typed configuration, read from the environment only at the edges (CLI, flow entry
-points, server start) through `MintConfig.from_env`."""
+points, server start) through `MintConfig.from_env`.
+
+Every setting is written once, in `MintConfig`'s table: its environment variable, its default
+and what it means (`setting(...)`); `from_env` and `to_env` are derived from that table. The
+defaults of lower layers (engine slots, batch size, admission, sync interval) are these, and
+the few defaults that are not settings (ports, timeouts, canary window) are named below."""
 
 import json
 import os
 import shlex
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from mint_core.access import ADMIN, parse_api_keys
@@ -15,14 +21,37 @@ from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseSource
 from mint_core.revisions import RevisionId, RevisionRef
 
-DEFAULT_TRACKING_URI = "http://127.0.0.1:5000"
-DEFAULT_WORKER_URL = "http://127.0.0.1:8000"
+T = TypeVar("T")
+
+LOOPBACK = "127.0.0.1"
+"""Where MinT's own services listen unless told otherwise."""
+MLFLOW_PORT = 5000
+"""Port of the MLflow server (`mint registry`, `mint up`)."""
+PREFECT_PORT = 4200
+"""Port of the Prefect server `mint up` starts."""
+WORKER_PORT = 8000
+"""Port of a serving worker (`mint serve`, `mint up`)."""
+GATEWAY_PORT = 8080
+"""Port of the gateway (`mint gateway`)."""
+READY_TIMEOUT_S = 300.0
+"""How long the pipeline waits for workers to report a revision ready (prewarm, repair)."""
+MAX_PROMPTS = 64
+"""Prompts in one `/v1/completions` request, at most: a worker refuses more, and the control
+plane's client splits longer lists into requests of this many."""
+CANARY_PERCENT = 10.0
+"""Share of production's requests a canary answers, in percent."""
+CANARY_WINDOW_S = 300.0
+"""Seconds a canary is watched (longer, up to three windows, until it has its requests)."""
+CANARY_MIN_REQUESTS = 50
+"""Requests a canary must serve to be judged."""
+DEFAULT_CATALOG_SNAPSHOTS = 3
+"""Catalog snapshots kept in the artifact store (`MintConfig.catalog_snapshots`)."""
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `--max-lora-rank` values vLLM accepts."""
-DEFAULT_CATALOG_SNAPSHOTS = 3
-"""Catalog snapshots kept in the artifact store (`MINT_CATALOG_SNAPSHOTS`)."""
 REGISTRY_DB_SCHEMES = ("sqlite", "postgresql")
 """Databases MinT runs MLflow's backend store on (a `+driver` suffix is allowed)."""
+DEFAULT_TRACKING_URI = f"http://{LOOPBACK}:{MLFLOW_PORT}"
+DEFAULT_WORKER_URL = f"http://{LOOPBACK}:{WORKER_PORT}"
 
 
 class BackendKind(StrEnum):
@@ -63,83 +92,322 @@ class RetrainSchedule:
 
 
 @dataclass(frozen=True)
-class MintConfig:
-    """Where MinT keeps state and which services it talks to."""
+class Setting:
+    """How one `MintConfig` field is set from the environment and written back to it."""
 
-    home: Path = Path(".mint")
-    """State dir: base cache, frozen adapters, artifact store, MLflow's database (`MINT_HOME`)."""
-    tracking_uri: str = DEFAULT_TRACKING_URI
-    """MLflow tracking server, the registry of record (`MLFLOW_TRACKING_URI`)."""
-    worker_urls: tuple[str, ...] = (DEFAULT_WORKER_URL,)
-    """Serving workers that must report a revision ready before it is activated
-    (`MINT_WORKER_URLS`, comma-separated)."""
-    artifact_store: str = "local"
-    """Which artifact store exports go to: `local` (a folder under `home`) or `s3`
-    (`MINT_ARTIFACT_STORE`)."""
-    s3_bucket: str = ""
-    """Bucket of the S3 store (`MINT_S3_BUCKET`); credentials come from boto3's usual chain."""
-    s3_prefix: str = "mint"
-    """Key prefix in the bucket (`MINT_S3_PREFIX`)."""
-    s3_endpoint_url: str | None = None
-    """S3 API endpoint for non-AWS stores such as MinIO (`MINT_S3_ENDPOINT_URL`)."""
-    base: BaseSource = field(default_factory=BaseSource)
-    """The resident base model every adapter is trained on and served over (`MINT_BASE_MODEL`:
-    a model folder or a hub id in the local Hugging Face cache, unset for the embedded default;
-    `MINT_DTYPE`, `MINT_DEVICE`)."""
-    retrain: tuple[RetrainSchedule, ...] = ()
-    """Scheduled retraining, served as Prefect deployments (`MINT_RETRAIN`, see
-    `RetrainSchedule.parse_all`)."""
-    api_keys: Mapping[str, str] = field(default_factory=dict)
-    """Worker API keys -> principals (`MINT_API_KEYS` as `key=principal,...`, or
-    `MINT_API_KEYS_FILE`, a JSON object). Never hard-coded."""
-    device_slots: int = 64
-    """Adapters a worker holds beside the base at once (`MINT_DEVICE_SLOTS`)."""
-    host_cache_mb: int = 1024
-    """Host memory for verified adapter weights, in MiB (`MINT_HOST_CACHE_MB`); a revision is
-    ready on a worker only while it is in this cache."""
-    max_batch: int = 64
-    """Most sequences a worker decodes in one step (`MINT_MAX_BATCH`)."""
-    admission_k: int = 1
-    """Revisions a worker prewarms at once (`MINT_ADMISSION_K`); the rest queue."""
-    sync_interval_s: float = 1.0
-    """How often a worker catches up with the registry (`MINT_SYNC_INTERVAL_MS`); activation
-    also nudges every worker to sync at once."""
-    alias_audit_interval_s: float = 30.0
-    """How often a worker reads every adapter's aliases, changed or not
-    (`MINT_ALIAS_AUDIT_INTERVAL_MS`): an alias moved outside the pipeline (the MLflow UI)
-    leaves no other trace a sync finds, and is reported within this time."""
-    pins: tuple[RevisionId, ...] = ()
-    """Revisions every worker holds whatever the aliases say (`MINT_PINS`, `name:rN,...`)."""
-    worker_api_key: str = ""
-    """The key the pipeline presents to workers' admin endpoints (`MINT_WORKER_API_KEY`); with
-    `api_keys`, its principal must be one of `admin_principals`."""
-    backend: BackendKind = BackendKind.EMBEDDED
-    """What runs the model behind a worker (`MINT_BACKEND`: embedded or vllm)."""
-    host_adapters: int = 256
-    """Most revisions a worker's host tier holds, whatever their size (`MINT_HOST_ADAPTERS`),
-    on either backend, besides `host_cache_mb`; a vLLM worker's `--max-cpu-loras`."""
-    catalog_snapshots: int = DEFAULT_CATALOG_SNAPSHOTS
-    """Catalog snapshots kept in the artifact store (`MINT_CATALOG_SNAPSHOTS`): publishing one
-    removes all but the newest this many (about 1 GB each at a million revisions). The current
-    one is always kept, and more than one lets a worker that read the manifest just before a
-    publish still fetch the snapshot it names."""
-    max_lora_rank: int = 16
-    """Highest adapter rank a vLLM worker takes (`MINT_MAX_LORA_RANK`, one of vLLM's
-    `--max-lora-rank` values); a revision of higher rank ends `failed` there."""
-    vllm_python: str = ""
-    """The Python of vLLM's own environment (`MINT_VLLM_PYTHON`; default: `.venv-vllm` beside
-    MinT's sources, which `make vllm` builds)."""
-    vllm_args: tuple[str, ...] = ()
-    """More arguments for the vLLM server (`MINT_VLLM_ARGS`, shell words), e.g.
-    `--tensor-parallel-size 2 --gpu-memory-utilization 0.85` on GPUs."""
-    admin_principals: tuple[str, ...] = (ADMIN,)
-    """Principals a worker with `api_keys` lets use its admin endpoints (`/admin/...`: admit,
-    sync, events) and see every revision in `/v1/adapters/{name}` (`MINT_ADMIN_PRINCIPALS`,
-    comma-separated; default `admin`). A worker without keys leaves all of that open."""
-    registry_db: str = ""
-    """MLflow's backend store for `mint registry` and `mint up` (`MINT_REGISTRY_DB`): a
-    `postgresql://user:password@host:port/database` URI, or `sqlite:///path`; unset, a sqlite
-    file under `home`."""
+    env: tuple[str, ...]
+    """The variables that set it (one, except where a field gathers several)."""
+    doc: str
+    """What the field means."""
+    parse: Callable[..., Any]
+    """The variables' texts, one argument each -> the field's value (ValueError if bad)."""
+    show: Callable[[Any], tuple[str, ...]]
+    """The field's value -> the texts `parse` gives it back from."""
+    blank_is_default: bool = False
+    """A variable set to blank text counts as unset (numbers, names of a closed set)."""
+
+    def read(self, environ: Mapping[str, str], default: Any) -> Any:
+        """The value `environ` sets; an unset variable reads as its default's text."""
+        texts = []
+        for name, default_text in zip(self.env, self.show(default), strict=True):
+            text = environ.get(name)
+            if text is None or (self.blank_is_default and not text.strip()):
+                text = default_text
+            texts.append(text)
+        try:
+            return self.parse(*texts)
+        except ConfigurationError:
+            raise
+        except ValueError as e:  # a plain parser's complaint, told with the variable
+            raise ConfigurationError(f"{self.env[0]}={texts[0]!r} {e}") from None
+
+    def write(self, value: Any) -> dict[str, str]:
+        return dict(zip(self.env, self.show(value), strict=True))
+
+
+def setting(
+    env: str,
+    default: T,
+    doc: str,
+    parse: Callable[[str], T] | None = None,
+    show: Callable[[T], str] = str,
+    blank_is_default: bool = False,
+) -> T:
+    """A `MintConfig` field set by one variable `env`, `default` when unset; `parse` (default:
+    the field's type applied to the text) and `show` turn text into the value and back."""
+    read = parse if parse is not None else type(default)
+    entry = Setting((env,), doc, read, lambda value: (show(value),), blank_is_default)
+    return field(default=default, metadata={SETTING: entry})
+
+
+SETTING = "setting"
+"""The key of a `MintConfig` field's `Setting` in its metadata."""
+
+
+def _whole(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError("is not a whole number") from None
+
+
+def _milliseconds(text: str) -> float:
+    return _whole(text) / 1000
+
+
+def _show_milliseconds(seconds: float) -> str:
+    return str(round(seconds * 1000))
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    return tuple(url.rstrip("/") for url in _names(text))
+
+
+def _backend(text: str) -> BackendKind:
+    try:
+        return BackendKind(text.strip().lower())
+    except ValueError:
+        raise ValueError(f"is not one of {', '.join(BackendKind)}") from None
+
+
+def _pins(text: str) -> tuple[RevisionId, ...]:
+    return tuple(_pin(entry) for entry in _names(text))
+
+
+def _pin(text: str) -> RevisionId:
+    ref = RevisionRef.parse(text)
+    if ref.revision is None:
+        raise ConfigurationError(
+            f"MINT_PINS entry {text!r} names an alias; pin exact revisions, 'name:rN'"
+        )
+    return RevisionId(ref.adapter, ref.revision)
+
+
+def _api_keys(text: str, path: str) -> dict[str, str]:
+    keys = parse_api_keys(text)
+    if path:
+        try:
+            keys.update(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigurationError(
+                f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
+            ) from e
+    return keys
+
+
+def _show_api_keys(keys: Mapping[str, str]) -> tuple[str, str]:
+    # The keys a file added are written out with the others: the file is read once.
+    return ",".join(f"{key}={who}" for key, who in keys.items()), ""
+
+
+def _base(name: str, dtype: str, device: str) -> BaseSource:
+    return BaseSource(name, dtype, device)
+
+
+def _show_base(base: BaseSource) -> tuple[str, str, str]:
+    return base.name, base.dtype, base.device
+
+
+@dataclass(frozen=True)
+class MintConfig:
+    """Where MinT keeps state and which services it talks to: one row per setting."""
+
+    home: Path = setting(
+        "MINT_HOME",
+        Path(".mint"),
+        "State dir: base cache, frozen adapters, artifact store, MLflow's database.",
+        parse=lambda text: Path(text).absolute(),
+    )
+    tracking_uri: str = setting(
+        "MLFLOW_TRACKING_URI",
+        DEFAULT_TRACKING_URI,
+        "MLflow tracking server, the registry of record.",
+    )
+    worker_urls: tuple[str, ...] = setting(
+        "MINT_WORKER_URLS",
+        (DEFAULT_WORKER_URL,),
+        "Serving workers that must report a revision ready before it is activated "
+        "(comma-separated).",
+        parse=_urls,
+        show=",".join,
+    )
+    artifact_store: str = setting(
+        "MINT_ARTIFACT_STORE",
+        "local",
+        "Which artifact store exports go to: `local` (a folder under `home`) or `s3`.",
+    )
+    s3_bucket: str = setting(
+        "MINT_S3_BUCKET", "", "Bucket of the S3 store; credentials come from boto3's usual chain."
+    )
+    s3_prefix: str = setting("MINT_S3_PREFIX", "mint", "Key prefix in the bucket.")
+    s3_endpoint_url: str | None = setting(
+        "MINT_S3_ENDPOINT_URL",
+        None,
+        "S3 API endpoint for non-AWS stores such as MinIO.",
+        parse=lambda text: text or None,
+        show=lambda url: url or "",
+    )
+    base: BaseSource = field(
+        default=BaseSource(),
+        metadata={
+            SETTING: Setting(
+                ("MINT_BASE_MODEL", "MINT_DTYPE", "MINT_DEVICE"),
+                "The resident base model every adapter is trained on and served over: a model "
+                "folder or a hub id in the local Hugging Face cache, unset for the embedded "
+                "default; its dtype and device.",
+                _base,
+                _show_base,
+            )
+        },
+    )
+    retrain: tuple[RetrainSchedule, ...] = setting(
+        "MINT_RETRAIN",
+        (),
+        "Scheduled retraining, served as Prefect deployments (see `RetrainSchedule.parse_all`).",
+        parse=RetrainSchedule.parse_all,
+        show=lambda schedules: ";".join(map(str, schedules)),
+    )
+    api_keys: Mapping[str, str] = field(
+        default_factory=dict,
+        metadata={
+            SETTING: Setting(
+                ("MINT_API_KEYS", "MINT_API_KEYS_FILE"),
+                "Worker API keys -> principals (`key=principal,...`, and/or a file holding a "
+                "JSON object). Never hard-coded.",
+                _api_keys,
+                _show_api_keys,
+            )
+        },
+    )
+    device_slots: int = setting(
+        "MINT_DEVICE_SLOTS",
+        64,
+        "Adapters a worker holds beside the base at once.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    host_cache_mb: int = setting(
+        "MINT_HOST_CACHE_MB",
+        1024,
+        "Host memory for verified adapter weights, in MiB; a revision is ready on a worker "
+        "only while it is in this cache.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    max_batch: int = setting(
+        "MINT_MAX_BATCH",
+        64,
+        "Most sequences a worker decodes in one step.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    admission_k: int = setting(
+        "MINT_ADMISSION_K",
+        1,
+        "Revisions a worker prewarms at once; the rest queue.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    sync_interval_s: float = setting(
+        "MINT_SYNC_INTERVAL_MS",
+        1.0,
+        "How often a worker (and a gateway) catches up with the registry, in seconds (the "
+        "variable: milliseconds); activation also nudges every worker to sync at once.",
+        parse=_milliseconds,
+        show=_show_milliseconds,
+        blank_is_default=True,
+    )
+    alias_audit_interval_s: float = setting(
+        "MINT_ALIAS_AUDIT_INTERVAL_MS",
+        30.0,
+        "How often a worker reads every adapter's aliases, changed or not, in seconds (the "
+        "variable: milliseconds): an alias moved outside the pipeline (the MLflow UI) leaves "
+        "no other trace a sync finds, and is reported within this time.",
+        parse=_milliseconds,
+        show=_show_milliseconds,
+        blank_is_default=True,
+    )
+    pins: tuple[RevisionId, ...] = setting(
+        "MINT_PINS",
+        (),
+        "Revisions every worker holds whatever the aliases say (`name:rN,...`).",
+        parse=_pins,
+        show=lambda pins: ",".join(map(str, pins)),
+    )
+    worker_api_key: str = setting(
+        "MINT_WORKER_API_KEY",
+        "",
+        "The key the pipeline presents to workers' admin endpoints; with `api_keys`, its "
+        "principal must be one of `admin_principals`.",
+    )
+    backend: BackendKind = setting(
+        "MINT_BACKEND",
+        BackendKind.EMBEDDED,
+        "What runs the model behind a worker: embedded or vllm.",
+        parse=_backend,
+        blank_is_default=True,
+    )
+    host_adapters: int = setting(
+        "MINT_HOST_ADAPTERS",
+        256,
+        "Most revisions a worker's host tier holds, whatever their size, on either backend, "
+        "besides `host_cache_mb`; a vLLM worker's `--max-cpu-loras`.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    catalog_snapshots: int = setting(
+        "MINT_CATALOG_SNAPSHOTS",
+        DEFAULT_CATALOG_SNAPSHOTS,
+        "Catalog snapshots kept in the artifact store: publishing one removes all but the "
+        "newest this many (about 1 GB each at a million revisions). The current one is always "
+        "kept, and more than one lets a worker that read the manifest just before a publish "
+        "still fetch the snapshot it names.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    max_lora_rank: int = setting(
+        "MINT_MAX_LORA_RANK",
+        16,
+        "Highest adapter rank a vLLM worker takes (one of vLLM's `--max-lora-rank` values); a "
+        "revision of higher rank ends `failed` there.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    vllm_python: str = setting(
+        "MINT_VLLM_PYTHON",
+        "",
+        "The Python of vLLM's own environment (default: `.venv-vllm` beside MinT's sources, "
+        "which `make vllm` builds).",
+    )
+    vllm_args: tuple[str, ...] = setting(
+        "MINT_VLLM_ARGS",
+        (),
+        "More arguments for the vLLM server (shell words), e.g. `--tensor-parallel-size 2 "
+        "--gpu-memory-utilization 0.85` on GPUs.",
+        parse=lambda text: tuple(shlex.split(text)),
+        show=shlex.join,
+    )
+    admin_principals: tuple[str, ...] = setting(
+        "MINT_ADMIN_PRINCIPALS",
+        (ADMIN,),
+        "Principals a worker with `api_keys` lets use its admin endpoints (`/admin/...`: "
+        "admit, sync, events) and see every revision in `/v1/adapters/{name}` "
+        "(comma-separated). A worker without keys leaves all of that open.",
+        parse=_names,
+        show=",".join,
+        blank_is_default=True,
+    )
+    registry_db: str = setting(
+        "MINT_REGISTRY_DB",
+        "",
+        "MLflow's backend store for `mint registry` and `mint up`: a "
+        "`postgresql://user:password@host:port/database` URI, or `sqlite:///path`; unset, a "
+        "sqlite file under `home`.",
+    )
 
     def __post_init__(self) -> None:
         if self.registry_db:
@@ -148,12 +416,12 @@ class MintConfig:
             raise ConfigurationError(f"sync_interval_s={self.sync_interval_s} must be positive")
         if self.alias_audit_interval_s <= 0:
             raise ConfigurationError(
-                f"MINT_ALIAS_AUDIT_INTERVAL_MS={self.alias_audit_interval_s * 1000:g} must be "
-                "positive"
+                f"{variable('alias_audit_interval_s')}={self.alias_audit_interval_s * 1000:g} "
+                "must be positive"
             )
         if self.max_lora_rank not in VLLM_LORA_RANKS:
             raise ConfigurationError(
-                f"MINT_MAX_LORA_RANK={self.max_lora_rank} is not one of vLLM's ranks "
+                f"{variable('max_lora_rank')}={self.max_lora_rank} is not one of vLLM's ranks "
                 f"{', '.join(map(str, VLLM_LORA_RANKS))}; pick the smallest that covers your "
                 "adapters"
             )
@@ -169,8 +437,9 @@ class MintConfig:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
         if not self.admin_principals:
             raise ConfigurationError(
-                "admin_principals is empty; name at least one (MINT_ADMIN_PRINCIPALS), or the "
-                "pipeline cannot admit revisions on workers that have API keys"
+                "admin_principals is empty; name at least one "
+                f"({variable('admin_principals')}), or the pipeline cannot admit revisions on "
+                "workers that have API keys"
             )
         if not self.worker_urls:
             raise ConfigurationError("worker_urls is empty; name at least one serving worker")
@@ -179,8 +448,8 @@ class MintConfig:
                 raise ConfigurationError(f"service URL {url!r} must start with http:// or https://")
         if self.artifact_store == "s3" and not self.s3_bucket:
             raise ConfigurationError(
-                "MINT_ARTIFACT_STORE=s3 needs a bucket: set MINT_S3_BUCKET (and "
-                "MINT_S3_ENDPOINT_URL for a store other than AWS)"
+                f"{variable('artifact_store')}=s3 needs a bucket: set {variable('s3_bucket')} "
+                f"(and {variable('s3_endpoint_url')} for a store other than AWS)"
             )
 
     @property
@@ -198,73 +467,32 @@ class MintConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "MintConfig":
+        """The configuration `environ` (default: this process's environment) sets; each
+        variable left unset (or, for numbers and names, blank) gives its field's default."""
         env = os.environ if environ is None else environ
-        workers = env.get("MINT_WORKER_URLS", DEFAULT_WORKER_URL)
-        return cls(
-            home=Path(env.get("MINT_HOME", ".mint")).absolute(),
-            tracking_uri=env.get("MLFLOW_TRACKING_URI", DEFAULT_TRACKING_URI),
-            worker_urls=tuple(url.strip().rstrip("/") for url in workers.split(",") if url.strip()),
-            artifact_store=env.get("MINT_ARTIFACT_STORE", "local"),
-            s3_bucket=env.get("MINT_S3_BUCKET", ""),
-            s3_prefix=env.get("MINT_S3_PREFIX", "mint"),
-            s3_endpoint_url=env.get("MINT_S3_ENDPOINT_URL") or None,
-            base=BaseSource(
-                env.get("MINT_BASE_MODEL", ""),
-                env.get("MINT_DTYPE", ""),
-                env.get("MINT_DEVICE", ""),
-            ),
-            retrain=RetrainSchedule.parse_all(env.get("MINT_RETRAIN", "")),
-            api_keys=_api_keys(env),
-            device_slots=_integer(env, "MINT_DEVICE_SLOTS", 64),
-            host_cache_mb=_integer(env, "MINT_HOST_CACHE_MB", 1024),
-            max_batch=_integer(env, "MINT_MAX_BATCH", 64),
-            admission_k=_integer(env, "MINT_ADMISSION_K", 1),
-            sync_interval_s=float(_integer(env, "MINT_SYNC_INTERVAL_MS", 1000)) / 1000,
-            alias_audit_interval_s=_integer(env, "MINT_ALIAS_AUDIT_INTERVAL_MS", 30_000) / 1000,
-            pins=tuple(_pin(text) for text in env.get("MINT_PINS", "").split(",") if text.strip()),
-            worker_api_key=env.get("MINT_WORKER_API_KEY", ""),
-            admin_principals=_names(env.get("MINT_ADMIN_PRINCIPALS", "")) or (ADMIN,),
-            backend=_backend(env.get("MINT_BACKEND", "") or BackendKind.EMBEDDED),
-            host_adapters=_integer(env, "MINT_HOST_ADAPTERS", 256),
-            catalog_snapshots=_integer(env, "MINT_CATALOG_SNAPSHOTS", DEFAULT_CATALOG_SNAPSHOTS),
-            max_lora_rank=_integer(env, "MINT_MAX_LORA_RANK", 16),
-            vllm_python=env.get("MINT_VLLM_PYTHON", ""),
-            vllm_args=tuple(shlex.split(env.get("MINT_VLLM_ARGS", ""))),
-            registry_db=env.get("MINT_REGISTRY_DB", ""),
-        )
+        return cls(**{f.name: setting.read(env, _default(f)) for f, setting in _settings()})
 
     def to_env(self) -> dict[str, str]:
         """The environment that makes `from_env` give this configuration back (for child
         processes: workers, flow runs)."""
-        return {
-            "MINT_HOME": str(self.home),
-            "MLFLOW_TRACKING_URI": self.tracking_uri,
-            "MINT_WORKER_URLS": ",".join(self.worker_urls),
-            "MINT_ARTIFACT_STORE": self.artifact_store,
-            "MINT_S3_BUCKET": self.s3_bucket,
-            "MINT_S3_PREFIX": self.s3_prefix,
-            "MINT_S3_ENDPOINT_URL": self.s3_endpoint_url or "",
-            "MINT_BASE_MODEL": self.base.name,
-            "MINT_DTYPE": self.base.dtype,
-            "MINT_DEVICE": self.base.device,
-            "MINT_RETRAIN": ";".join(str(r) for r in self.retrain),
-            "MINT_API_KEYS": ",".join(f"{key}={who}" for key, who in self.api_keys.items()),
-            "MINT_DEVICE_SLOTS": str(self.device_slots),
-            "MINT_HOST_CACHE_MB": str(self.host_cache_mb),
-            "MINT_MAX_BATCH": str(self.max_batch),
-            "MINT_ADMISSION_K": str(self.admission_k),
-            "MINT_SYNC_INTERVAL_MS": str(round(self.sync_interval_s * 1000)),
-            "MINT_ALIAS_AUDIT_INTERVAL_MS": str(round(self.alias_audit_interval_s * 1000)),
-            "MINT_PINS": ",".join(str(pin) for pin in self.pins),
-            "MINT_WORKER_API_KEY": self.worker_api_key,
-            "MINT_ADMIN_PRINCIPALS": ",".join(self.admin_principals),
-            "MINT_BACKEND": self.backend,
-            "MINT_HOST_ADAPTERS": str(self.host_adapters),
-            "MINT_MAX_LORA_RANK": str(self.max_lora_rank),
-            "MINT_VLLM_PYTHON": self.vllm_python,
-            "MINT_VLLM_ARGS": shlex.join(self.vllm_args),
-            "MINT_REGISTRY_DB": self.registry_db,
-        }
+        variables: dict[str, str] = {}
+        for f, setting in _settings():
+            variables |= setting.write(getattr(self, f.name))
+        return variables
+
+
+def _settings() -> list[tuple[Field[Any], Setting]]:
+    return [(f, f.metadata[SETTING]) for f in fields(MintConfig)]
+
+
+def _default(f: Field[Any]) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+
+
+def variable(name: str) -> str:
+    """The environment variable that sets `MintConfig` field `name` (its first, where several
+    do), for messages that tell which one to change."""
+    return next(setting.env[0] for f, setting in _settings() if f.name == name)
 
 
 def check_registry_db(uri: str) -> str:
@@ -286,46 +514,3 @@ def _without_password(uri: str) -> str:
     if parts.password is None:
         return uri
     return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()
-
-
-def _api_keys(env: Mapping[str, str]) -> dict[str, str]:
-    keys = parse_api_keys(env.get("MINT_API_KEYS", ""))
-    if path := env.get("MINT_API_KEYS_FILE"):
-        try:
-            keys.update(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as e:
-            raise ConfigurationError(
-                f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
-            ) from e
-    return keys
-
-
-def _backend(text: str) -> BackendKind:
-    try:
-        return BackendKind(text.strip().lower())
-    except ValueError:
-        choices = ", ".join(BackendKind)
-        raise ConfigurationError(f"MINT_BACKEND={text!r} is not one of {choices}") from None
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-def _integer(env: Mapping[str, str], name: str, default: int) -> int:
-    text = env.get(name, "")
-    if not text.strip():
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ConfigurationError(f"{name}={text!r} is not a whole number") from None
-
-
-def _pin(text: str) -> RevisionId:
-    ref = RevisionRef.parse(text.strip())
-    if ref.revision is None:
-        raise ConfigurationError(
-            f"MINT_PINS entry {text.strip()!r} names an alias; pin exact revisions, 'name:rN'"
-        )
-    return RevisionId(ref.adapter, ref.revision)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mint_core.config import LOOPBACK
 from mint_core.errors import ServiceError
 from mint_core.registry_accounts import (
     AUTH_VARIABLE,
@@ -31,8 +32,6 @@ from mint_core.registry_accounts import (
 
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
-
-LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:

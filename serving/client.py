@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from mint_core.canary import RevisionOutcomes
+from mint_core.config import MAX_PROMPTS, READY_TIMEOUT_S
 from mint_core.errors import ConfigurationError, NotReadyError, ServiceError
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
@@ -23,10 +24,6 @@ _ADMIN_KEY_HINT = (
     "; the pipeline presents MINT_WORKER_API_KEY, which must be a key of the worker whose "
     "principal is in its MINT_ADMIN_PRINCIPALS"
 )
-
-
-_PROMPTS_PER_REQUEST = 64
-"""Prompts in one `/v1/completions` request: the worker's most (MAX_PROMPTS)."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ class WorkerClient:
                 return Readiness(entry["state"]), entry.get("reason")
         return Readiness.NOT_ADMITTED, None
 
-    def wait_ready(self, revision: RevisionId, timeout_s: float = 300.0) -> None:
+    def wait_ready(self, revision: RevisionId, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Block until the worker reports `revision` ready; NotReadyError if it fails or the
         time runs out."""
         deadline = time.monotonic() + timeout_s
@@ -211,13 +208,13 @@ class WorkerClient:
         body = {"model": model, "max_tokens": max_tokens, "temperature": 0}
 
         def batch(start: int) -> list[str | None]:
-            chunk = prompts[start : start + _PROMPTS_PER_REQUEST]
+            chunk = prompts[start : start + MAX_PROMPTS]
             if all(isinstance(p, str) for p in chunk):
                 choices = self._answer(model, "/v1/completions", body | {"prompt": chunk})
                 return [c["text"] if c["finish_reason"] == "stop" else None for c in choices]
             return [self._answer_one(model, body, prompt) for prompt in chunk]
 
-        starts = range(0, len(prompts), _PROMPTS_PER_REQUEST)
+        starts = range(0, len(prompts), MAX_PROMPTS)
         with ThreadPoolExecutor(max_workers=8) as pool:
             return [answer for answers in pool.map(batch, starts) for answer in answers]
 

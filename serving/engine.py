@@ -21,6 +21,7 @@ from peft import LoraConfig, get_peft_config
 from peft.utils.other import get_pattern_key
 from transformers.cache_utils import DynamicCache
 
+from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
 from mint_core.freezing import check_finite
 from mint_core.model.base import BaseModel, servable_modules
@@ -31,7 +32,7 @@ from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_experts, wrap_
 
 BASE = "__base__"
 """Adapter key of rows served by the base model alone."""
-DEFAULT_SLOTS = 64
+DEFAULT_SLOTS = MintConfig.device_slots
 _PEFT_PREFIX = "base_model.model."
 
 

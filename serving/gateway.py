@@ -152,7 +152,7 @@ class Gateway:
         catalog: Catalog,
         worker_api_key: str = "",
         refresh_s: float = DEFAULT_REFRESH_S,
-        sync_interval_s: float = 1.0,
+        sync_interval_s: float = MintConfig.sync_interval_s,
     ) -> None:
         self.fleet = Fleet([WorkerView(url.rstrip("/")) for url in worker_urls])
         self.catalog = catalog

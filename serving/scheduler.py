@@ -33,6 +33,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from mint_core.config import MintConfig
 from mint_core.errors import (
     ConfigurationError,
     IntegrityError,
@@ -49,7 +50,7 @@ from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_BATCH = 64
+DEFAULT_MAX_BATCH = MintConfig.max_batch
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 
 

@@ -51,6 +51,7 @@ from mint_core.admission import DEFAULT_CONCURRENCY, AdmissionQueue, Priority
 from mint_core.alias_intents import HeldMove
 from mint_core.artifact_store import ArtifactStore
 from mint_core.catalog import Catalog
+from mint_core.config import MintConfig
 from mint_core.errors import (
     BaseMismatchError,
     EngineUnavailableError,
@@ -77,7 +78,7 @@ WARMUP_TEXT = "Hello"
 """A neutral prompt for the warm-up generation, in the base's own tokens (whatever the base)."""
 WARMUP_TOKENS = 2
 WARMUP_TIMEOUT_S = 120.0
-DEFAULT_SYNC_INTERVAL_S = 1.0
+DEFAULT_SYNC_INTERVAL_S = MintConfig.sync_interval_s
 PREWARM_NICENESS = 10
 
 

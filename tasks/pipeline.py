@@ -30,7 +30,7 @@ from mint_core.access import EVERYONE
 from mint_core.artifact_store import open_store, read_data
 from mint_core.catalog import build_snapshot
 from mint_core.catalog_snapshot import Snapshot
-from mint_core.config import MintConfig
+from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.errors import (
     IntegrityError,
     MintError,
@@ -383,7 +383,9 @@ def readmit_revision(config: MintConfig, revision: RevisionId) -> None:
 
 
 @task(name="prewarm", cache_policy=NO_CACHE)
-def prewarm_revision(config: MintConfig, revision: RevisionId, timeout_s: float = 300.0) -> None:
+def prewarm_revision(
+    config: MintConfig, revision: RevisionId, timeout_s: float = READY_TIMEOUT_S
+) -> None:
     registry = Registry(config.tracking_uri)
     registry.set_stage(revision, Stage.PREWARMING)
     wait_fleet_ready(config, revision, timeout_s)
@@ -528,7 +530,7 @@ def activate_revision(
     alias: str = PRODUCTION,
     actor: str = "mint",
     reason: str = "release",
-    timeout_s: float = 300.0,
+    timeout_s: float = READY_TIMEOUT_S,
     approver: str = "",
 ) -> None:
     """Move `alias` to `revision` once every worker of its base reports it ready (waiting up to

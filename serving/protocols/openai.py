@@ -29,6 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mint_core.config import MAX_PROMPTS
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.text import Message
@@ -37,8 +38,6 @@ from serving.generation import TokenEvent
 from serving.protocols import Event, within_context
 from serving.sampling import SamplingParams, stop_hit
 
-MAX_PROMPTS = 64
-"""Most prompts in one completion request: each is a generation of its own."""
 DONE = "data: [DONE]\n\n"
 """The event that ends a stream (not JSON)."""
 
