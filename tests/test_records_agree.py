@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from mint_cli import GATE_OPTIONS, cmd_gates
+from mint_cli.rollout import GATE_OPTIONS, cmd_gates
 from mint_core.config import MintConfig
 from mint_core.evaluation import EvalSet, Evaluation, SetScore
 from mint_core.gates import Gates

@@ -10,7 +10,6 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from mint_cli import format_table, status_rows
 from mint_core.config import MintConfig
 from mint_core.digests import sha256_file
 from mint_core.errors import BaseMismatchError, DatasetError, NotFoundError, TransitionError
@@ -21,6 +20,7 @@ from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
 from mint_core.states import Readiness, Stage
 from serving.client import WorkerClient
+from serving.status import format_table, status_rows
 from tasks.pipeline import (
     activate_revision,
     admit_revision,

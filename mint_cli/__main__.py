@@ -1,0 +1,5 @@
+import sys
+
+from mint_cli.main import main
+
+sys.exit(main())

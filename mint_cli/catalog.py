@@ -1,0 +1,80 @@
+"""Commands that read what is registered and served: `mint status`, `mint pull` (a revision's
+files, out of MinT) and `mint catalog snapshot` (the catalog workers start from)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mint_cli.options import REF, REGISTRY
+from serving.status import fleet_health, format_table, status_rows, worker_rows
+
+if TYPE_CHECKING:
+    from mint_cli.options import Commands
+    from mint_core.config import MintConfig
+
+
+def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
+    fleet = fleet_health(config)
+    print(format_table(worker_rows(config, fleet)))
+    print()
+    print(format_table(status_rows(config, fleet)))
+
+
+def cmd_pull(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.artifact_store import open_store
+    from mint_core.pulling import pull
+    from mint_core.registry import Registry
+
+    pulled = pull(Registry(config.tracking_uri), open_store(config), args.ref, args.to, args.base)
+    print(
+        f"pulled {pulled.revision} into {pulled.folder} (content {pulled.content_digest}, "
+        f"verified), a PEFT adapter over {pulled.base}: "
+        f"AutoPeftModelForCausalLM.from_pretrained({str(pulled.folder)!r}) loads it"
+    )
+
+
+def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:
+    # Not through the Prefect task: that module imports torch, which this needs not.
+    from mint_core.artifact_store import open_store
+    from mint_core.catalog import build_snapshot
+    from mint_core.registry import Registry
+
+    snapshot = build_snapshot(
+        Registry(config.tracking_uri),
+        open_store(config),
+        config.work_root / "catalog",
+        config.catalog_snapshots,
+    )
+    print(f"catalog snapshot {snapshot.digest}: {snapshot.adapters} adapters, "
+          f"{snapshot.revisions} revisions, {snapshot.size / 1e6:.1f} MB; workers starting "
+          "now begin from it")  # fmt: skip
+
+
+def add_commands(commands: Commands) -> None:
+    pull = commands.add_parser(
+        "pull",
+        help="write a revision's files, verified, from the artifact store into a PEFT adapter "
+        "folder that tools outside MinT load",
+    )
+    pull.add_argument("ref", type=REF, help="ADAPTER:rN or ADAPTER@alias (ADAPTER: production)")
+    pull.add_argument("--to", type=Path, required=True, help="a new (or empty) folder")
+    pull.add_argument(
+        "--base",
+        default=None,
+        help="the base (hub id or folder) to record in its adapter_config.json instead of the "
+        "one it was trained on",
+    )
+    pull.set_defaults(run=cmd_pull, needs=(REGISTRY,))
+
+    catalog = commands.add_parser("catalog", help="the catalog workers start from")
+    catalog_commands = catalog.add_subparsers(dest="catalog_command", required=True)
+    snapshot = catalog_commands.add_parser(
+        "snapshot",
+        help="read the whole registry into a catalog index and publish it in the artifact store",
+    )
+    snapshot.set_defaults(run=cmd_catalog_snapshot, needs=(REGISTRY,))
+
+    status = commands.add_parser("status", help="every revision with aliases, stage, readiness")
+    status.set_defaults(run=cmd_status, needs=(REGISTRY,))

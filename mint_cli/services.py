@@ -1,0 +1,211 @@
+"""Commands that run services until stopped: `mint serve` (a worker), `gateway`, `registry`
+(MLflow), `flows serve` (Prefect deployments) and `up` (all of them); and `mint demo`.
+
+Child processes run these same commands (`python -m mint_cli serve ...`): a worker or gateway
+started by `mint up`, a test or a benchmark parses the same options as one started by hand."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from mint_cli.options import PORT, address_options, backend_store_option, whole
+from mint_core.config import (
+    GATEWAY_PORT,
+    MLFLOW_PORT,
+    PREFECT_PORT,
+    WORKER_PORT,
+    BackendKind,
+)
+from mint_core.errors import ConfigurationError, ServiceError
+from mint_core.registry_accounts import ACCOUNTS_FILE, RegistryAccounts
+
+if TYPE_CHECKING:
+    from mint_cli.options import Commands
+    from mint_core.config import MintConfig
+
+
+def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
+    from serving.server import serve
+
+    if args.backend:
+        config = dataclasses.replace(config, backend=BackendKind(args.backend))
+    serve(config, args.host, args.port)
+
+
+def cmd_gateway(args: argparse.Namespace, config: MintConfig) -> None:
+    from serving.gateway import serve_gateway
+
+    serve_gateway(config, args.host, args.port)
+
+
+def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.services import start_mlflow
+
+    accounts = RegistryAccounts.load_or_create(config.home)
+    server = start_mlflow(
+        config.home, args.port, args.backend_store_uri or config.registry_db, accounts, store=config
+    )
+    try:
+        print(
+            f"MLflow server and UI at {server.url} (state in {config.home}); Ctrl-C stops it",
+            flush=True,
+        )
+        print(_accounts_line(accounts, config.home), flush=True)
+        server.process.wait()
+        raise ServiceError(
+            f"mlflow server stopped (exit {server.process.returncode}); {server.log_excerpt()}"
+        )
+    finally:
+        server.stop()
+
+
+def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.deployments import serve_deployments
+
+    if not os.environ.get("PREFECT_API_URL"):
+        raise ConfigurationError(
+            "PREFECT_API_URL is not set: point it at the Prefect server the deployments belong "
+            f"to (e.g. http://127.0.0.1:{PREFECT_PORT}/api), or run `mint up`, which starts one"
+        )
+    serve_deployments(config)
+
+
+def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
+    build_base(config)  # before any service (and Prefect's import): the worker only loads it
+    from flows.deployments import start_flow_server
+    from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
+    from serving.server import start_worker
+
+    started: list[ManagedProcess] = []
+    accounts = RegistryAccounts.load_or_create(config.home)
+    try:
+        mlflow = start_mlflow(
+            config.home,
+            args.mlflow_port,
+            args.backend_store_uri or config.registry_db,
+            accounts,
+            store=config,
+        )
+        started.append(mlflow)
+        prefect_server = start_prefect(config.home, args.prefect_port)
+        started.append(prefect_server)
+        config = dataclasses.replace(config, tracking_uri=mlflow.url)
+        os.environ.update(accounts.pipeline.env())  # the flow server's runs write
+        worker = start_worker(config, args.worker_port, env=accounts.worker.env())
+        started.append(worker)
+        config = dataclasses.replace(config, worker_urls=(worker.url,))
+        started.append(start_flow_server(config, prefect_server.url + "/api"))
+        print(f"MLflow UI (registry):    {mlflow.url}")
+        print(f"Prefect UI (flows):      {prefect_server.url}")
+        print(f"serving API (worker):    {worker.url}")
+        print(_accounts_line(accounts, config.home))
+        print(f"state and logs in {config.home}; Ctrl-C stops everything", flush=True)
+        while all(service.process.poll() is None for service in started):
+            time.sleep(0.5)
+        stopped = [s for s in started if s.process.poll() is not None]
+        raise ServiceError(
+            f"{stopped[0].name} stopped (exit {stopped[0].process.returncode}); "
+            + stopped[0].log_excerpt()
+        )
+    finally:
+        stop_all(started)
+        print("stopped: " + ", ".join(service.name for service in reversed(started)), flush=True)
+
+
+def build_base(config: MintConfig) -> None:
+    """Build the base if it is the embedded default and missing (pretrained once: seconds on
+    a quiet machine, many minutes on a loaded one), with a progress bar and no time limit,
+    before any service starts: a worker started on a base still to build would spend its
+    health timeout pretraining it."""
+    from tqdm.auto import tqdm
+
+    from mint_core.model.base import resolve
+
+    bar: tqdm | None = None
+
+    def progress(step: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            print(f"building the default base model in {config.home / 'base'} (once)", flush=True)
+            bar = tqdm(total=total, desc="base", unit="step", disable=None)
+        bar.update(1)
+
+    # Prefect, imported next, makes PREFECT_HOME (under MINT_HOME) but not its parents.
+    config.home.mkdir(parents=True, exist_ok=True)
+    try:
+        resolve(config.base, config.home, progress)
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _accounts_line(accounts: RegistryAccounts, home: Path) -> str:
+    auditors = ", ".join(a.username for a in accounts.auditors)
+    return (
+        f"MLflow sign-in: {accounts.pipeline.username} (the pipeline: writes), {auditors} "
+        f"(read only); passwords in {home / ACCOUNTS_FILE}"
+    )
+
+
+def cmd_demo(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_demo import run_demo
+
+    build_base(config)
+    run_demo(config, steps=args.steps)
+
+
+def add_commands(commands: Commands) -> None:
+    serve = commands.add_parser("serve", help="run a serving worker in the foreground")
+    address_options(serve, WORKER_PORT)
+    serve.add_argument(
+        "--backend",
+        choices=list(BackendKind),
+        help="what runs the model: MinT's embedded engine or a vLLM server the worker starts "
+        "and supervises (default: MINT_BACKEND, else embedded)",
+    )
+    serve.set_defaults(run=cmd_serve, service=True)
+
+    gateway = commands.add_parser(
+        "gateway",
+        help="one front door for every worker in MINT_WORKER_URLS, whatever their bases: the "
+        "workers' TGI and OpenAI APIs, each request sent to a worker of its revision's base",
+    )
+    address_options(gateway, GATEWAY_PORT)
+    gateway.set_defaults(run=cmd_gateway, service=True)
+
+    registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
+    registry.add_argument("--port", type=PORT, default=MLFLOW_PORT)
+    backend_store_option(registry)
+    registry.set_defaults(run=cmd_registry, service=True)
+
+    flows = commands.add_parser("flows", help="Prefect deployments of MinT's flows")
+    flow_commands = flows.add_subparsers(dest="flows_command", required=True)
+    flows_serve = flow_commands.add_parser(
+        "serve",
+        help="serve release, promote, rollback and retrain (+ MINT_RETRAIN schedules) to the "
+        "Prefect server at PREFECT_API_URL, running their flow runs until stopped",
+    )
+    flows_serve.set_defaults(run=cmd_flows_serve, service=True)
+
+    up = commands.add_parser(
+        "up", help="start MLflow, Prefect, the deployments and a worker; Ctrl-C stops them"
+    )
+    up.add_argument("--mlflow-port", type=PORT, default=MLFLOW_PORT)
+    up.add_argument("--prefect-port", type=PORT, default=PREFECT_PORT)
+    up.add_argument("--worker-port", type=PORT, default=WORKER_PORT)
+    backend_store_option(up)
+    up.set_defaults(run=cmd_up, service=True)
+
+    demo = commands.add_parser("demo", help="start everything, release two adapters, compare")
+    demo.add_argument(
+        "--steps",
+        type=whole("steps"),
+        default=None,
+        help="training steps per adapter (default: the recipe's)",
+    )
+    demo.set_defaults(run=cmd_demo, loads_models=True)
