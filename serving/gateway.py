@@ -29,7 +29,6 @@ differ in how fresh their copies are, so any number of them can stand behind a p
 balancer.
 """
 
-import argparse
 import asyncio
 import logging
 import sys
@@ -48,7 +47,7 @@ from starlette.routing import Route
 
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
-from mint_core.config import MintConfig
+from mint_core.config import GATEWAY_PORT, MintConfig
 from mint_core.errors import (
     ConfigurationError,
     MintError,
@@ -461,7 +460,7 @@ def build_gateway(config: MintConfig) -> Gateway:
     )
 
 
-def serve_gateway(config: MintConfig, host: str = LOOPBACK, port: int = 8080) -> None:
+def serve_gateway(config: MintConfig, host: str = LOOPBACK, port: int = GATEWAY_PORT) -> None:
     app = build_gateway(config).app()
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
@@ -471,7 +470,7 @@ def start_gateway(
 ) -> ManagedProcess:
     """A gateway in a child process on loopback; returns once `/health` answers."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "serving.gateway", "--host", LOOPBACK, "--port", str(port)]
+    argv = [sys.executable, "-m", "mint_cli", "gateway", "--host", LOOPBACK, "--port", str(port)]
     return start_process(
         "gateway",
         argv,
@@ -481,15 +480,3 @@ def start_gateway(
         config.to_env(),
         timeout_s,
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m serving.gateway", description=__doc__)
-    parser.add_argument("--host", default=LOOPBACK)
-    parser.add_argument("--port", type=int, default=8080)
-    args = parser.parse_args(argv)
-    serve_gateway(MintConfig.from_env(), args.host, args.port)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,6 +1,5 @@
 """Starting a worker: in this process (`serve`) or as a child process (`start_worker`)."""
 
-import argparse
 import logging
 import os
 import sys
@@ -11,7 +10,7 @@ from transformers.utils import logging as transformers_logging
 
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
-from mint_core.config import BackendKind, MintConfig
+from mint_core.config import WORKER_PORT, BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
@@ -58,9 +57,9 @@ def build_worker(config: MintConfig) -> Worker:
     )
 
 
-def serve(config: MintConfig, host: str = LOOPBACK, port: int = 8000) -> None:
+def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> None:
     """Load the base, follow the registry, serve until stopped: a worker process's life,
-    however it is started (`mint serve`, `python -m serving`, `start_worker`)."""
+    however it is started (`mint serve`, by hand or from `start_worker`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # A worker asks MLflow in the background and must notice quickly when it is down, not
     # after MLflow's default minutes of retries.
@@ -86,7 +85,7 @@ def start_worker(
     port = port or free_port()
     # MINT_API_KEYS_FILE would add keys to the ones `config` already holds.
     env = config.to_env() | {"MINT_API_KEYS_FILE": ""} | dict(env or {})
-    argv = [sys.executable, "-m", "serving", "--host", LOOPBACK, "--port", str(port)]
+    argv = [sys.executable, "-m", "mint_cli", "serve", "--host", LOOPBACK, "--port", str(port)]
     return start_process(
         "serving worker",
         argv,
@@ -96,11 +95,3 @@ def start_worker(
         env,
         timeout_s,
     )
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m serving", description="Run a MinT worker.")
-    parser.add_argument("--host", default=LOOPBACK)
-    parser.add_argument("--port", type=int, default=8000)
-    args = parser.parse_args(argv)
-    serve(MintConfig.from_env(), args.host, args.port)

@@ -1,3 +1,0 @@
-from serving.server import main
-
-main()
