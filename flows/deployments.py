@@ -129,9 +129,8 @@ def serve_deployments(config: MintConfig) -> None:
 def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProcess:
     """`mint flows serve` in a child process; returns once its deployments are registered."""
     env = config.to_env() | {"PREFECT_API_URL": prefect_api_url}
-    names = ["release/release", "promote/promote", "rollback/rollback", "retrain/retrain"]
-    names += ["repair/repair", "approve/approve", "canary/canary", "rl/rl"]
-    names += [f"retrain/retrain-{schedule.adapter}" for schedule in config.retrain]
+    # The very deployments the child serves, so none is left out of the wait.
+    names = [f"{d.flow_name}/{d.name}" for d in _deployments(config)]
     return start_process(
         "flow server",
         [sys.executable, "-m", "mint_cli", "flows", "serve"],
