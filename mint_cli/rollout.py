@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+from collections.abc import Callable
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
@@ -118,37 +119,52 @@ def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
     print(format_table(rows))
 
 
-def _reason_option(command: argparse.ArgumentParser) -> None:
+def _fleet_command(
+    commands: Commands,
+    name: str,
+    help: str,
+    run: Callable[[argparse.Namespace, MintConfig], None],
+    target: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """A command that brings one revision (`target` says which) to the whole fleet: the
+    adapter, that revision, who does it and why (the flow's default reason: its name)."""
+    command = commands.add_parser(name, help=help)
+    adapter_option(command)
+    target(command)
+    actor_option(command)
     FlowOptions(command).add("--reason", help="why (recorded; default: the command's name)")
+    command.set_defaults(run=run, needs=(REGISTRY, WORKERS))
+
+
+def _to_revision_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--to-revision", type=REVISION, default=None, help="N of rN (default: previous)"
+    )
 
 
 def add_commands(commands: Commands) -> None:
-    promote = commands.add_parser("promote", help="serve an existing revision as production")
-    adapter_option(promote)
-    revision_option(promote)
-    actor_option(promote)
-    _reason_option(promote)
-    promote.set_defaults(run=cmd_promote, needs=(REGISTRY, WORKERS))
-
-    rollback = commands.add_parser("rollback", help="return production to its previous revision")
-    adapter_option(rollback)
-    rollback.add_argument(
-        "--to-revision", type=REVISION, default=None, help="N of rN (default: previous)"
+    _fleet_command(
+        commands,
+        "promote",
+        "serve an existing revision as production",
+        cmd_promote,
+        revision_option,
     )
-    actor_option(rollback)
-    _reason_option(rollback)
-    rollback.set_defaults(run=cmd_rollback, needs=(REGISTRY, WORKERS))
-
-    repair = commands.add_parser(
+    _fleet_command(
+        commands,
+        "rollback",
+        "return production to its previous revision",
+        cmd_rollback,
+        _to_revision_option,
+    )
+    _fleet_command(
+        commands,
         "repair",
-        help="export a revision again from its frozen files if its artifact is missing or "
-        "damaged, and have every worker take it in again (no alias moves)",
+        "export a revision again from its frozen files if its artifact is missing or damaged, "
+        "and have every worker take it in again (no alias moves)",
+        cmd_repair,
+        revision_option,
     )
-    adapter_option(repair)
-    revision_option(repair)
-    actor_option(repair)
-    _reason_option(repair)
-    repair.set_defaults(run=cmd_repair, needs=(REGISTRY, WORKERS))
 
     history = commands.add_parser("history", help="every alias move of an adapter")
     adapter_argument(history)
