@@ -1,0 +1,94 @@
+"""MintConfig's settings table: every field is one row (its variables, default and doc), the
+environment gives each default when unset, and `to_env` gives back every field, none left out."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from mint_core.config import (
+    SETTING,
+    BackendKind,
+    MintConfig,
+    RetrainSchedule,
+    Setting,
+    variable,
+)
+from mint_core.errors import ConfigurationError
+from mint_core.model.base import BaseSource
+from mint_core.revisions import RevisionId
+
+CHANGED = MintConfig(
+    home=Path("/srv/mint"),
+    tracking_uri="https://mlflow.example:5443",
+    worker_urls=("http://w1:8000", "http://w2:8000"),
+    artifact_store="s3",
+    s3_bucket="team",
+    s3_prefix="",
+    s3_endpoint_url="http://minio:9000",
+    base=BaseSource("/models/base", "float16", "cpu"),
+    retrain=(RetrainSchedule("support-bot", "/data/support.jsonl", "0 3 * * *"),),
+    api_keys={"k1": "alice", "k2": "admin"},
+    device_slots=8,
+    host_cache_mb=64,
+    max_batch=4,
+    admission_k=2,
+    sync_interval_s=0.25,
+    alias_audit_interval_s=5.0,
+    pins=(RevisionId("support-bot", 3),),
+    worker_api_key="k2",
+    backend=BackendKind.VLLM,
+    host_adapters=16,
+    catalog_snapshots=5,
+    max_lora_rank=64,
+    vllm_python="/opt/vllm/bin/python",
+    vllm_args=("--seed", "1 2"),
+    admin_principals=("ops", "admin"),
+    registry_db="sqlite:////srv/mint/mlflow.db",
+)
+"""Every field away from its default."""
+
+
+def test_every_field_is_a_documented_row_of_the_table() -> None:
+    for field in dataclasses.fields(MintConfig):
+        setting = field.metadata[SETTING]
+        assert isinstance(setting, Setting) and setting.env and setting.doc, field.name
+        assert getattr(CHANGED, field.name) != getattr(MintConfig(), field.name), field.name
+    names = [
+        name for field in dataclasses.fields(MintConfig) for name in field.metadata[SETTING].env
+    ]
+    assert len(names) == len(set(names))
+
+
+def test_unset_variables_give_the_defaults_and_to_env_gives_every_field_back() -> None:
+    assert MintConfig.from_env({}) == dataclasses.replace(
+        MintConfig(), home=Path(".mint").absolute()
+    )
+    assert MintConfig.from_env(CHANGED.to_env()) == CHANGED
+    assert MintConfig.from_env(MintConfig().to_env()).home == Path(".mint").absolute()
+
+
+@pytest.mark.parametrize(
+    ("environ", "value"),
+    [
+        ({"MINT_DEVICE_SLOTS": " "}, ("device_slots", 64)),
+        ({"MINT_BACKEND": ""}, ("backend", BackendKind.EMBEDDED)),
+        ({"MINT_S3_PREFIX": ""}, ("s3_prefix", "")),
+        ({"MINT_SYNC_INTERVAL_MS": "250"}, ("sync_interval_s", 0.25)),
+        ({"MINT_WORKER_URLS": " http://a/, http://b ,"}, ("worker_urls", ("http://a", "http://b"))),
+    ],
+)
+def test_a_variable_reads_as_its_row_says(
+    environ: dict[str, str], value: tuple[str, object]
+) -> None:
+    name, expected = value
+    assert getattr(MintConfig.from_env(environ), name) == expected
+
+
+def test_a_bad_value_is_refused_naming_its_variable() -> None:
+    with pytest.raises(ConfigurationError, match=r"MINT_MAX_BATCH='many' is not a whole number"):
+        MintConfig.from_env({"MINT_MAX_BATCH": "many"})
+    with pytest.raises(ConfigurationError, match=r"MINT_PINS entry 'bot@production' names an"):
+        MintConfig.from_env({"MINT_PINS": "bot@production"})
+    assert variable("sync_interval_s") == "MINT_SYNC_INTERVAL_MS"
+    assert variable("base") == "MINT_BASE_MODEL"
