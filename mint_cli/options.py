@@ -10,7 +10,7 @@ import argparse
 import getpass
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mint_core.config import LOOPBACK, check_registry_db
 from mint_core.errors import ConfigurationError
@@ -192,8 +192,8 @@ class FlowOptions:
         self._names: list[str] = []
         command.set_defaults(flow_options=self._names)
 
-    def add(self, *flags: str, **settings: object) -> None:
-        action = self._group.add_argument(*flags, default=argparse.SUPPRESS, **settings)  # type: ignore[arg-type]
+    def add(self, *flags: str, **settings: Any) -> None:
+        action = self._group.add_argument(*flags, default=argparse.SUPPRESS, **settings)
         self._names.append(action.dest)
 
 

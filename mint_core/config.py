@@ -4,7 +4,7 @@ points, server start) through `MintConfig.from_env`.
 Every setting is written once, in `MintConfig`'s table: its environment variable, its default
 and what it means (`setting(...)`); `from_env` and `to_env` are derived from that table. The
 defaults of lower layers (engine slots, batch size, admission, sync interval) are these, and
-the few defaults that are not settings (ports, timeouts, canary window) are named below."""
+the few defaults that are not settings (ports, timeouts, canary window) are named here too."""
 
 import json
 import os
