@@ -234,6 +234,7 @@ def add_commands(commands: Commands) -> None:
     watch.add(
         "--window",
         dest="window_s",
+        metavar="WINDOW",
         type=real("window", 0),
         help=f"seconds to watch (default {CANARY_WINDOW_S:g})",
     )
