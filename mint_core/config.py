@@ -50,8 +50,6 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `--max-lora-rank` values vLLM accepts."""
 REGISTRY_DB_SCHEMES = ("sqlite", "postgresql")
 """Databases MinT runs MLflow's backend store on (a `+driver` suffix is allowed)."""
-DEFAULT_TRACKING_URI = f"http://{LOOPBACK}:{MLFLOW_PORT}"
-DEFAULT_WORKER_URL = f"http://{LOOPBACK}:{WORKER_PORT}"
 
 
 class BackendKind(StrEnum):
@@ -224,12 +222,12 @@ class MintConfig:
     )
     tracking_uri: str = setting(
         "MLFLOW_TRACKING_URI",
-        DEFAULT_TRACKING_URI,
+        f"http://{LOOPBACK}:{MLFLOW_PORT}",
         "MLflow tracking server, the registry of record.",
     )
     worker_urls: tuple[str, ...] = setting(
         "MINT_WORKER_URLS",
-        (DEFAULT_WORKER_URL,),
+        (f"http://{LOOPBACK}:{WORKER_PORT}",),
         "Serving workers that must report a revision ready before it is activated "
         "(comma-separated).",
         parse=_urls,
