@@ -333,13 +333,6 @@ def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: S
     assert vllm_pid(worker) != vllm
 
 
-UNRESOLVED = pytest.mark.xfail(
-    strict=False,
-    reason="issue 23 open: failed in the merged clean-clone run, cause not yet found",
-)
-
-
-@UNRESOLVED
 def test_an_engine_core_death_is_answered_503_then_the_worker_restarts_vllm_and_serves_again(
     scenario: Scenario,
 ) -> None:
