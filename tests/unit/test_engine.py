@@ -33,7 +33,8 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("engine-home")
 
 
-# MoE families join once the engine serves expert LoRA (their MLPs are no linear layers).
+# Dense families: these tests adapt every linear layer, and an MoE family's experts are fused
+# parameters, not linear layers (the engine's expert LoRA is test_engine_experts.py).
 @pytest.fixture(scope="module", params=DENSE_FAMILIES)
 def folder(request: pytest.FixtureRequest, home: Path) -> Path:
     return family_folder(request.param, home)
