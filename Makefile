@@ -17,7 +17,7 @@ TGI_INSTALLED := $(TGI_VENV)/.installed
 # the path of the one on PATH, or where Debian's package puts it, installed only when missing.
 CHROMIUM := $(or $(shell command -v chromium),/usr/bin/chromium)
 
-.PHONY: demo test vllm tgi-client lint bench clean
+.PHONY: demo test test-unit vllm tgi-client lint bench clean
 
 # torch goes first and alone: its CPU wheel lies on local disk, while an open range pulled in
 # by another package would download a multi-GB CUDA build.
@@ -56,10 +56,18 @@ $(CHROMIUM):
 demo: $(INSTALLED)
 	$(VENV)/bin/mint demo
 
-test: $(INSTALLED) $(VLLM_INSTALLED) $(TGI_INSTALLED) $(CHROMIUM)
+lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/pytest
+
+# The fast lane: no process started, well under a minute.
+test-unit: $(INSTALLED)
+	$(VENV)/bin/pytest tests/unit
+
+# ruff and the fast lane come first: a failure there stops here, before the other environments
+# are installed and the integration lane (every other folder of tests/) runs.
+test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(CHROMIUM)
+	$(VENV)/bin/pytest --ignore=tests/unit
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TGI_VENV) .mint .pytest_cache .ruff_cache

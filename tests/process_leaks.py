@@ -8,13 +8,18 @@ process still carrying the mark was left behind: it is listed, killed, and the r
     pytest -p tests.process_leaks ...   (the suite's conftest loads it by itself)
 
 A run that is stopped stops what it started too: SIGTERM and SIGHUP interrupt it as Ctrl-C
-(SIGINT) does, so fixtures are torn down; and a watchdog process, started at configure time in
-a session of its own, kills whatever still carries the run's mark once the run has exited,
-however it ended (SIGKILL included).
+(SIGINT) does, so fixtures are torn down; and a watchdog process, started in a session of its
+own before the first test that may start a process, kills whatever still carries the run's
+mark once the run has exited, however it ended (SIGKILL included).
+
+A test that uses the `refuse_processes` fixture (every test in tests/unit does) fails if it
+starts a process of any kind; a run of such tests alone starts no watchdog either, so it
+starts no process at all.
 
 Linux only (it reads /proc); elsewhere it says that it did not check.
 """
 
+import _posixsubprocess
 import os
 import signal
 import subprocess
@@ -25,6 +30,7 @@ import uuid
 from collections.abc import Generator
 from contextlib import suppress
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -43,8 +49,20 @@ WATCH_INTERVAL_S = 0.2
 KILL_GRACE_S = 5.0
 """How long the watchdog gives what it stops to exit on SIGTERM before SIGKILL."""
 
+SPAWNS: tuple[tuple[object, str], ...] = (
+    (subprocess.Popen, "_execute_child"),  # subprocess.run and friends, asyncio's subprocesses
+    (_posixsubprocess, "fork_exec"),  # multiprocessing's spawn and forkserver
+    (os, "fork"),  # multiprocessing's fork, and anyone's
+    (os, "forkpty"),
+    (os, "posix_spawn"),
+    (os, "posix_spawnp"),
+    (os, "system"),
+)
+"""Every way a Python process starts another: what `refuse_processes` makes fail."""
+
 _PROC = Path("/proc")
 _mark = pytest.StashKey[str]()
+_ancestors = pytest.StashKey[str]()
 _handlers = pytest.StashKey[dict[int, object]]()
 _watchdog = pytest.StashKey["subprocess.Popen[bytes]"]()
 
@@ -53,12 +71,34 @@ def pytest_configure(config: pytest.Config) -> None:
     mark = uuid.uuid4().hex
     config.stash[_mark] = mark
     ancestors = os.environ.get(MARKS_VARIABLE, "")
+    config.stash[_ancestors] = ancestors
     os.environ[MARKS_VARIABLE] = f"{ancestors} {mark}".strip()
-    if not _PROC.is_dir():
-        return
-    config.stash[_watchdog] = start_watchdog(mark, ancestors)  # it outlives the run by design
     if threading.current_thread() is threading.main_thread():  # else signals cannot be set
         config.stash[_handlers] = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures, which may start processes
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    config = item.config
+    if _watchdog in config.stash or "refuse_processes" in item.fixturenames:
+        return
+    if _PROC.is_dir():  # it outlives the run by design
+        config.stash[_watchdog] = start_watchdog(config.stash[_mark], config.stash[_ancestors])
+
+
+@pytest.fixture
+def refuse_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Starting a process fails the test (an AssertionError naming the call): a test that
+    needs a server, a worker, a `mint` command or any subprocess is an integration test."""
+    for owner, name in SPAWNS:
+
+        def refuse(*args: object, _name: str = name, **kwargs: object) -> NoReturn:
+            raise AssertionError(
+                f"a test that refuses processes started one ({_name}); one that needs a process "
+                "belongs in tests/integration"
+            )
+
+        monkeypatch.setattr(owner, name, refuse)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -1,0 +1,218 @@
+"""The flows as Prefect deployments: `mint flows serve` registers them with a running Prefect
+server (parameters, cron schedule), a rollback run through the Prefect API changes what the
+worker serves, a strict concurrency limit guards each adapter's roll-out, and persisted results
+let a rerun of a flow run skip finished work. Also `mint up`, started and stopped whole."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prefect import flow, get_client
+from prefect.deployments import run_deployment
+
+from flows.deployments import start_flow_server
+from mint_core.config import MintConfig, RetrainSchedule
+from mint_core.errors import ConfigurationError, RolloutBusyError
+from mint_core.model.base import BaseModel
+from mint_core.model.training import TrainingConfig
+from mint_core.services import ManagedProcess, free_port
+from tasks.pipeline import load_data, rollout_lock, train_adapter
+from tests.integration.helpers import answer, toy_data
+from tests.integration.helpers import toy_release as release
+
+pytestmark = pytest.mark.slow
+
+SCHEDULE = RetrainSchedule("nightly-bot", "/data/nightly.jsonl", "0 3 * * *")
+
+
+@pytest.fixture(scope="module")
+def flow_server(fleet_config: MintConfig, prefect_api: str) -> Iterator[ManagedProcess]:
+    config = MintConfig(**{**vars(fleet_config), "retrain": (SCHEDULE,)})
+    server = start_flow_server(config, prefect_api)
+    yield server
+    server.stop()
+
+
+def test_deployments_are_served_with_parameters_and_schedule(flow_server: ManagedProcess) -> None:
+    with get_client(sync_client=True) as client:
+        deployments = {
+            f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()
+        }
+    assert {"release/release", "promote/promote", "rollback/rollback", "retrain/retrain",
+            "retrain/retrain-nightly-bot", "rl/rl"} <= deployments.keys()  # fmt: skip
+    rollback_form = deployments["rollback/rollback"].parameter_openapi_schema
+    assert rollback_form["required"] == ["adapter", "actor"]
+    assert {"adapter", "to_revision", "actor", "reason"} <= rollback_form["properties"].keys()
+    release_form = deployments["release/release"].parameter_openapi_schema
+    # Every hyperparameter is a field of the Prefect UI's form.
+    hyperparameters = {"rank", "alpha", "target_modules", "dropout", "learning_rate",
+                       "epochs", "steps", "batch_size", "gradient_accumulation",
+                       "max_length", "seed"}  # fmt: skip
+    assert {"adapter", "data", "eval_data", "eval_fraction", "principals"} | hyperparameters <= (
+        release_form["properties"].keys()
+    )
+    assert release_form["required"] == ["adapter", "data", "actor"]
+    nightly = deployments["retrain/retrain-nightly-bot"]
+    assert nightly.parameters == {"adapter": "nightly-bot", "data": "/data/nightly.jsonl"}
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 3 * * *"]
+    assert deployments["retrain/retrain"].schedules == []
+
+
+def test_deployment_forms_guide_a_person(flow_server: ManagedProcess) -> None:
+    """Each field of each form has help, an optional field is a field of its own type (not a
+    choice between it and "None"), and who acts must be named: no default person."""
+    with get_client(sync_client=True) as client:
+        forms = {d.name: d.parameter_openapi_schema for d in client.read_deployments()}
+    people = 0
+    for name, form in forms.items():
+        assert form is not None
+        for field_name, field in form["properties"].items():
+            where = f"{name}.{field_name}"
+            assert field.get("description"), f"{where} has no description"
+            assert "anyOf" not in field and field.get("type") != "null", f"{where}: {field}"
+            if field_name in ("actor", "reviewer"):
+                people += 1
+                assert field_name in form["required"] and "default" not in field, where
+    assert people == 7  # release, promote, rollback, canary, repair, rl; approve's reviewer
+    release = forms["release"]["properties"]
+    assert release["steps"]["type"] == "integer" and "default" not in release["steps"]
+    assert release["target_modules"]["type"] == "array"
+    assert forms["approve"]["required"] == ["adapter", "revision", "reviewer"]
+
+
+def test_rollback_through_the_prefect_api_changes_what_the_worker_serves(
+    flow_server: ManagedProcess, worker: ManagedProcess
+) -> None:
+    release("ui-bot", "reverse", steps=20, seed=1)
+    r1 = answer(worker, "ui-bot")
+    release("ui-bot", "reverse", steps=20, seed=2)
+    assert answer(worker, "ui-bot")[0] == "ui-bot:r2"
+
+    run = run_deployment(
+        "rollback/rollback",
+        parameters={"adapter": "ui-bot", "actor": "dana", "reason": "from the UI"},
+        timeout=300,
+    )
+
+    assert run.state is not None and run.state.is_completed(), run.state
+    assert answer(worker, "ui-bot") == r1
+
+
+def test_an_adapter_rolls_out_one_release_at_a_time(prefect_api: str) -> None:
+    entered = threading.Event()
+    waited: list[float] = []
+
+    def second() -> None:
+        entered.wait()
+        start = time.monotonic()
+        with rollout_lock("lock-bot"):
+            waited.append(time.monotonic() - start)
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    with rollout_lock("lock-bot"):
+        entered.set()
+        time.sleep(3)
+    thread.join(60)
+    assert waited and waited[0] >= 2.0
+    with (
+        rollout_lock("lock-bot"),
+        pytest.raises(RolloutBusyError, match=r"slot of 'lock-bot' .* was busy for 1 s"),
+        rollout_lock("lock-bot", timeout_s=1),
+    ):
+        pass
+
+
+def test_a_rerun_of_a_flow_run_skips_finished_training(
+    fleet_config: MintConfig, prefect_api: str
+) -> None:
+    @flow
+    def train_twice() -> tuple[Path, Path]:
+        training = TrainingConfig(steps=2, batch_size=4)
+        data, held_out = load_data(fleet_config, *toy_data(fleet_config.home, "upper", 64), 0.1, 0)
+        first = train_adapter(fleet_config, "cache-bot", data, held_out, training)
+        again = train_adapter(fleet_config, "cache-bot", data, held_out, training)
+        return first.path, again.path
+
+    first, again = train_twice()
+    assert first == again  # the second call, same run and inputs, reused the persisted result
+    assert train_twice()[0] != first  # another run trains afresh
+
+
+def test_flows_serve_needs_a_prefect_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mint_cli.services import cmd_flows_serve
+
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    with pytest.raises(ConfigurationError, match="PREFECT_API_URL"):
+        cmd_flows_serve(None, MintConfig())  # type: ignore[arg-type]
+    with pytest.raises(ConfigurationError, match=re.escape("adapter|data file|<cron")):
+        RetrainSchedule.parse_all("nightly-bot|/data/nightly.jsonl|every night")
+    assert RetrainSchedule.parse_all(str(SCHEDULE)) == (SCHEDULE,)
+
+
+def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    # The session's pretrained base, so `mint up` does not pretrain it again.
+    shutil.copytree(base.path, home / "base" / base.path.name)
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("MINT_", "ML"))}
+    ports = [str(port) for port in (free_port(), free_port(), free_port())]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "mint_cli", "up", "--mlflow-port", ports[0], "--prefect-port",
+         ports[1], "--worker-port", ports[2]],
+        env=env | {"MINT_HOME": str(home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        lines: list[str] = []
+        assert process.stdout is not None
+        for line in process.stdout:
+            lines.append(line)
+            if "Ctrl-C stops everything" in line:
+                break
+        output = "".join(lines)
+        assert process.poll() is None, output
+        services = ("MLflow UI (registry)", "Prefect UI (flows)", "serving API (worker)")
+        urls = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
+                for line in lines if line.startswith(services)}  # fmt: skip
+        assert urls.keys() == set(services), output
+        assert urls["MLflow UI (registry)"] == f"http://127.0.0.1:{ports[0]}"
+        assert httpx.get(urls["MLflow UI (registry)"] + "/health").status_code == 200
+        assert httpx.get(urls["Prefect UI (flows)"] + "/api/health").status_code == 200
+        assert httpx.get(urls["serving API (worker)"] + "/health").status_code == 200
+        deployment = httpx.get(urls["Prefect UI (flows)"] + "/api/deployments/name/release/release")
+        assert deployment.status_code == 200
+
+        process.send_signal(signal.SIGINT)
+        start = time.monotonic()
+        rest, _ = process.communicate(timeout=120)
+        print(f"mint up stopped in {time.monotonic() - start:.1f} s")
+        assert "stopped: flow server, serving worker, prefect server, mlflow server" in rest
+        for url in urls.values():
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(url, timeout=2)
+    finally:  # whatever failed above, `mint up` and all it started must not outlive the test
+        stop_mint_up(process)
+
+
+def stop_mint_up(process: subprocess.Popen[str]) -> None:
+    """Ctrl-C, as a user would; killed if that does not stop it within two minutes (what it
+    started is then left to the session's process check, which fails the run)."""
+    if process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()

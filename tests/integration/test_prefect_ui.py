@@ -1,0 +1,110 @@
+"""What a release manager sees in Prefect's UI: a gated roll-out paused for approval, opened in
+headless Chromium from a real `prefect server start` (API and UI, as `mint up` runs it); its
+resume form shows the evaluation table (candidate against production, and the threshold)."""
+
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from pathlib import Path
+from uuid import UUID
+
+import httpx
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows.approval import Verdict, answer_approval
+from flows.promote import promote
+from mint_core.config import MintConfig
+from mint_core.errors import NotFoundError, RejectedError
+from mint_core.gates import Gates
+from mint_core.model.base import BaseModel
+from mint_core.registry import APPROVAL_RUN_TAG, Registry
+from mint_core.revisions import RevisionId
+from mint_core.services import ManagedProcess, start_prefect
+from tests.integration.browser import UiPage
+from tests.integration.helpers import register_random_adapter
+
+pytestmark = pytest.mark.slow
+
+RELEASER = "carol"
+GATES = Gates(requires_approval=True, approvers=("alice", RELEASER), approval_timeout_s=600)
+"""Long enough for a browser on a busy machine; the test rejects the roll-out when done."""
+
+
+@pytest.fixture(scope="module")
+def prefect_ui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
+    """`prefect server start`: its API and its UI, on one port (Prefect's test harness serves
+    no UI)."""
+    server = start_prefect(tmp_path_factory.mktemp("prefect-ui"))
+    yield server
+    server.stop()
+
+
+def in_prefect(
+    server: ManagedProcess, function: Callable[..., object], *args: object, **kwargs: object
+) -> object:
+    """`function(*args, **kwargs)` with flows reporting to `server` (in this thread only)."""
+    with temporary_settings(updates={PREFECT_API_URL: server.url + "/api"}):
+        return function(*args, **kwargs)
+
+
+def paused_run_id(server: ManagedProcess, registry: Registry, revision: RevisionId) -> UUID:
+    """The flow run paused for `revision`'s approval, once it is paused."""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        run_id = None
+        with suppress(NotFoundError):
+            run_id = registry.get(revision).tags.get(APPROVAL_RUN_TAG)
+        if run_id is not None:
+            run = httpx.get(f"{server.url}/api/flow_runs/{run_id}").json()
+            if run["state"]["type"] == "PAUSED":
+                return UUID(run_id)
+        time.sleep(1)
+    raise AssertionError(f"{revision}'s roll-out never paused for approval")
+
+
+def test_the_paused_roll_out_shows_its_evaluation_in_the_form(
+    prefect_ui: ManagedProcess,
+    fleet_config: MintConfig,
+    base: BaseModel,
+    tmp_path: Path,
+    ui: UiPage,
+) -> None:
+    registry = Registry(fleet_config.tracking_uri)
+    first = register_random_adapter(fleet_config, base, "ui-form-bot", tmp_path / "r1", seed=1)
+    in_prefect(prefect_ui, promote, "ui-form-bot", first.number)
+    registry.set_gates("ui-form-bot", GATES)
+    second = register_random_adapter(fleet_config, base, "ui-form-bot", tmp_path / "r2", seed=2)
+    # Prefect's sync calls run from threads of their own: the browser's (Playwright's sync API)
+    # leaves an event loop in this one, and `resume_flow_run` called under it only makes a
+    # coroutine that never runs (the roll-out would stay paused).
+    with ThreadPoolExecutor(max_workers=2) as background:
+        promoting = background.submit(
+            in_prefect, prefect_ui, promote, "ui-form-bot", second.number, actor=RELEASER
+        )
+        try:
+            run_id = paused_run_id(prefect_ui, registry, second)
+            page = ui.open(f"{prefect_ui.url}/runs/flow-run/{run_id}")
+            page.get_by_text("Paused").first.wait_for()
+            assert page.get_by_text("Can't connect to Server API").count() == 0
+            page.get_by_role("button", name="Resume").first.click()
+            form = page.get_by_role("dialog")
+            form.get_by_text("Resume Flow Run").wait_for()
+            # The description is markdown: its table is rendered as one.
+            table = form.locator("table").first
+            table.wait_for()
+            header = " ".join(table.locator("th").all_inner_texts()).lower()
+            assert "candidate" in header, header
+            assert "production" in header, header
+            assert "threshold" in form.inner_text().lower()
+            assert not ui.server_errors
+        finally:
+            # Ends the paused roll-out whatever happened above.
+            rejecting = background.submit(
+                in_prefect, prefect_ui, answer_approval, fleet_config, second,
+                Verdict.REJECT, "alice", "browser test done",
+            )  # fmt: skip
+            rejecting.result(timeout=120)
+        with pytest.raises(RejectedError):
+            promoting.result(timeout=300)

@@ -1,0 +1,189 @@
+"""Stopping a started service stops its whole process group, whatever its leader did: the
+shape of `mlflow server`, whose uvicorn child can outlive it."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mint_core.errors import ServiceError
+from mint_core.services import ManagedProcess, group_running, start_process
+
+
+def started(tmp_path: Path, script: str) -> tuple[ManagedProcess, int]:
+    """`bash -c script` in a group of its own; the script writes its child's pid to a file,
+    and the service counts as healthy once it has."""
+    pid_file = tmp_path / "child.pid"
+    service = start_process(
+        "test service",
+        ["bash", "-c", script.replace("PID_FILE", str(pid_file))],
+        "http://127.0.0.1:9",
+        lambda: pid_file.exists() and pid_file.read_text().strip() != "",
+        tmp_path / "service.log",
+        timeout_s=30,
+    )
+    return service, int(pid_file.read_text())
+
+
+def running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def test_a_child_outliving_its_leader_is_stopped(tmp_path: Path) -> None:
+    service, child = started(tmp_path, "sleep 300 & echo $! > PID_FILE; wait")
+    service.process.kill()  # the leader alone, as `process.kill()` on `mlflow server` does
+    service.process.wait()
+    assert running(child)
+
+    service.stop()
+
+    assert not running(child)
+    assert not group_running(service.process.pid)
+
+
+def test_a_child_that_ignores_sigterm_is_killed_before_stop_returns(tmp_path: Path) -> None:
+    # The leader dies on SIGTERM at once; the child shrugs it off, as a web server waiting for
+    # open connections can.
+    service, child = started(
+        tmp_path, "bash -c 'trap \"\" TERM; echo $$ > PID_FILE; exec sleep 300' & wait"
+    )
+    started_at = time.monotonic()
+    service.stop(grace_s=1.0)
+    assert time.monotonic() - started_at >= 1.0
+    assert service.process.poll() is not None
+    assert not running(child)
+
+
+def test_a_zombie_left_in_the_group_does_not_hold_stop_up(tmp_path: Path) -> None:
+    # `true` exits and `sleep` (exec'd in the leader's place) never reaps it: a zombie stays in
+    # the group; where PID 1 does not reap orphans it stays one after the leader is gone.
+    service, zombie = started(tmp_path, "true & echo $! > PID_FILE; exec sleep 300")
+    started_at = time.monotonic()
+    service.stop(grace_s=30.0)
+    assert time.monotonic() - started_at < 10.0
+    assert service.process.returncode is not None
+    assert not running(zombie)
+
+
+def test_a_service_that_fails_to_start_leaves_nothing_running(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(ServiceError, match="exited with code 3 while starting"):
+        start_process(
+            "failing service",
+            ["bash", "-c", f"sleep 300 & echo $! > {pid_file}; exit 3"],
+            "http://127.0.0.1:9",
+            lambda: False,
+            tmp_path / "service.log",
+            timeout_s=30,
+        )
+    assert not running(int(pid_file.read_text()))
+
+
+def test_vllm_dies_with_a_worker_killed_outright_and_no_preexec_fn_started_it(
+    tmp_path: Path,
+) -> None:
+    """The worker's own start of vLLM (`VllmServer.start`), in a threaded process that refuses
+    Popen's `preexec_fn` (Python between fork and exec, unsafe there), of a stand-in vLLM
+    that answers `/health`; then the worker is SIGKILLed and vLLM must exit by itself."""
+    stand_in = tmp_path / "vllm_stand_in.py"
+    stand_in.write_text(STAND_IN_VLLM)
+    python = tmp_path / "python"  # what VllmSettings.python names: vLLM's environment
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{stand_in}" "$@"\n')
+    python.chmod(0o755)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER_STARTING_VLLM, str(python), str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    vllm = None
+    try:
+        assert worker.stdout is not None and worker.stderr is not None
+        line = worker.stdout.readline()
+        assert line.strip().isdigit(), worker.stderr.read()[-3000:]
+        vllm = int(line)
+        assert running(vllm)
+
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 30
+        while running(vllm) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not running(vllm), "vLLM outlived the worker that started it"
+    finally:
+        worker.kill()
+        worker.wait()
+        if vllm is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(vllm, signal.SIGKILL)
+
+
+STAND_IN_VLLM = """
+import http.server, sys
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.end_headers()
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+WORKER_STARTING_VLLM = """
+import subprocess, sys, threading, time, types
+from pathlib import Path
+
+popen = subprocess.Popen.__init__
+
+def without_preexec_fn(self, *args, **kwargs):
+    if kwargs.get("preexec_fn") is not None:
+        raise RuntimeError("preexec_fn in a threaded program")
+    popen(self, *args, **kwargs)
+
+subprocess.Popen.__init__ = without_preexec_fn
+
+from serving.vllm import VllmServer, VllmSettings
+
+for _ in range(4):  # a worker runs many threads
+    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+home = Path(sys.argv[2])
+settings = VllmSettings(
+    python=Path(sys.argv[1]), home=home, device_slots=1, host_adapters=1, max_lora_rank=8,
+    max_batch=1, dtype="float32", device="cpu",
+)
+server = VllmServer(settings, types.SimpleNamespace(path=home, model_id="stand-in"))
+print(server.start().process.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "says"),
+    [
+        ("exit 3", r"its log \(.*service\.log\) is empty$"),
+        ("echo 'no such model'; exit 3", r"its log \(.*service\.log\) ends with:\nno such model$"),
+    ],
+)
+def test_a_failed_start_quotes_its_log_only_when_there_is_something_to_quote(
+    tmp_path: Path, script: str, says: str
+) -> None:
+    with pytest.raises(ServiceError, match=says):
+        start_process(
+            "quiet service",
+            ["bash", "-c", script],
+            "http://127.0.0.1:9",
+            lambda: False,
+            tmp_path / "service.log",
+            timeout_s=30,
+        )

@@ -1,0 +1,148 @@
+"""The multi-LoRA engine's exactness, on a tiny member of each model family it serves (Llama,
+Qwen2 with q/k/v biases, Qwen3 with q/k norms and a head size of its own, Mistral; grouped-query
+attention, tied and untied embeddings): gathered per-row deltas in one batch give what each
+adapter gives alone, what PEFT's own PeftModel gives, and the base bit for bit where the adapter
+is zero."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+
+from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
+from mint_core.model.base import BaseModel, BaseSource, load_base, servable_modules
+from mint_core.model.generate import greedy_generate, pad_left
+from serving.engine import BASE, TorchEngine, positions
+from tests.helpers import (
+    DENSE_FAMILIES,
+    PROJECTIONS,
+    config_of,
+    family_folder,
+    random_adapter,
+    weights_of,
+)
+from tests.helpers import ENGINE_PROMPTS as PROMPTS
+
+RANKS = [1, 2, 4, 8, 16, 3, 8, 5]
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("engine-home")
+
+
+# Dense families: these tests adapt every linear layer, and an MoE family's experts are fused
+# parameters, not linear layers (the engine's expert LoRA is test_engine_experts.py).
+@pytest.fixture(scope="module", params=DENSE_FAMILIES)
+def folder(request: pytest.FixtureRequest, home: Path) -> Path:
+    return family_folder(request.param, home)
+
+
+def fresh_base(folder: Path, home: Path) -> BaseModel:
+    """A base the engine may own (it adapts its model in place)."""
+    return load_base(BaseSource(str(folder)), home)
+
+
+@torch.inference_mode()
+def peft_logits(model: PeftModel, base: BaseModel, prompts: list[str]) -> torch.Tensor:
+    ids, mask = pad_left([base.codec.encode(p) for p in prompts], base.codec.pad_id)
+    return model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]
+
+
+def test_the_engine_wraps_every_linear_layer_but_the_output_by_name(
+    folder: Path, home: Path
+) -> None:
+    names = set(servable_modules(fresh_base(folder, home).model))
+    engine = TorchEngine(fresh_base(folder, home))
+    assert set(engine._wrappers) == names
+    assert {name.rsplit(".", 1)[-1] for name in names} == set(PROJECTIONS)
+
+
+def test_a_zero_adapter_gives_the_base_logits_bit_for_bit(folder: Path, home: Path) -> None:
+    reference = fresh_base(folder, home)
+    base_logits = TorchEngine(reference).logits(PROMPTS, [BASE] * len(PROMPTS))
+    lora, model = random_adapter(fresh_base(folder, home), rank=4, seed=0)
+    zeros = {k: torch.zeros_like(v) for k, v in weights_of(model).items()}
+    engine = TorchEngine(fresh_base(folder, home))
+    engine.load(engine.prepare("zero", config_of(lora), zeros))
+    engine.load(engine.prepare("busy", config_of(lora), weights_of(model)))
+    keys = ["zero", "busy"] * (len(PROMPTS) // 2)
+    mixed = engine.logits(PROMPTS, keys)
+    assert torch.equal(mixed[0::2], base_logits[0::2])
+    assert not torch.equal(mixed[1::2], base_logits[1::2])
+
+
+def test_a_mixed_batch_gives_each_row_what_its_adapter_gives_alone_and_what_peft_gives(
+    folder: Path, home: Path
+) -> None:
+    engine = TorchEngine(fresh_base(folder, home))
+    adapters = {}
+    for number, rank in enumerate(RANKS):
+        targets = PROJECTIONS if number % 3 else ["q_proj", "v_proj", "down_proj"]
+        lora, model = random_adapter(fresh_base(folder, home), rank, seed=number, targets=targets)
+        engine.load(engine.prepare(f"a{number}", config_of(lora), weights_of(model)))
+        adapters[f"a{number}"] = model
+    # Every adapter and two base rows, each on its own prompt, in one batch.
+    keys = [*adapters, BASE, BASE]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(keys))]
+
+    mixed = engine.logits(prompts, keys)
+    mixed_tokens = engine.generate(prompts, keys, 12)
+    for row, (key, prompt) in enumerate(zip(keys, prompts, strict=True)):
+        alone = engine.logits([prompt], [key])[0]
+        torch.testing.assert_close(mixed[row], alone, rtol=0, atol=1e-5)
+        assert engine.generate([prompt], [key], 12)[0].token_ids == mixed_tokens[row].token_ids
+        if key != BASE:
+            peft = peft_logits(adapters[key], engine.base, [prompt])[0]
+            torch.testing.assert_close(mixed[row], peft, rtol=0, atol=1e-5)
+            ids = [engine.codec.encode(prompt)]
+            peft_tokens = greedy_generate(adapters[key], engine.codec, ids, 12)
+            assert peft_tokens[0].token_ids == mixed_tokens[row].token_ids
+
+
+def test_adapters_that_do_not_fit_or_exceed_the_slots_are_refused(home: Path) -> None:
+    llama = family_folder("llama", home)
+    engine = TorchEngine(fresh_base(llama, home), slots=2)
+    lora, model = random_adapter(fresh_base(llama, home), rank=2, seed=1)
+    for key in ("one", "two"):
+        engine.load(engine.prepare(key, config_of(lora), weights_of(model)))
+    with pytest.raises(ServiceError, match="all 2 device slots hold adapters"):
+        engine.load(engine.prepare("three", config_of(lora), weights_of(model)))
+    engine.unload("one")
+    engine.load(engine.prepare("three", config_of(lora), weights_of(model)))
+    engine.unload("two")
+
+    # Made for another family (Qwen3: heads of 32 on a width of 64, 2 key/value heads).
+    lora, model = random_adapter(fresh_base(family_folder("qwen3", home), home), rank=2, seed=1)
+    at = re.escape("(llama) at model.layers.0.self_attn.q_proj")
+    with pytest.raises(
+        IntegrityError, match=rf"does not fit the base \S+ {at}: .* base projection 64x64"
+    ):
+        engine.load(engine.prepare("alien", config_of(lora), weights_of(model)))
+    # A LoRA of the output embedding: no linear layer the engine serves.
+    targets = ["q_proj", "lm_head"]
+    lora, model = random_adapter(fresh_base(llama, home), rank=2, seed=1, targets=targets)
+    with pytest.raises(IntegrityError, match=r"\(llama\): tensor '[^']*lm_head\.lora_A"):
+        engine.prepare("head", config_of(lora), weights_of(model))
+    assert engine.adapters == frozenset({"three"})
+
+
+@pytest.mark.parametrize(
+    ("bad", "counts"), [(float("nan"), "1 NaN and 0"), (float("inf"), "0 NaN and 1")]
+)
+def test_an_adapter_with_a_weight_that_is_not_finite_is_refused_naming_the_tensor(
+    home: Path, bad: float, counts: str
+) -> None:
+    llama = family_folder("llama", home)
+    engine = TorchEngine(fresh_base(llama, home))
+    lora, model = random_adapter(fresh_base(llama, home), rank=2, seed=0)
+    tensors = weights_of(model)
+    name = sorted(tensors)[3]
+    tensors[name][1, 0] = bad
+    with pytest.raises(
+        ConfigurationError, match=rf"adapter spoiled: tensor {re.escape(repr(name))} holds {counts}"
+    ):
+        engine.prepare("spoiled", config_of(lora), tensors)
+    assert engine.adapters == frozenset()
