@@ -24,7 +24,7 @@ completions too; and `X-Mint-Request-Id`, which OpenAI answers also carry as the
 feedback names. Each answer's outcome is kept per revision (`serving.outcomes`).
 
 Errors, inside streams too, are JSON in TGI's shape, `error` and `error_type`, with the status
-codes of `serving.answers`.
+codes of `serving.http.errors`.
 
 Hostile input is refused early, each time naming the limit: a body over `max_request_bytes`
 answers 413 (declared or not: a chunked body is counted as it arrives), so no prompt costs an
@@ -50,21 +50,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mint_core.access import ADMIN, ANONYMOUS, allows, check_access, check_admin, principal_for
 from mint_core.admission import Priority
-from mint_core.errors import AuthenticationError, ConfigurationError, MintError, NotFoundError
+from mint_core.errors import AuthenticationError, MintError, NotFoundError
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
-from serving.answers import (
-    ECHO_LIMIT,
-    BodyTooLarge,
-    JSONAnswer,
+from serving.generation import Request as Generating
+from serving.http.common import (
+    ADAPTER_PREFIX,
+    REQUEST_ID_HEADER,
+    REVISION_HEADER,
+    MintJSONResponse,
+    adapter_of_url,
     entry_json,
-    error_answer,
     sse,
 )
-from serving.generation import Request as Generating
+from serving.http.errors import ECHO_LIMIT, error_response
+from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.protocols import openai, tgi
 from serving.worker import ReadinessEntry, Worker
 
@@ -72,18 +74,9 @@ __all__ = ["ADAPTER_PREFIX", "ECHO_LIMIT", "MAX_REQUEST_BYTES", "adapter_of_url"
 
 log = logging.getLogger(__name__)
 
-REVISION_HEADER = "X-Mint-Revision"
-REQUEST_ID_HEADER = "X-Mint-Request-Id"
 HANDLER_THREADS = 256
 """Blocking handlers (each waits on its generation) run in threads: allow many at once."""
-MAX_REQUEST_BYTES = 1 << 20
-"""Largest request body a worker takes by default: far more than any context's prompt."""
-ADAPTER_PREFIX = "/adapters/{ref}"
-"""The base URL of one revision reference: the generation routes under it answer as `ref`."""
 _OpenAI = TypeVar("_OpenAI", bound=openai.OpenAIRequest)
-_UNNAMED = (None, "", "tgi")
-"""What a body under an adapter's base URL may name instead of it: nothing, or the `model`
-TGI's `text-generation` client sends in every chat."""
 
 
 class AdmitRequest(BaseModel):
@@ -116,67 +109,9 @@ class Routed:
         return {REVISION_HEADER: self.served, REQUEST_ID_HEADER: self.request_id}
 
 
-class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes answers 413 before anything parses
-    it. A declared Content-Length over the limit is refused at once; a body without one
-    (chunked) is counted as it arrives, so leaving the length out does not get past it."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        # More digits than any limit has is over it, however many (int() refuses thousands).
-        if declared.isdigit() and (len(declared) > 18 or int(declared) > self.limit):
-            await error_answer(BodyTooLarge(self.limit)).response()(scope, receive, send)
-            return
-        await self.app(scope, _Counted(receive, self.limit), send)
-
-
-class _Counted:
-    """A `receive` that raises BodyTooLarge once the body it has passed on is over `limit`.
-    FastAPI passes an HTTPException from reading the body on as it is: it answers 413."""
-
-    def __init__(self, receive: Receive, limit: int) -> None:
-        self.receive = receive
-        self.limit = limit
-        self.received = 0
-
-    async def __call__(self) -> Message:
-        message = await self.receive()
-        if message["type"] == "http.request":
-            self.received += len(message.get("body", b""))
-            if self.received > self.limit:
-                raise BodyTooLarge(self.limit)
-        return message
-
-
-def adapter_of_url(ref: str, named: str | None = None) -> str:
-    """The revision reference an adapter's base URL serves, `ref` from its path, written in
-    full (`name` becomes `name@production`, so no path can name the base). `named` is what the
-    body names; naming another revision is refused: the caller meant one of the two."""
-    full = RevisionRef.parse(ref)
-    if named in _UNNAMED:
-        return str(full)
-    try:
-        same = RevisionRef.parse(named) == full
-    except ConfigurationError:
-        same = False  # the base's model id, or no reference at all
-    if not same:
-        raise ConfigurationError(
-            f"this URL serves {full}, but the body names {named!r}; leave the adapter out of the "
-            "body (the URL names it), or send the request to the URL of the one you meant"
-        )
-    return str(full)
-
-
 def _answer_error(request: Request, e: Exception) -> Response:
     # Starlette passes an unexpected error on to the server after this answer: the server logs it.
-    return error_answer(e, request).response()
+    return error_response(e, request).to_response()
 
 
 def create_app(
@@ -199,7 +134,9 @@ def create_app(
         anyio.to_thread.current_default_thread_limiter().total_tokens = HANDLER_THREADS
         yield
 
-    app = FastAPI(title="MinT serving worker", lifespan=lifespan, default_response_class=JSONAnswer)
+    app = FastAPI(
+        title="MinT serving worker", lifespan=lifespan, default_response_class=MintJSONResponse
+    )
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     codec = worker.codec
     base_id = worker.base.model_id
@@ -245,7 +182,7 @@ def create_app(
     def finished(routed: Routed, error: Exception | None) -> None:
         """Record the answer's outcome: its latency, and whether it failed on the worker's
         side (a refusal of the request itself, 4xx, is the caller's)."""
-        failed = error is not None and error_answer(error).status >= 500
+        failed = error is not None and error_response(error).status >= 500
         worker.outcomes.finished(routed.served, time.perf_counter() - routed.at, failed)
 
     @contextmanager
@@ -275,7 +212,7 @@ def create_app(
                     # The server never sees it: log it here.
                     log.exception("stream from %s failed", routed.served)
                 error = e
-                yield sse(error_answer(e).body)
+                yield sse(error_response(e).body)
             finally:
                 generating.cancel()  # a no-op once finished; frees the row if the client left
                 finished(routed, error)
@@ -301,9 +238,9 @@ def create_app(
         return streamed(tgi.stream(generating.events(), body, special), generating, routed)
 
     @app.post("/generate")
-    def generate(body: tgi.GenerateRequest, who: Principal) -> JSONAnswer:
+    def generate(body: tgi.GenerateRequest, who: Principal) -> MintJSONResponse:
         payload, routed = tgi_answer(body, who)
-        return JSONAnswer(payload, headers=routed.headers)
+        return MintJSONResponse(payload, headers=routed.headers)
 
     @app.post("/generate_stream")
     def generate_stream(body: tgi.GenerateRequest, who: Principal) -> StreamingResponse:
@@ -316,7 +253,7 @@ def create_app(
         if body.stream:
             return tgi_stream(body, who)
         payload, routed = tgi_answer(body, who)
-        return JSONAnswer([payload], headers=routed.headers)
+        return MintJSONResponse([payload], headers=routed.headers)
 
     # OpenAI.
 
@@ -343,7 +280,7 @@ def create_app(
                 for generating in started:
                     generating.cancel()
         payload = openai.completion(head, encoded, generations, params.stop, body.return_token_ids)
-        return JSONAnswer(payload, headers=routed.headers)
+        return MintJSONResponse(payload, headers=routed.headers)
 
     @app.post("/v1/chat/completions", response_model=None)
     def chat_completions(body: openai.ChatRequest, who: Principal) -> Response:
@@ -362,7 +299,7 @@ def create_app(
         payload = openai.chat_completion(
             head, prompt_ids, generation, params.stop, body.return_token_ids
         )
-        return JSONAnswer(payload, headers=routed.headers)
+        return MintJSONResponse(payload, headers=routed.headers)
 
     @app.post("/v1/feedback")
     def feedback(body: FeedbackRequest, who: Principal) -> dict[str, object]:
@@ -393,7 +330,7 @@ def create_app(
         return tgi_compat(tgi_as(ref, body), who)
 
     @adapter_api.post("/generate")
-    def adapter_generate(ref: str, body: tgi.GenerateRequest, who: Principal) -> JSONAnswer:
+    def adapter_generate(ref: str, body: tgi.GenerateRequest, who: Principal) -> MintJSONResponse:
         return generate(tgi_as(ref, body), who)
 
     @adapter_api.post("/generate_stream")

@@ -59,15 +59,15 @@ from mint_core.errors import (
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
-from serving.answers import ErrorAnswer, error_answer, sse
-from serving.app import (
+from serving.http.common import (
     ADAPTER_PREFIX,
-    MAX_REQUEST_BYTES,
     REQUEST_ID_HEADER,
     REVISION_HEADER,
-    BodyLimit,
     adapter_of_url,
+    sse,
 )
+from serving.http.errors import ErrorResponse, error_response
+from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -358,7 +358,7 @@ class Gateway:
             except Exception as e:
                 if not isinstance(e, MintError):
                     log.exception("gateway failed on %s", request.url.path)
-                return error_answer(e, request).response()
+                return error_response(e, request).to_response()
 
         async def models(request: Request) -> Response:
             return _json(await self.models(request))
@@ -369,7 +369,7 @@ class Gateway:
             except Exception as e:
                 if not isinstance(e, MintError):
                     log.exception("gateway failed on %s", request.url.path)
-                return error_answer(e, request).response()
+                return error_response(e, request).to_response()
 
         async def health(_: Request) -> Response:
             return _json(self.health())
@@ -426,7 +426,7 @@ def _failed(worker: WorkerView, error: BaseException) -> Response:
         f"worker {worker.url} failed while it had this request ({type(error).__name__}: "
         f"{error}); the request was not retried, as it may have run: send it again"
     )
-    answer = ErrorAnswer(502, "worker_failed", message)
+    answer = ErrorResponse(502, "worker_failed", message)
     return Response(orjson.dumps(answer.body), status_code=502, headers={WORKER_HEADER: worker.url})
 
 
@@ -439,7 +439,9 @@ def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView) -> StreamingRe
             async for chunk in answer.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as e:
-            body = ErrorAnswer(502, "worker_failed", f"worker {worker.url} failed mid-stream: {e}")
+            body = ErrorResponse(
+                502, "worker_failed", f"worker {worker.url} failed mid-stream: {e}"
+            )
             yield sse(body.body).encode()
         finally:
             worker.in_flight -= 1

@@ -42,8 +42,6 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
 from pathlib import Path
 
 from mint_core.access import ANONYMOUS, allows, check_access
@@ -57,7 +55,6 @@ from mint_core.errors import (
     IntegrityError,
     MintError,
     NotFoundError,
-    NotReadyError,
     RegistryError,
 )
 from mint_core.model.base import BaseText
@@ -69,6 +66,7 @@ from serving.backend import Backend
 from serving.engine import BASE
 from serving.generation import Request
 from serving.outcomes import Outcomes
+from serving.readiness import AliasEvent, AliasEventKind, ReadinessEntry, RevisionNotReady
 from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -79,43 +77,6 @@ WARMUP_TOKENS = 2
 WARMUP_TIMEOUT_S = 120.0
 DEFAULT_SYNC_INTERVAL_S = 1.0
 PREWARM_NICENESS = 10
-
-
-@dataclass(frozen=True)
-class ReadinessEntry:
-    """One revision's state on this worker."""
-
-    revision: RevisionId
-    state: Readiness
-    since: float
-    """Unix time the revision entered `state`."""
-    reason: str | None = None
-    """Why it failed, for `failed`."""
-    queue_position: int | None = None
-    """For `queued`: how many queued revisions go before it."""
-
-
-class AliasEventKind(StrEnum):
-    HELD = "held"
-    """An alias moved outside the pipeline: the worker keeps serving the previous target."""
-    RELEASED = "released"
-    """The pipeline moved the alias (or the registry's alias came back): followed again."""
-
-
-@dataclass(frozen=True)
-class AliasEvent:
-    """A held alias move appearing or ending on this worker."""
-
-    at: float
-    """Unix time the worker saw it."""
-    kind: AliasEventKind
-    move: HeldMove
-
-
-class RevisionNotReady(NotReadyError):
-    def __init__(self, entry: ReadinessEntry) -> None:
-        super().__init__(f"{entry.revision} is {entry.state} on this worker, not ready")
-        self.entry = entry
 
 
 class Worker:

@@ -32,8 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.text import Message
-from serving.answers import sse
 from serving.generation import TokenEvent
+from serving.http.common import sse
 from serving.protocols import Event, within_context
 from serving.sampling import SamplingParams, stop_hit
 
