@@ -61,9 +61,9 @@ from mint_core.packing import PackedIndex
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.services import ManagedProcess
-from serving.app import create_app
 from serving.embedded import EmbeddedBackend
 from serving.engine import TorchEngine
+from serving.http.app import create_app
 from serving.worker import Worker
 
 if TYPE_CHECKING:
@@ -371,7 +371,7 @@ def in_process_worker(mlflow: ManagedProcess, home: Path) -> Iterator[Worker]:
         Catalog(Registry(config.tracking_uri)),
         open_store(config),
         sync_interval_s=3600,
-    )
+    ).start()
     try:
         yield worker
     finally:

@@ -12,8 +12,9 @@ from fastapi.testclient import TestClient
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.services import ManagedProcess
-from serving.app import MAX_REQUEST_BYTES, create_app
 from serving.generation import TokenEvent
+from serving.http.app import create_app
+from serving.http.limits import MAX_REQUEST_BYTES
 from serving.protocols import Event, openai, tgi
 from serving.worker import Worker
 from tests.helpers import app_client, error_of, in_process_worker

@@ -49,7 +49,7 @@ def worker_for(config: MintConfig, slots: int, host_cache_bytes: int) -> Iterato
     engine = TorchEngine(load_base(config.base, config.home), slots=slots)
     catalog = Catalog(Registry(config.tracking_uri))
     backend = EmbeddedBackend(engine, host_cache_bytes)
-    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600)
+    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600).start()
     try:
         yield worker
     finally:
