@@ -6,9 +6,9 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   nudged) and admits what the registry says this worker should hold (`Catalog.desired`). If
   MLflow is down the worker keeps serving what it has and reports itself `degraded`.
 - **Admission**: admitted revisions queue (`mint_core.admission`, rollbacks first) and K
-  prewarm threads take them one at a time, in two phases: fetch and verify the artifact into
-  the host tier (`fetching`), then load it into the engine and run a warm-up generation
-  (`warming`); only then is it `ready`.
+  prewarm threads take them one at a time (`serving.prewarm`), in two phases: fetch and verify
+  the artifact into the host tier (`fetching`), then load it into the engine and run a warm-up
+  generation (`warming`); only then is it `ready`.
 - **Readiness gate**: the request path never fetches anything: `route` answers with the engine
   key of a ready revision or raises `RevisionNotReady` at once (and EngineUnavailableError
   while the engine is down). `request_path_loads` counts what a user's request waited for all
@@ -19,9 +19,10 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   the requests for `name@production` to the canary revision, if that is ready here and the
   caller may use it; otherwise to production, so the canary never fails a request. Each
   answer's outcome is kept per revision (`outcomes`), which is how a canary is judged.
-- **Engine restarts**: a backend whose engine dies (vLLM) reports it; every ready revision goes
-  back to not admitted, and once the engine is back the watcher admits and prewarms again what
-  the registry wants.
+- **Engine restarts**: a backend whose engine dies (vLLM) reports it with the engine's
+  generation; every ready revision goes back to not admitted, nothing warmed on that
+  generation becomes ready, and once the engine is back the watcher admits and prewarms again
+  what the registry wants.
 - **Tiers**: the residency plan holds the host tier's contents itself: there is no second copy
   to keep in step with it.
 
@@ -44,20 +45,18 @@ Locks, outermost first (a thread holding one never waits for one above it):
 2. the catalog's own locks (its index, its registry client).
 3. the readiness table's condition (`serving.readiness.ReadinessTable`): entries, policies,
    admission queue, event log, the newest engine generation lost.
-4. `_lock`: held alias moves, their events, the count of request-path fetches.
+4. `_lock`: held alias moves and their events; apart, `Prewarm`'s count of request-path
+   fetches (a leaf: nothing is taken under it).
 5. the backend's locks (residency tiers, scheduler, vLLM's counters): it calls the worker back
    (`on_lost`) holding none of them.
 """
 
-import contextlib
 import logging
-import os
 import random
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
 
 from mint_core.access import ANONYMOUS, allows, check_access
 from mint_core.admission import DEFAULT_CONCURRENCY, Priority
@@ -67,20 +66,18 @@ from mint_core.catalog import Catalog
 from mint_core.errors import (
     BaseMismatchError,
     EngineUnavailableError,
-    IntegrityError,
-    MintError,
     NotFoundError,
     RegistryError,
 )
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
-from mint_core.packing import load as load_packed
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness
 from serving.backend import Backend
 from serving.engine import BASE
 from serving.generation import Request
 from serving.outcomes import Outcomes
+from serving.prewarm import Prewarm
 from serving.readiness import (
     EVENT_LOG_LENGTH,
     AliasEvent,
@@ -94,14 +91,7 @@ from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-WARMUP_TEXT = "Hello"
-"""A neutral prompt for the warm-up generation, in the base's own tokens (whatever the base)."""
-WARMUP_TOKENS = 2
-WARMUP_TIMEOUT_S = 120.0
 DEFAULT_SYNC_INTERVAL_S = 1.0
-PREWARM_NICENESS = 10
-_LOADED = frozenset({Readiness.FETCHING, Readiness.WARMING, Readiness.READY})
-"""States in which a revision holds weights on this worker."""
 
 
 class Worker:
@@ -125,12 +115,9 @@ class Worker:
         """Which requests for `production` go to a canary."""
         self._readiness = ReadinessTable(admission_k)
         self._lock = threading.Lock()
-        """Guards held moves, their events and the request-path fetch count (see the locks)."""
+        """Guards held moves and their events (see the locks)."""
         self._syncing = threading.Lock()
         """One sync at a time: the watcher's and `/admin/sync`'s would admit twice."""
-        self._request_path_fetches = 0
-        self._prewarming = threading.local()
-        """`active` is set on prewarm threads: their fetches are not on the request path."""
         self._held: frozenset[HeldMove] = frozenset()
         """The held alias moves as of the last sync."""
         self._alias_events: deque[AliasEvent] = deque(maxlen=EVENT_LOG_LENGTH)
@@ -141,15 +128,18 @@ class Worker:
         self._nudge = threading.Event()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._prewarm = Prewarm(
+            backend, catalog, store, self._readiness, self.check_base, self._closed, self.nudge
+        )
         # Before any thread runs: an engine lost from now on is heard of.
-        backend.on_lost(self._engine_lost)
+        backend.on_lost(self._prewarm.engine_lost)
 
     def start(self) -> "Worker":
         """Start prewarming (K threads) and following the registry (the watcher); the worker."""
         if self._threads:
             raise RuntimeError("this worker has started already")
         self._threads = [
-            threading.Thread(target=self._prewarm_loop, name=f"prewarm-{number}", daemon=True)
+            threading.Thread(target=self._prewarm.run, name=f"prewarm-{number}", daemon=True)
             for number in range(self._admission_k)
         ]
         self._threads.append(threading.Thread(target=self._watch, name="watcher", daemon=True))
@@ -399,9 +389,7 @@ class Worker:
     def request_path_loads(self) -> int:
         """Loads a user's request waited for: fetches from the artifact store outside prewarm,
         and adapter copies into a device slot for a user's request."""
-        with self._lock:
-            fetches = self._request_path_fetches
-        return fetches + self.backend.request_path_loads
+        return self._prewarm.request_path_fetches + self.backend.request_path_loads
 
     def close(self) -> None:
         """Stop following the registry, prewarming and serving (waiting requests are
@@ -413,119 +401,6 @@ class Worker:
         for thread in self._threads:
             thread.join(timeout=10)
         self.catalog.close()
-
-    # Prewarm.
-
-    def _prewarm_loop(self) -> None:
-        """One prewarm thread: the next admitted revision, prewarmed, until the worker closes.
-        Supervised: whatever goes wrong with one revision, its own error handling included,
-        is logged and the thread goes on to the next (a dead prewarm thread would leave
-        admitted revisions queued for good)."""
-        # Prewarming is background work: on a busy machine the running batch goes first.
-        with contextlib.suppress(AttributeError, OSError):  # per-thread nice: Linux only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREWARM_NICENESS)
-        self._prewarming.active = True
-        while (revision := self._readiness.next_admitted(self._closed)) is not None:
-            try:
-                self._prewarm_or_fail(revision)
-            except Exception:
-                log.exception("prewarm of %s ended in an error of its own handling", revision)
-            finally:
-                self._readiness.finish(revision)
-
-    def _prewarm_or_fail(self, revision: RevisionId) -> None:
-        """Prewarm `revision`; if that fails, record why (failed, or dropped when the engine
-        is to blame)."""
-        try:
-            self._prewarm(revision)
-        except EngineUnavailableError as e:
-            # Not the revision's fault: it is admitted again once the engine is back.
-            log.warning("prewarm of %s stopped: %s", revision, e)
-            self._drop(revision, str(e))
-        except MintError as e:
-            log.warning("prewarm of %s failed: %s", revision, e)
-            self._fail(revision, str(e))
-        except Exception as e:  # a worker must outlive any one bad revision
-            log.exception("prewarm of %s crashed", revision)
-            self._fail(revision, f"{type(e).__name__}: {e}")
-
-    def _fail(self, revision: RevisionId, reason: str) -> None:
-        self.backend.unload(str(revision))
-        self._readiness.move(revision, Readiness.FAILED, reason=reason)
-
-    def _drop(self, revision: RevisionId, reason: str) -> None:
-        """`revision` no longer serves here (evicted, or the engine lost it) until admitted
-        again; the watcher admits it again if the registry still wants it."""
-        self.backend.unload(str(revision))
-        self._readiness.move(revision, Readiness.NOT_ADMITTED, reason=reason, only_from=_LOADED)
-
-    def _engine_lost(self, generation: int) -> None:
-        """The engine of `generation` died with every adapter it held: nothing is ready until
-        prewarmed again (the watcher admits what the registry wants once the engine is
-        back), and nothing warmed on that engine becomes ready (`ReadinessTable.make_ready`)."""
-        for revision in self._readiness.engine_lost(generation):
-            self._drop(revision, "the engine restarted")
-        self.nudge()
-
-    def _prewarm(self, revision: RevisionId) -> None:
-        self._readiness.move(revision, Readiness.FETCHING)
-        registered = self.catalog.record(revision)
-        self.check_base(registered.policy, revision)
-        try:
-            adapter = load_packed(self._fetch(registered.artifact_uri))
-        except (IntegrityError, NotFoundError) as e:
-            # The operator's fix is one command: name it with this revision filled in.
-            repair = f"mint repair --adapter {revision.adapter} --revision {revision.number}"
-            raise type(e)(f"{e}; to re-export {revision}: {repair}") from e
-        index = adapter.index
-        if index.content_digest != registered.policy.content_digest:
-            raise IntegrityError(
-                f"artifact of {revision} has content digest {index.content_digest}, the policy "
-                f"record says {registered.policy.content_digest}"
-            )
-        key = str(revision)
-        for evicted in self.backend.stage(key, adapter):
-            self._evicted(evicted)
-
-        self._readiness.warming(revision, registered.policy)
-        generation = self.backend.generation
-        generating: Request | None = None
-        try:
-            self.backend.load(key)
-            prompt = self.codec.encode(WARMUP_TEXT)
-            warm_up = SamplingParams(max_new_tokens=WARMUP_TOKENS)
-            generating = self.generate(prompt, key, warm_up, warm_up=True, streamed=False)
-            generating.result(timeout_s=WARMUP_TIMEOUT_S)
-        except MintError as e:
-            if generating is not None:
-                # A warm-up that timed out still runs, pinning its slot: the weights leave
-                # (`_fail`, `_drop`) once it stops, which this makes the next step.
-                generating.cancel()
-            engine_down = self.backend.problem() is not None
-            if engine_down or self._readiness.engine_lost_since(generation):
-                # Not the revision's fault: admitted again once the engine is back.
-                raise EngineUnavailableError(f"the engine restarted under {revision}: {e}") from e
-            raise
-        # Ready only if the engine it warmed on still runs: checked against `_engine_lost`.
-        self._readiness.make_ready(revision, generation, lambda: self.residency.in_host(key))
-
-    def _fetch(self, uri: str) -> Path:
-        if not getattr(self._prewarming, "active", False):
-            with self._lock:
-                self._request_path_fetches += 1
-        return self.store.fetch(uri)
-
-    def _evicted(self, key: str) -> None:
-        """`key` left the host cache: it no longer serves here until admitted again."""
-        self.backend.unload(key)
-        for revision in self._readiness.ready():
-            if str(revision) == key:
-                self._readiness.move(
-                    revision,
-                    Readiness.NOT_ADMITTED,
-                    reason="evicted from host cache",
-                    only_from=frozenset({Readiness.READY}),
-                )
 
 
 def _alias_of(move: HeldMove) -> tuple[str, str]:

@@ -113,6 +113,10 @@ class _NoEngine:
 
     def unload(self, key: str) -> None: ...
 
+    @property
+    def request_path_loads(self) -> int:
+        return 0
+
     def submit(
         self, prompt_ids: Sequence[int], key: str, params: SamplingParams, *args: object
     ) -> Request:
@@ -157,7 +161,7 @@ def test_a_prewarm_thread_outlives_an_error_in_its_own_error_handling(
         if len(handled) == 1:
             raise RuntimeError("recording the failure failed")
 
-    worker._prewarm_or_fail = prewarm_or_fail  # type: ignore[method-assign]
+    worker._prewarm.prewarm_or_fail = prewarm_or_fail  # type: ignore[method-assign]
     worker.start()
     try:
         worker.admit(R1)
