@@ -56,7 +56,7 @@ from mint_core.folders import publish_folder
 from mint_core.model.base import BaseText
 from mint_core.packing import PackedAdapter, write_peft
 from mint_core.residency import Residency
-from mint_core.services import LOOPBACK, ManagedProcess, answers, free_port, start_process
+from mint_core.services import LOOPBACK, ManagedProcess, free_port, responds_ok, start_process
 from serving.engine import BASE
 from serving.generation import Request, check_prompt
 from serving.metrics import WorkerMetrics
@@ -274,7 +274,7 @@ class VllmBackend:
         """EngineUnavailableError if vLLM's engine is dead: vLLM answers 500 to whatever
         failed then (a load included) for a few seconds, until its own watchdog stops it, and
         that is not the request's or the adapter's fault."""
-        if self._problem is not None or not answers(self._server.url + "/health"):
+        if self._problem is not None or not responds_ok(self._server.url + "/health"):
             raise EngineUnavailableError(f"vLLM's engine is down ({doing})")
 
     def unload(self, key: str) -> None:
@@ -407,7 +407,7 @@ class VllmBackend:
             process = self._process
             code = process.process.poll()
             if code is None:
-                failed_checks = 0 if answers(process.url + "/health") else failed_checks + 1
+                failed_checks = 0 if responds_ok(process.url + "/health") else failed_checks + 1
                 if failed_checks < FAILED_CHECKS:
                     continue
                 why = f"vLLM stopped answering its health check ({FAILED_CHECKS} in a row)"
