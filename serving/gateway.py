@@ -61,6 +61,7 @@ from mint_core.revisions import RevisionRef
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
 from serving.http.common import (
     ADAPTER_PREFIX,
+    BASE_NAMES,
     REQUEST_ID_HEADER,
     REVISION_HEADER,
     adapter_of_url,
@@ -80,8 +81,6 @@ _POLL = aiohttp.ClientTimeout(total=2.0)
 GENERATION_TIMEOUT_S = 600.0
 _PASSED_ON = ("content-type", "retry-after", REVISION_HEADER.lower(), REQUEST_ID_HEADER.lower())
 """Response headers a worker's answer keeps through the gateway."""
-_BASE_NAMES = (None, "", "base")
-"""What a request names to get a base without adapter."""
 
 
 @dataclass
@@ -132,7 +131,7 @@ class Fleet:
         """Workers for a request that names a base (its model id) or nothing. Naming nothing is
         ambiguous in a fleet of several bases: ConfigurationError listing them."""
         up = [w for w in self.workers if w.up]
-        if model not in _BASE_NAMES:
+        if model not in BASE_NAMES:
             return sorted((w for w in up if w.base_model == model), key=lambda w: w.in_flight)
         bases = sorted({w.base_model for w in up})
         if len(bases) > 1:
@@ -230,7 +229,7 @@ class Gateway:
 
     async def route(self, model: str | None) -> list[WorkerView]:
         """The workers to try, in order, for a request naming `model`."""
-        if model in _BASE_NAMES or self._is_base(model):
+        if model in BASE_NAMES or self._is_base(model):
             workers = self.fleet.for_base_model(model)
             if not workers:
                 raise NotFoundError(f"no worker up serves the base {model!r}")

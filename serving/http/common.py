@@ -15,6 +15,7 @@ from serving.readiness import ReadinessEntry
 
 __all__ = [
     "ADAPTER_PREFIX",
+    "BASE_NAMES",
     "REQUEST_ID_HEADER",
     "REVISION_HEADER",
     "MintJSONResponse",
@@ -28,6 +29,8 @@ REVISION_HEADER = "X-Mint-Revision"
 """What served a generation: the exact revision, or the base's model id."""
 REQUEST_ID_HEADER = "X-Mint-Request-Id"
 """A generation's request id: what feedback names."""
+BASE_NAMES = (None, "", "base")
+"""What a request names to get the base without adapter (besides the base's model id)."""
 ADAPTER_PREFIX = "/adapters/{ref}"
 """The base URL of one revision reference: the generation routes under it answer as `ref`."""
 _UNNAMED = (None, "", "tgi")

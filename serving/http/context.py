@@ -24,16 +24,13 @@ from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.revisions import RevisionId, RevisionRef
 from serving.generation import Request as Generating
-from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER, sse
+from serving.http.common import BASE_NAMES, REQUEST_ID_HEADER, REVISION_HEADER, sse
 from serving.http.errors import error_response
 from serving.outcomes import Outcomes
 from serving.readiness import AliasEvent, ReadinessEntry, Residence
 from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-_BASE_NAMES = (None, "", "base")
-"""What a request names to get the base without adapter (its model id too)."""
 
 
 class WorkerAPI(Protocol):
@@ -203,7 +200,7 @@ def route(of: Caller, model: str | None, kind: str) -> Routed:
     readiness gate, once for the whole request, and give the response its request id
     (`<kind>-<hex>`)."""
     worker = of.worker
-    base_names = (*_BASE_NAMES, worker.base.model_id)
+    base_names = (*BASE_NAMES, worker.base.model_id)
     ref = None if model in base_names else RevisionRef.parse(str(model))
     revision, key = worker.route(ref, of.principal, admin=of.admin)
     served = str(revision) if revision else worker.base.model_id
