@@ -23,7 +23,7 @@ from flows.repair import repair
 from flows.rl import rl
 from mint_core.config import MintConfig
 from mint_core.revisions import check_adapter_name
-from mint_core.services import ManagedProcess, answers, start_process
+from mint_core.services import ManagedProcess, responds_ok, start_process
 
 # Flows are found by module path, so runs start from any working directory.
 _BY_MODULE = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["mint"]}
@@ -135,7 +135,7 @@ def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProces
         "flow server",
         [sys.executable, "-m", "mint_cli", "flows", "serve"],
         prefect_api_url,
-        lambda: all(answers(f"{prefect_api_url}/deployments/name/{name}") for name in names),
+        lambda: all(responds_ok(f"{prefect_api_url}/deployments/name/{name}") for name in names),
         config.home / "logs" / "flows.log",
         env,
     )

@@ -9,7 +9,6 @@ one buffer per shard, and hands out the stacked tensors as views: no per-tensor 
 per-expert re-split. The format is specified in docs/packed-format.md.
 """
 
-import hashlib
 import json
 import math
 import mmap
@@ -20,26 +19,54 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError
 from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, FrozenAdapter
 from mint_core.model.experts import expert_rank, expert_stacks, fused_expert_parameter
+from mint_core.packed_index import (
+    CORRUPT_ADVICE,
+    EXPERT_SLOT,
+    INDEX,
+    FusedExperts,
+    PackedIndex,
+    Shard,
+    StoredTensor,
+    TensorContent,
+    checked_shard_path,
+    content_digest,
+    is_lora_a,
+    safetensors_header,
+    sha256_of,
+    verify,
+)
 
-FORMAT = "mint-packed"
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (3, 4)
-"""Version 3 is version 4 without fused expert tensors (`fused` absent: none)."""
-INDEX = "index.json"
+__all__ = [
+    "DEFAULT_SHARD_BYTES",
+    "INDEX",
+    "FusedExperts",
+    "PackedAdapter",
+    "PackedIndex",
+    "StoredTensor",
+    "check_keys",
+    "load",
+    "map_file",
+    "pack",
+    "pack_tensors",
+    "read_adapter",
+    "read_into",
+    "unpack",
+    "verify",
+    "write_peft",
+]
+"""The index's names are here too (from `mint_core.packed_index`): one import for packing."""
+
 DEFAULT_SHARD_BYTES = 32 << 20
 
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)$")
-_EXPERT_SLOT = "{expert}"
 _PEFT_PREFIX = "base_model.model."
 _DTYPES = {
     "BF16": torch.bfloat16,
@@ -52,159 +79,6 @@ _DTYPES = {
     "U8": torch.uint8,
 }
 _DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
-_CORRUPT = (
-    "the artifact is corrupt; export the revision again from its frozen files "
-    "(mint repair --adapter NAME --revision N)"
-)
-
-
-@dataclass(frozen=True)
-class FusedExperts:
-    """How a fused expert LoRA tensor (PEFT's `target_parameters`: A `[rank*experts, in]`,
-    B `[out, rank*experts]`) is stored: reshaped to A `[experts, rank, in]`, B
-    `[out, rank, experts]`, which keeps PEFT's bytes as they are (`mint_core.model.experts`)."""
-
-    experts: int
-    rank: int
-
-    def peft_shape(self, stored: tuple[int, ...], key: str) -> tuple[int, ...]:
-        if _is_lora_a(key):
-            return (stored[0] * stored[1], stored[2])
-        return (stored[0], stored[1] * stored[2])
-
-    def stored_shape(self, peft: tuple[int, ...], key: str) -> tuple[int, ...]:
-        if _is_lora_a(key):
-            return (self.experts, self.rank, peft[1])
-        return (peft[0], self.rank, self.experts)
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """One tensor as it lies in a shard: a PEFT tensor, a stack of per-expert ones, or a fused
-    expert tensor reshaped per expert."""
-
-    shard: str
-    key: str
-    """The PEFT key; for a stack, a template with `{expert}` where the expert number goes."""
-    experts: tuple[int, ...] | None = None
-    """For a stack: the expert number at each position of dimension 0."""
-    fused: FusedExperts | None = None
-    """For a fused expert tensor: its experts and rank."""
-
-    def as_peft(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The stored (non-stack) `tensor` in PEFT's shape: a view, bytes untouched."""
-        if self.fused is None:
-            return tensor
-        return tensor.reshape(self.fused.peft_shape(tuple(tensor.shape), self.key))
-
-
-@dataclass(frozen=True)
-class Shard:
-    name: str
-    bytes: int
-    sha256: str
-    """Identity of the bytes; checked by `verify` (on fetch, export, unpack)."""
-    xxh3: str
-    """A fast checksum (xxh3-128) checked on every `load`, at memory speed."""
-
-
-@dataclass(frozen=True)
-class PackedIndex:
-    """The parsed `index.json` of a packed adapter."""
-
-    adapter_config: dict[str, object]
-    tensors: dict[str, StoredTensor]
-    """Stored name -> where it lies and which PEFT keys it holds, in reading order."""
-    shards: tuple[Shard, ...]
-    content_digest: str
-
-    def peft_keys(self) -> dict[str, tuple[str, int | None]]:
-        """Every original PEFT key -> (stored tensor name, expert position or None)."""
-        keys: dict[str, tuple[str, int | None]] = {}
-        for name, stored in self.tensors.items():
-            if stored.experts is None:
-                keys[stored.key] = (name, None)
-            else:
-                for position, expert in enumerate(stored.experts):
-                    keys[stored.key.replace(_EXPERT_SLOT, str(expert))] = (name, position)
-        return keys
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "adapter_config": self.adapter_config,
-                "tensors": {
-                    name: {"shard": t.shard, "key": t.key, "experts": _encode_experts(t.experts)}
-                    | ({"fused": vars(t.fused)} if t.fused else {})
-                    for name, t in self.tensors.items()
-                },
-                "shards": [vars(shard) for shard in self.shards],
-                "content_digest": self.content_digest,
-            },
-            indent=1,
-        )
-
-    @classmethod
-    def read(cls, folder: Path) -> "PackedIndex":
-        path = folder / INDEX
-        if not path.is_file():
-            raise IntegrityError(f"packed adapter {folder} has no {INDEX}; pack or export it again")
-        raw = orjson.loads(path.read_bytes())
-        if raw.get("format") != FORMAT or raw.get("format_version") not in READABLE_VERSIONS:
-            raise ConfigurationError(
-                f"{path} is format {raw.get('format')!r} v{raw.get('format_version')!r}; this "
-                f"MinT reads {FORMAT!r} v{'/v'.join(map(str, READABLE_VERSIONS))}: pack the "
-                "adapter again"
-            )
-        tensors = {
-            name: StoredTensor(
-                t["shard"],
-                t["key"],
-                _decode_experts(t["experts"]),
-                FusedExperts(**t["fused"]) if t.get("fused") else None,
-            )
-            for name, t in raw["tensors"].items()
-        }
-        shards = tuple(Shard(**shard) for shard in raw["shards"])
-        return cls(raw["adapter_config"], tensors, shards, raw["content_digest"])
-
-
-def _encode_experts(experts: tuple[int, ...] | None) -> object:
-    """A contiguous run of experts (the usual case) as {first, count}, keeping the index small."""
-    if experts and experts == tuple(range(experts[0], experts[0] + len(experts))):
-        return {"first": experts[0], "count": len(experts)}
-    return list(experts) if experts is not None else None
-
-
-def _decode_experts(raw: object) -> tuple[int, ...] | None:
-    if raw is None:
-        return None
-    if isinstance(raw, dict):
-        return tuple(range(raw["first"], raw["first"] + raw["count"]))
-    return tuple(raw)  # type: ignore[arg-type]
-
-
-@dataclass(frozen=True)
-class TensorContent:
-    """One PEFT tensor as the content digest sees it."""
-
-    key: str
-    dtype: str
-    """Its safetensors dtype name, e.g. `BF16`."""
-    shape: tuple[int, ...]
-    sha256: str
-    """Of its bytes, row-major and little-endian, as safetensors stores them."""
-
-
-def content_digest(adapter_config: Mapping[str, object], tensors: Iterable[TensorContent]) -> str:
-    """A revision's identity: sha256 over the canonical adapter config and every PEFT tensor's
-    key, dtype, shape and sha256, in key order. It names what the adapter is, not how it is
-    packed: shard size, stacking and format version leave it unchanged, so any packer can
-    export a revision again under the identity it was registered with."""
-    entries = sorted([t.key, t.dtype, list(t.shape), t.sha256] for t in tensors)
-    return sha256_json({"config": adapter_config, "tensors": entries})
 
 
 def _content(key: str, tensor: torch.Tensor) -> TensorContent:
@@ -215,11 +89,7 @@ def _content(key: str, tensor: torch.Tensor) -> TensorContent:
             f"save the adapter in one of: {', '.join(map(str, _DTYPES.values()))}"
         )
     data = memoryview(tensor.contiguous().reshape(-1).view(torch.uint8).numpy())
-    return TensorContent(key, dtype, tuple(tensor.shape), _sha256(data))
-
-
-def _is_lora_a(key: str) -> bool:
-    return key.endswith(".lora_A.weight")
+    return TensorContent(key, dtype, tuple(tensor.shape), sha256_of(data))
 
 
 def _fused(
@@ -232,7 +102,7 @@ def _fused(
     if target is None:
         return None
     rank = expert_rank(adapter_config, *target)
-    stacked = tensor.shape[0 if _is_lora_a(key) else 1] if tensor.dim() == 2 else 0
+    stacked = tensor.shape[0 if is_lora_a(key) else 1] if tensor.dim() == 2 else 0
     if not stacked or stacked % rank:
         raise ConfigurationError(
             f"{key!r} adapts the fused experts {'.'.join(target)} but has shape "
@@ -240,10 +110,6 @@ def _fused(
             "weights and adapter_config.json do not belong together"
         )
     return FusedExperts(stacked // rank, rank)
-
-
-def _sha256(data: bytes | memoryview) -> str:
-    return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
 # ---------------------------------------------------------------------------- input layouts
@@ -305,9 +171,7 @@ def _stack_plan(
             continue
         stored = f"{expert['experts']}.{expert['projection']}.lora_{lora['ab']}.stacked"  # type: ignore[index]
         groups.setdefault(stored, []).append((int(expert["expert"]), key))
-        templates[stored] = key.replace(
-            f".experts.{expert['expert']}.", f".experts.{_EXPERT_SLOT}."
-        )
+        templates[stored] = key.replace(f".experts.{expert['expert']}.", f".experts.{EXPERT_SLOT}.")
     plan: dict[str, tuple[str, list[tuple[int, str]]]] = {}
     for stored, members in groups.items():
         members.sort()
@@ -349,7 +213,7 @@ def pack_tensors(
         path = out_dir / name
         save_file(group, path)
         data = path.read_bytes()
-        shards.append(Shard(name, len(data), _sha256(data), xxhash.xxh3_128_hexdigest(data)))
+        shards.append(Shard(name, len(data), sha256_of(data), xxhash.xxh3_128_hexdigest(data)))
         group, size = {}, 0
 
     for stored in sorted(plan, key=_natural):
@@ -392,88 +256,6 @@ def pack(
 # ---------------------------------------------------------------------------- reading
 
 
-def verify(folder: Path) -> PackedIndex:
-    """The index, once every shard exists with its size and sha256 and the tensors they hold
-    give the index's content digest; IntegrityError naming the shard or the digests otherwise.
-    Cryptographic: for the trust boundary (export, fetch), not every load."""
-    index = PackedIndex.read(folder)
-    by_shard: dict[str, dict[str, StoredTensor]] = {}
-    for name, stored in index.tensors.items():
-        by_shard.setdefault(stored.shard, {})[name] = stored
-    contents: list[TensorContent] = []
-    for shard in index.shards:
-        path = _checked_path(folder, shard)
-        with (
-            open(path, "rb") as stream,
-            mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
-            memoryview(mapped) as data,
-        ):
-            actual = _sha256(data)
-            if actual != shard.sha256:
-                raise IntegrityError(
-                    f"shard {shard.name} of {folder} has sha256 {actual}, the index says "
-                    f"{shard.sha256}: {_CORRUPT}"
-                )
-            contents += _shard_contents(data, shard, by_shard.get(shard.name, {}))
-    actual = content_digest(index.adapter_config, contents)
-    if actual != index.content_digest:
-        raise IntegrityError(
-            f"the tensors of {folder} have content digest {actual}, its index says "
-            f"{index.content_digest}: {_CORRUPT}"
-        )
-    return index
-
-
-def _shard_contents(
-    data: memoryview, shard: Shard, stored: Mapping[str, StoredTensor]
-) -> list[TensorContent]:
-    """The content of every PEFT tensor the index puts in this shard, from the shard's bytes: a
-    stack's experts are consecutive equal slices of it."""
-    start, header = _header(data)
-    contents = []
-    for name, tensor in stored.items():
-        meta = header.get(name)
-        if meta is None:
-            raise IntegrityError(f"shard {shard.name} lacks tensor {name}: {_CORRUPT}")
-        begin, end = (start + offset for offset in meta["data_offsets"])
-        shape = tuple(meta["shape"])
-        if tensor.experts is None:
-            if tensor.fused is not None:  # the same bytes as PEFT's tensor, in its shape
-                shape = tensor.fused.peft_shape(shape, tensor.key)
-            contents.append(
-                TensorContent(tensor.key, meta["dtype"], shape, _sha256(data[begin:end]))
-            )
-            continue
-        step = (end - begin) // len(tensor.experts)
-        for position, expert in enumerate(tensor.experts):
-            piece = data[begin + position * step : begin + (position + 1) * step]
-            key = tensor.key.replace(_EXPERT_SLOT, str(expert))
-            contents.append(TensorContent(key, meta["dtype"], shape[1:], _sha256(piece)))
-    return contents
-
-
-def _header(data: memoryview) -> tuple[int, dict[str, dict]]:
-    """A safetensors file's header without its metadata, and where its data area begins."""
-    length = int.from_bytes(bytes(data[:8]), "little")
-    header = orjson.loads(bytes(data[8 : 8 + length]))
-    header.pop("__metadata__", None)
-    return 8 + length, header
-
-
-def _checked_path(folder: Path, shard: Shard) -> Path:
-    path = folder / shard.name
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise IntegrityError(f"shard {shard.name} of {folder} is missing") from None
-    if size != shard.bytes:
-        raise IntegrityError(
-            f"shard {shard.name} of {folder} is {size} bytes, the index says {shard.bytes}: "
-            f"it is truncated or overwritten; {_CORRUPT}"
-        )
-    return path
-
-
 @dataclass(frozen=True)
 class PackedAdapter:
     """A loaded packed adapter: stored tensors (stacks included) as views into shard buffers."""
@@ -500,9 +282,7 @@ class PackedAdapter:
             if stored.fused is None:
                 continue
             module = stored.key.rpartition(".lora_")[0].removeprefix(_PEFT_PREFIX)
-            sides.setdefault(module, {})[_is_lora_a(stored.key)] = stored.as_peft(
-                self.tensors[name]
-            )
+            sides.setdefault(module, {})[is_lora_a(stored.key)] = stored.as_peft(self.tensors[name])
             experts[module] = stored.fused.experts
         stacks = {}
         for module, pair in sides.items():
@@ -543,7 +323,7 @@ def map_file(path: Path, hasher: "xxhash.xxh3_128") -> torch.Tensor:
 
 
 def _load_shard(folder: Path, shard: Shard, pin_memory: bool) -> dict[str, torch.Tensor]:
-    path = _checked_path(folder, shard)
+    path = checked_shard_path(folder, shard)
     hasher = xxhash.xxh3_128()
     if pin_memory:
         # Pinned host memory lets the copy into a device slot run asynchronously.
@@ -555,9 +335,9 @@ def _load_shard(folder: Path, shard: Shard, pin_memory: bool) -> dict[str, torch
     if hasher.hexdigest() != shard.xxh3:
         raise IntegrityError(
             f"shard {shard.name} of {folder} does not match its checksum (xxh3 {shard.xxh3}): "
-            f"{_CORRUPT}"
+            f"{CORRUPT_ADVICE}"
         )
-    start, header = _header(memoryview(buffer.numpy()))
+    start, header = safetensors_header(memoryview(buffer.numpy()))
     return _views(buffer, start, header)
 
 

@@ -121,8 +121,8 @@ def stop_all(services: Sequence[ManagedProcess]) -> None:
         list(pool.map(ManagedProcess.stop, services))
 
 
-def answers(url: str) -> bool:
-    """Whether `url` answers 200 right now."""
+def responds_ok(url: str) -> bool:
+    """Whether `url` responds 200 right now: a health probe."""
     try:
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.status == 200
@@ -146,7 +146,7 @@ def start_process(
     `die_with_parent`: the process gets SIGTERM when the thread that started it ends (Linux),
     so a child this process supervises never outlives it, even when it is SIGKILLed.
     `grace_s`: how long it may take to shut down when stopped (see `ManagedProcess.stop`)."""
-    healthy = health if callable(health) else lambda: answers(url + health)
+    healthy = health if callable(health) else lambda: responds_ok(url + health)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(

@@ -30,8 +30,9 @@ class Backend(Protocol):
     residency: Residency[Any]
     """The host tier (and device slots, where the backend places adapters itself)."""
     metrics: WorkerMetrics
-    restarts: int
-    """How many times the engine was started again (losing every adapter it held)."""
+    generation: int
+    """Which engine runs now: 0 for the first, one more at each restart (each restart loses
+    every adapter loaded before it). Backend events name it (`on_lost`)."""
 
     def stage(self, key: str, adapter: PackedAdapter) -> list[str]:
         """Phase 1: take a verified adapter into the host tier. Returns the keys evicted to
@@ -64,9 +65,11 @@ class Backend(Protocol):
         """Why the engine cannot serve right now (None while it can)."""
         ...
 
-    def on_lost(self, callback: Callable[[], None]) -> None:
-        """Call `callback` whenever the engine loses every loaded adapter (it died and is being
-        restarted): the worker then takes them out of `ready` and admits them again."""
+    def on_lost(self, callback: Callable[[int], None]) -> None:
+        """Call `callback` with the engine's generation whenever that engine loses every loaded
+        adapter (it died and is being restarted), before the next generation starts: the
+        worker then takes them out of `ready`, admits them again, and makes nothing ready that
+        warmed up on the lost generation."""
         ...
 
     @property

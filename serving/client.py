@@ -198,10 +198,10 @@ class WorkerClient:
         with ThreadPoolExecutor(max_workers=min(n, 16)) as pool:
             return list(pool.map(one, range(n)))
 
-    def answers(
+    def greedy_texts(
         self, model: str, prompts: Sequence[str | Sequence[Mapping[str, str]]], max_tokens: int
     ) -> list[str | None]:
-        """The greedy answers `model` (an exact revision, `name:rN`) serves to `prompts`, in
+        """The greedy texts `model` (an exact revision, `name:rN`) generates for `prompts`, in
         order: each text, or None where it stopped at `max_tokens` instead of ending by
         itself. Plain prompts go to `/v1/completions` a batch at a time, conversations to
         `/v1/chat/completions`; the requests are sent at once, so the worker batches them."""
@@ -216,7 +216,7 @@ class WorkerClient:
 
         starts = range(0, len(prompts), MAX_PROMPTS)
         with ThreadPoolExecutor(max_workers=8) as pool:
-            return [answer for answers in pool.map(batch, starts) for answer in answers]
+            return [text for texts in pool.map(batch, starts) for text in texts]
 
     def _answer_one(
         self, model: str, body: dict[str, object], prompt: str | Sequence[Mapping[str, str]]

@@ -20,7 +20,7 @@ from serving.scheduler import DEFAULT_MAX_BATCH, Scheduler
 
 class EmbeddedBackend:
     kind = BackendKind.EMBEDDED.value
-    restarts = 0  # it runs in the worker's own process: it never restarts without the worker
+    generation = 0  # it runs in the worker's own process: it never restarts without the worker
 
     def __init__(
         self,
@@ -64,7 +64,7 @@ class EmbeddedBackend:
     def problem(self) -> str | None:
         return None  # it runs in the worker's own process: if it is down, so is the worker
 
-    def on_lost(self, callback: Callable[[], None]) -> None:
+    def on_lost(self, callback: Callable[[int], None]) -> None:
         """Never called: the engine cannot lose its adapters while the worker lives."""
 
     @property

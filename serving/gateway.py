@@ -58,15 +58,16 @@ from mint_core.errors import (
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
-from serving.answers import ErrorAnswer, error_answer, sse
-from serving.app import (
+from serving.http.common import (
     ADAPTER_PREFIX,
-    MAX_REQUEST_BYTES,
+    BASE_NAMES,
     REQUEST_ID_HEADER,
     REVISION_HEADER,
-    BodyLimit,
     adapter_of_url,
+    sse,
 )
+from serving.http.errors import ErrorResponse, error_response
+from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ _POLL = aiohttp.ClientTimeout(total=2.0)
 GENERATION_TIMEOUT_S = 600.0
 _PASSED_ON = ("content-type", "retry-after", REVISION_HEADER.lower(), REQUEST_ID_HEADER.lower())
 """Response headers a worker's answer keeps through the gateway."""
-_BASE_NAMES = (None, "", "base")
-"""What a request names to get a base without adapter."""
 
 
 @dataclass
@@ -131,7 +130,7 @@ class Fleet:
         """Workers for a request that names a base (its model id) or nothing. Naming nothing is
         ambiguous in a fleet of several bases: ConfigurationError listing them."""
         up = [w for w in self.workers if w.up]
-        if model not in _BASE_NAMES:
+        if model not in BASE_NAMES:
             return sorted((w for w in up if w.base_model == model), key=lambda w: w.in_flight)
         bases = sorted({w.base_model for w in up})
         if len(bases) > 1:
@@ -229,7 +228,7 @@ class Gateway:
 
     async def route(self, model: str | None) -> list[WorkerView]:
         """The workers to try, in order, for a request naming `model`."""
-        if model in _BASE_NAMES or self._is_base(model):
+        if model in BASE_NAMES or self._is_base(model):
             workers = self.fleet.for_base_model(model)
             if not workers:
                 raise NotFoundError(f"no worker up serves the base {model!r}")
@@ -357,7 +356,7 @@ class Gateway:
             except Exception as e:
                 if not isinstance(e, MintError):
                     log.exception("gateway failed on %s", request.url.path)
-                return error_answer(e, request).response()
+                return error_response(e, request).to_response()
 
         async def models(request: Request) -> Response:
             return _json(await self.models(request))
@@ -368,7 +367,7 @@ class Gateway:
             except Exception as e:
                 if not isinstance(e, MintError):
                     log.exception("gateway failed on %s", request.url.path)
-                return error_answer(e, request).response()
+                return error_response(e, request).to_response()
 
         async def health(_: Request) -> Response:
             return _json(self.health())
@@ -425,7 +424,7 @@ def _failed(worker: WorkerView, error: BaseException) -> Response:
         f"worker {worker.url} failed while it had this request ({type(error).__name__}: "
         f"{error}); the request was not retried, as it may have run: send it again"
     )
-    answer = ErrorAnswer(502, "worker_failed", message)
+    answer = ErrorResponse(502, "worker_failed", message)
     return Response(orjson.dumps(answer.body), status_code=502, headers={WORKER_HEADER: worker.url})
 
 
@@ -438,7 +437,9 @@ def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView) -> StreamingRe
             async for chunk in answer.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as e:
-            body = ErrorAnswer(502, "worker_failed", f"worker {worker.url} failed mid-stream: {e}")
+            body = ErrorResponse(
+                502, "worker_failed", f"worker {worker.url} failed mid-stream: {e}"
+            )
             yield sse(body.body).encode()
         finally:
             worker.in_flight -= 1

@@ -14,10 +14,10 @@ from mint_core.config import WORKER_PORT, BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
-from serving.app import create_app
 from serving.backend import Backend
 from serving.embedded import EmbeddedBackend
 from serving.engine import TorchEngine
+from serving.http.app import create_app
 from serving.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def build_worker(config: MintConfig) -> Worker:
         store,
         admission_k=config.admission_k,
         sync_interval_s=config.sync_interval_s,
-    )
+    ).start()
 
 
 def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> None:

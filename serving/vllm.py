@@ -19,9 +19,12 @@ How MinT's lifecycle maps onto vLLM:
   request inside vLLM. vLLM never sees a request for a revision the gate did not pass, and a
   name it does not know answers 404, never the base in its place.
 - **health**: a supervisor thread watches the process. If vLLM dies or stops answering, the
-  backend reports the problem (`/health` says `degraded`), tells the worker every adapter is
-  lost, and starts vLLM again with backoff; the worker's watcher then prewarms again what the
-  registry wants. No operator action.
+  backend reports the problem (`/health` says `degraded`), tells the worker the adapters of
+  that engine generation are lost, and starts vLLM again with backoff, as the next
+  generation; the worker's watcher then prewarms again what the registry wants. No operator
+  action.
+- **threads**: generations run on a bounded pool (`MAX_GENERATIONS` at once, each waiting on
+  its HTTP stream); more wait for a free thread and count as the queue.
 
 vLLM lives in an environment of its own (it pins an older transformers): `make vllm` builds
 `.venv-vllm`; `MINT_VLLM_PYTHON` names another.
@@ -35,6 +38,7 @@ import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +56,7 @@ from mint_core.folders import publish_folder
 from mint_core.model.base import BaseText
 from mint_core.packing import PackedAdapter, write_peft
 from mint_core.residency import Residency
-from mint_core.services import LOOPBACK, ManagedProcess, answers, free_port, start_process
+from mint_core.services import LOOPBACK, ManagedProcess, free_port, responds_ok, start_process
 from serving.engine import BASE
 from serving.generation import Request, check_prompt
 from serving.metrics import WorkerMetrics
@@ -75,6 +79,10 @@ CPU_KV_CACHE = "256M"
 """KV cache on CPU machines (vLLM's default takes a fraction of host memory)."""
 CONTROL_TIMEOUT_S = 120.0
 """Loading an adapter, or anything but a generation, answers within this."""
+MAX_GENERATIONS = 256
+"""Generations sent to vLLM at once, each on a thread of its own waiting for its stream: as
+many as the worker's HTTP layer runs handlers (`serving.http.app.HANDLER_THREADS`), far more
+than vLLM batches (`--max-num-seqs`), so vLLM's own queue stays fed."""
 
 
 @dataclass(frozen=True)
@@ -225,12 +233,15 @@ class VllmBackend:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
         self._problem: str | None = None
-        self._lost: list[Callable[[], None]] = []
+        self._lost: list[Callable[[int], None]] = []
         self._running = 0
+        self._waiting = 0
         self._lock = threading.Lock()
+        """Guards the counts of generations running and waiting."""
         self._closed = threading.Event()
-        self.restarts = 0
-        """vLLM starts after the first; each one lost every adapter loaded before it."""
+        self._generations = ThreadPoolExecutor(MAX_GENERATIONS, thread_name_prefix="vllm-gen")
+        self.generation = 0
+        """Which vLLM runs now: 0 for the first, one more at each restart."""
         self._supervisor = threading.Thread(target=self._supervise, name="vllm", daemon=True)
         self._supervisor.start()
         log.info("vLLM serves %s at %s", text.model_id, self._server.url)
@@ -263,7 +274,7 @@ class VllmBackend:
         """EngineUnavailableError if vLLM's engine is dead: vLLM answers 500 to whatever
         failed then (a load included) for a few seconds, until its own watchdog stops it, and
         that is not the request's or the adapter's fault."""
-        if self._problem is not None or not answers(self._server.url + "/health"):
+        if self._problem is not None or not responds_ok(self._server.url + "/health"):
             raise EngineUnavailableError(f"vLLM's engine is down ({doing})")
 
     def unload(self, key: str) -> None:
@@ -303,7 +314,9 @@ class VllmBackend:
         # string may end the generation early (vLLM is not told MinT's stop strings: the
         # stream is closed where MinT's rules end it).
         stream = streamed or bool(params.stop)
-        threading.Thread(target=self._run, args=(request, stream), daemon=True).start()
+        with self._lock:
+            self._waiting += 1
+        self._generations.submit(self._run, request, stream)
         return request
 
     def _payload(self, request: Request, stream: bool) -> dict[str, object]:
@@ -328,11 +341,13 @@ class VllmBackend:
         return payload
 
     def _run(self, request: Request, stream: bool) -> None:
-        """Generate `request` through vLLM into its events (a thread per generation)."""
+        """Generate `request` through vLLM into its events (on a thread of the pool)."""
         with self._lock:
+            self._waiting -= 1
             self._running += 1
         try:
-            self._generate(request, stream)
+            if not request.done:  # else cancelled while it waited: vLLM never hears of it
+                self._generate(request, stream)
         except httpx.TransportError as e:
             request.fail(EngineUnavailableError(f"vLLM stopped answering: {e}"))
         except MintError as e:
@@ -383,7 +398,7 @@ class VllmBackend:
     def problem(self) -> str | None:
         return self._problem
 
-    def on_lost(self, callback: Callable[[], None]) -> None:
+    def on_lost(self, callback: Callable[[int], None]) -> None:
         self._lost.append(callback)
 
     def _supervise(self) -> None:
@@ -392,7 +407,7 @@ class VllmBackend:
             process = self._process
             code = process.process.poll()
             if code is None:
-                failed_checks = 0 if answers(process.url + "/health") else failed_checks + 1
+                failed_checks = 0 if responds_ok(process.url + "/health") else failed_checks + 1
                 if failed_checks < FAILED_CHECKS:
                     continue
                 why = f"vLLM stopped answering its health check ({FAILED_CHECKS} in a row)"
@@ -403,12 +418,11 @@ class VllmBackend:
 
     def _restart(self, why: str) -> None:
         log.error("%s; restarting it (its log: %s)", why, self._process.log_path)
-        # Reported before the worker hears of it: a prewarm that checks `problem()` under the
-        # worker's lock cannot then make a revision ready on the dead engine.
         self._problem = f"{why}; restarting it"
+        lost = self.generation
         for callback in self._lost:
             try:
-                callback()
+                callback(lost)
             except Exception:  # the restart must happen whatever a listener does
                 log.exception("a listener of vLLM's restart failed")
         for attempt in range(sys.maxsize):
@@ -428,13 +442,14 @@ class VllmBackend:
                 started.stop(grace_s=5.0)
                 return
             break
-        self.restarts += 1
+        self.generation = lost + 1
         self._problem = None
-        log.info("vLLM is back (restart %d)", self.restarts)
+        log.info("vLLM is back (generation %d)", self.generation)
 
     @property
     def queue_depth(self) -> int:
-        return 0  # vLLM queues inside itself: every generation in flight counts as running
+        # Waiting for a thread of the pool; vLLM's own queue counts as running.
+        return self._waiting
 
     @property
     def batch_size(self) -> int:
@@ -450,6 +465,9 @@ class VllmBackend:
     def close(self) -> None:
         self._closed.set()
         self._supervisor.join(timeout=10)
+        # Generations still waiting run and fail at once on the closed client: every caller
+        # hears an error.
+        self._generations.shutdown(wait=False)
         self._client.close()
         self._process.stop(grace_s=5.0)  # within the grace a stopping worker has
         shutil.rmtree(self._adapters, ignore_errors=True)

@@ -6,9 +6,9 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   nudged) and admits what the registry says this worker should hold (`Catalog.desired`). If
   MLflow is down the worker keeps serving what it has and reports itself `degraded`.
 - **Admission**: admitted revisions queue (`mint_core.admission`, rollbacks first) and K
-  prewarm threads take them one at a time, in two phases: fetch and verify the artifact into
-  the host tier (`fetching`), then load it into the engine and run a warm-up generation
-  (`warming`); only then is it `ready`.
+  prewarm threads take them one at a time (`serving.prewarm`), in two phases: fetch and verify
+  the artifact into the host tier (`fetching`), then load it into the engine and run a warm-up
+  generation (`warming`); only then is it `ready`.
 - **Readiness gate**: the request path never fetches anything: `route` answers with the engine
   key of a ready revision or raises `RevisionNotReady` at once (and EngineUnavailableError
   while the engine is down). `request_path_loads` counts what a user's request waited for all
@@ -19,9 +19,10 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   the requests for `name@production` to the canary revision, if that is ready here and the
   caller may use it; otherwise to production, so the canary never fails a request. Each
   answer's outcome is kept per revision (`outcomes`), which is how a canary is judged.
-- **Engine restarts**: a backend whose engine dies (vLLM) reports it; every ready revision goes
-  back to not admitted, and once the engine is back the watcher admits and prewarms again what
-  the registry wants.
+- **Engine restarts**: a backend whose engine dies (vLLM) reports it with the engine's
+  generation; every ready revision goes back to not admitted, nothing warmed on that
+  generation becomes ready, and once the engine is back the watcher admits and prewarms again
+  what the registry wants.
 - **Tiers**: the residency plan holds the host tier's contents itself: there is no second copy
   to keep in step with it.
 
@@ -32,22 +33,33 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
 
 Every readiness change is kept in an event log (`events`), and every held alias move that
 appears or ends in another (`alias_events`), which is how tests and operators see what
-happened and when.
+happened and when: the last `EVENT_LOG_LENGTH` of each (`serving.readiness` says what bounds
+the worker's memory).
+
+A worker's threads (K prewarm threads and the watcher) start in `start()`, once the worker is
+whole; `close()` stops them.
+
+Locks, outermost first (a thread holding one never waits for one above it):
+
+1. `_syncing`: one sync with the registry at a time (the watcher's, `/admin/sync`'s).
+2. the catalog's own locks (its index, its registry client).
+3. the readiness table's condition (`serving.readiness.ReadinessTable`): entries, policies,
+   admission queue, event log, the newest engine generation lost.
+4. `_lock`: held alias moves and their events; apart, `Prewarm`'s count of request-path
+   fetches (a leaf: nothing is taken under it).
+5. the backend's locks (residency tiers, scheduler, vLLM's counters): it calls the worker back
+   (`on_lost`) holding none of them.
 """
 
-import contextlib
 import logging
-import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
-from enum import StrEnum
-from pathlib import Path
 
 from mint_core.access import ANONYMOUS, allows, check_access
-from mint_core.admission import DEFAULT_CONCURRENCY, AdmissionQueue, Priority
+from mint_core.admission import DEFAULT_CONCURRENCY, Priority
 from mint_core.alias_intents import HeldMove
 from mint_core.artifact_store import ArtifactStore
 from mint_core.catalog import Catalog
@@ -55,68 +67,32 @@ from mint_core.config import MintConfig
 from mint_core.errors import (
     BaseMismatchError,
     EngineUnavailableError,
-    IntegrityError,
-    MintError,
     NotFoundError,
-    NotReadyError,
     RegistryError,
 )
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
-from mint_core.packing import load as load_packed
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
-from mint_core.states import Readiness, transition
+from mint_core.states import Readiness
 from serving.backend import Backend
 from serving.engine import BASE
 from serving.generation import Request
 from serving.outcomes import Outcomes
+from serving.prewarm import Prewarm
+from serving.readiness import (
+    EVENT_LOG_LENGTH,
+    AliasEvent,
+    AliasEventKind,
+    ReadinessEntry,
+    ReadinessTable,
+    Residence,
+    RevisionNotReady,
+)
 from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
-WARMUP_TEXT = "Hello"
-"""A neutral prompt for the warm-up generation, in the base's own tokens (whatever the base)."""
-WARMUP_TOKENS = 2
-WARMUP_TIMEOUT_S = 120.0
 DEFAULT_SYNC_INTERVAL_S = MintConfig.sync_interval_s
-PREWARM_NICENESS = 10
-
-
-@dataclass(frozen=True)
-class ReadinessEntry:
-    """One revision's state on this worker."""
-
-    revision: RevisionId
-    state: Readiness
-    since: float
-    """Unix time the revision entered `state`."""
-    reason: str | None = None
-    """Why it failed, for `failed`."""
-    queue_position: int | None = None
-    """For `queued`: how many queued revisions go before it."""
-
-
-class AliasEventKind(StrEnum):
-    HELD = "held"
-    """An alias moved outside the pipeline: the worker keeps serving the previous target."""
-    RELEASED = "released"
-    """The pipeline moved the alias (or the registry's alias came back): followed again."""
-
-
-@dataclass(frozen=True)
-class AliasEvent:
-    """A held alias move appearing or ending on this worker."""
-
-    at: float
-    """Unix time the worker saw it."""
-    kind: AliasEventKind
-    move: HeldMove
-
-
-class RevisionNotReady(NotReadyError):
-    def __init__(self, entry: ReadinessEntry) -> None:
-        super().__init__(f"{entry.revision} is {entry.state} on this worker, not ready")
-        self.entry = entry
 
 
 class Worker:
@@ -138,97 +114,97 @@ class Worker:
         self.metrics.registry.register(self.outcomes)
         self._draw = random.Random()
         """Which requests for `production` go to a canary."""
-        self._table: dict[RevisionId, ReadinessEntry] = {}
-        self._policies: dict[RevisionId, PolicyRecord] = {}
-        self._events: list[ReadinessEntry] = []
-        """Every readiness change, oldest first."""
-        self._admission: AdmissionQueue[RevisionId] = AdmissionQueue(admission_k)
-        self._lock = threading.Condition()
-        self._request_path_fetches = 0
-        self._prewarming = threading.local()
-        """`active` is set on prewarm threads: their fetches are not on the request path."""
+        self._readiness = ReadinessTable(admission_k)
+        self._lock = threading.Lock()
+        """Guards held moves and their events (see the locks)."""
+        self._syncing = threading.Lock()
+        """One sync at a time: the watcher's and `/admin/sync`'s would admit twice."""
         self._held: frozenset[HeldMove] = frozenset()
         """The held alias moves as of the last sync."""
-        self._alias_events: list[AliasEvent] = []
+        self._alias_events: deque[AliasEvent] = deque(maxlen=EVENT_LOG_LENGTH)
         self._registry_problem: str | None = None
         """Why the last sync with the registry failed; None while it succeeds."""
         self.sync_interval_s = sync_interval_s
+        self._admission_k = admission_k
         self._nudge = threading.Event()
         self._closed = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._prewarm = Prewarm(
+            backend, catalog, store, self._readiness, self.check_base, self._closed, self.nudge
+        )
+        # Before any thread runs: an engine lost from now on is heard of.
+        backend.on_lost(self._prewarm.engine_lost)
+
+    def start(self) -> "Worker":
+        """Start prewarming (K threads) and following the registry (the watcher); the worker."""
+        if self._threads:
+            raise RuntimeError("this worker has started already")
         self._threads = [
-            threading.Thread(target=self._prewarm_loop, name=f"prewarm-{number}", daemon=True)
-            for number in range(admission_k)
+            threading.Thread(target=self._prewarm.run, name=f"prewarm-{number}", daemon=True)
+            for number in range(self._admission_k)
         ]
         self._threads.append(threading.Thread(target=self._watch, name="watcher", daemon=True))
         for thread in self._threads:
             thread.start()
-        backend.on_lost(self._engine_lost)
+        return self
 
     # Readiness.
 
     def readiness(self, revision: RevisionId) -> ReadinessEntry:
-        with self._lock:
-            return self._entry(revision)
+        return self._readiness.entry(revision)
 
     def entries(self, adapter: str) -> list[ReadinessEntry]:
-        with self._lock:
-            found = [self._entry(r) for r in self._table if r.adapter == adapter]
-        return sorted(found, key=lambda e: e.revision.number)
+        return self._readiness.entries(adapter)
 
     def events(self) -> list[ReadinessEntry]:
-        with self._lock:
-            return list(self._events)
+        """The last EVENT_LOG_LENGTH readiness changes, oldest first."""
+        return self._readiness.events()
 
     def ready_revisions(self, principal: str = ANONYMOUS) -> list[RevisionId]:
         """Ready revisions `principal` may use."""
-        with self._lock:
-            return sorted(
-                (
-                    r
-                    for r, e in self._table.items()
-                    if e.state is Readiness.READY and allows(self._policies[r], principal)
-                ),
-                key=lambda r: (r.adapter, r.number),
-            )
+        return self._readiness.ready(principal)
 
-    def _entry(self, revision: RevisionId) -> ReadinessEntry:
-        entry = self._table.get(revision)
-        if entry is None:
-            return ReadinessEntry(revision, Readiness.NOT_ADMITTED, since=0.0)
-        if entry.state is Readiness.QUEUED:
-            position = self._admission.position(revision)
-            return ReadinessEntry(revision, entry.state, entry.since, queue_position=position)
-        return entry
+    def adapter_status(
+        self, adapter: str, principal: str, sees_all: bool
+    ) -> list[tuple[ReadinessEntry, Residence]]:
+        """Each revision of `adapter` this worker has an entry for, with where its weights
+        are: the ones `principal` may use, or all if it `sees_all` (an admin, or a worker
+        without API keys). NotFoundError for an adapter the registry does not know. None
+        allowed at all is refused as generation refuses it (403 naming the adapter): the
+        adapter's existence is no secret from a caller generation already tells, and 404
+        would send it looking for a typo."""
+        entries = self.entries(adapter)
+        if not entries and not self.catalog.knows(adapter):
+            raise NotFoundError(f"adapter {adapter!r} is not registered")
+        if not sees_all:
+            policies = {e.revision: self.catalog.record(e.revision).policy for e in entries}
+            allowed = [e for e in entries if allows(policies[e.revision], principal)]
+            if entries and not allowed:
+                newest = entries[-1].revision
+                check_access(policies[newest], principal, newest)
+            entries = allowed
+        pins = {slot.key: slot.pins for slot in self.residency.slot_table()}
+        return [(entry, self._residence(str(entry.revision), pins)) for entry in entries]
 
-    def _set(
-        self, revision: RevisionId, state: Readiness, reason: str | None = None
-    ) -> ReadinessEntry:
-        """Move `revision` to `state` (the caller holds the lock)."""
-        current = self._table.get(revision)
-        transition(current.state if current else Readiness.NOT_ADMITTED, state)
-        entry = ReadinessEntry(revision, state, since=time.time(), reason=reason)
-        self._table[revision] = entry
-        self._events.append(entry)
-        return entry
+    def _residence(self, key: str, pins: dict[str, int]) -> Residence:
+        slot = self.residency.slot_of(key)
+        return Residence(self.residency.in_host(key), slot, pins.get(key, 0))
 
     # Admission.
 
     def admit(self, revision: RevisionId, priority: Priority = Priority.NORMAL) -> ReadinessEntry:
         """Queue `revision` for prewarm. Idempotent: a queued, prewarming or ready revision
         stays as it is (a queued one moves up if `priority` is higher)."""
-        with self._lock:
-            state = self._entry(revision).state
-            if state in (Readiness.NOT_ADMITTED, Readiness.FAILED):
-                self._set(revision, Readiness.QUEUED)
-            if state in (Readiness.NOT_ADMITTED, Readiness.FAILED, Readiness.QUEUED):
-                self._admission.push(revision, priority)
-                self._lock.notify_all()
-            return self._entry(revision)
+        return self._readiness.admit(revision, priority)
 
     def sync(self) -> list[RevisionId]:
         """Catch up with the registry and admit what it says this worker should hold but does
         not; the revisions admitted. A failed sync marks the worker degraded and changes
-        nothing else."""
+        nothing else. One at a time: the watcher's and `/admin/sync`'s."""
+        with self._syncing:
+            return self._sync()
+
+    def _sync(self) -> list[RevisionId]:
         try:
             self.catalog.sync()
         except RegistryError as e:
@@ -268,6 +244,7 @@ class Worker:
             return sorted(self._held, key=_alias_of)
 
     def alias_events(self) -> list[AliasEvent]:
+        """The last EVENT_LOG_LENGTH held alias moves that appeared or ended, oldest first."""
         with self._lock:
             return list(self._alias_events)
 
@@ -277,12 +254,7 @@ class Worker:
 
     def _priority(self, revision: RevisionId) -> Priority:
         """A revision older than one this worker has ready is a rollback: it goes first."""
-        with self._lock:
-            newer = any(
-                r.adapter == revision.adapter and r.number > revision.number
-                for r, e in self._table.items()
-                if e.state is Readiness.READY
-            )
+        newer = self._readiness.newer_ready(revision)
         return Priority.ROLLBACK if newer else Priority.NORMAL
 
     def _watch(self) -> None:
@@ -303,6 +275,20 @@ class Worker:
         """Why the worker cannot do all its work (registry unreachable, engine down); None
         while it can."""
         return self.backend.problem() or self._registry_problem
+
+    @property
+    def last_sync(self) -> float | None:
+        """Unix time of the last sync with the registry that succeeded."""
+        return self.catalog.last_sync
+
+    @property
+    def backend_kind(self) -> str:
+        """The engine: `embedded` or `vllm`."""
+        return self.backend.kind
+
+    def exposition(self) -> bytes:
+        """The worker's Prometheus metrics, in the text format."""
+        return self.metrics.exposition()
 
     @property
     def codec(self) -> TextCodec:
@@ -360,12 +346,8 @@ class Worker:
         revision, percent = canary
         if self._draw.random() * 100 >= percent:
             return None
-        with self._lock:
-            entry = self._table.get(revision)
-            if entry is None or entry.state is not Readiness.READY:
-                return None
-            if not admin and not allows(self._policies[revision], principal):
-                return None
+        if not self._readiness.serves(revision, None if admin else principal):
+            return None
         return revision if self.backend.problem() is None else None
 
     def check_base(self, policy: PolicyRecord, revision: RevisionId) -> None:
@@ -388,10 +370,8 @@ class Worker:
 
     def routing(self) -> tuple[list[RevisionId], list[str]]:
         """What a gateway routes by: the ready revisions, and the engine keys in device slots."""
-        with self._lock:
-            ready = [r for r, e in self._table.items() if e.state is Readiness.READY]
         slots = [entry.key for entry in self.residency.slot_table()]
-        return sorted(ready, key=lambda r: (r.adapter, r.number)), slots
+        return self._readiness.ready(), slots
 
     def generate(
         self,
@@ -410,150 +390,18 @@ class Worker:
     def request_path_loads(self) -> int:
         """Loads a user's request waited for: fetches from the artifact store outside prewarm,
         and adapter copies into a device slot for a user's request."""
-        with self._lock:
-            fetches = self._request_path_fetches
-        return fetches + self.backend.request_path_loads
+        return self._prewarm.request_path_fetches + self.backend.request_path_loads
 
     def close(self) -> None:
         """Stop following the registry, prewarming and serving (waiting requests are
         answered with an error)."""
         self._closed.set()
         self._nudge.set()
-        with self._lock:
-            self._lock.notify_all()
+        self._readiness.wake()
         self.backend.close()
         for thread in self._threads:
             thread.join(timeout=10)
         self.catalog.close()
-
-    # Prewarm.
-
-    def _prewarm_loop(self) -> None:
-        # Prewarming is background work: on a busy machine the running batch goes first.
-        with contextlib.suppress(AttributeError, OSError):  # per-thread nice: Linux only
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PREWARM_NICENESS)
-        self._prewarming.active = True
-        while True:
-            revision = None
-            with self._lock:
-                while (
-                    not self._closed.is_set() and (revision := self._admission.start_next()) is None
-                ):
-                    self._lock.wait()
-            if revision is None:
-                return  # closed
-            try:
-                self._prewarm(revision)
-            except EngineUnavailableError as e:
-                # Not the revision's fault: it is admitted again once the engine is back.
-                log.warning("prewarm of %s stopped: %s", revision, e)
-                self._drop(revision, str(e))
-            except MintError as e:
-                log.warning("prewarm of %s failed: %s", revision, e)
-                self._fail(revision, str(e))
-            except Exception as e:  # a worker must outlive any one bad revision
-                log.exception("prewarm of %s crashed", revision)
-                self._fail(revision, f"{type(e).__name__}: {e}")
-            finally:
-                with self._lock:
-                    self._admission.finish(revision)
-                    self._lock.notify_all()
-
-    def _fail(self, revision: RevisionId, reason: str) -> None:
-        self.backend.unload(str(revision))
-        with self._lock:
-            self._set(revision, Readiness.FAILED, reason=reason)
-
-    def _drop(self, revision: RevisionId, reason: str) -> None:
-        """`revision` no longer serves here (evicted, or the engine lost it) until admitted
-        again; the watcher admits it again if the registry still wants it."""
-        self.backend.unload(str(revision))
-        with self._lock:
-            if self._entry(revision).state in (
-                Readiness.FETCHING,
-                Readiness.WARMING,
-                Readiness.READY,
-            ):
-                self._set(revision, Readiness.NOT_ADMITTED, reason=reason)
-
-    def _engine_lost(self) -> None:
-        """The engine died with every adapter it held: nothing is ready until prewarmed
-        again (the watcher admits what the registry wants once the engine is back)."""
-        with self._lock:
-            held = [r for r, e in self._table.items() if e.state is Readiness.READY]
-        for revision in held:
-            self._drop(revision, "the engine restarted")
-        self.nudge()
-
-    def _prewarm(self, revision: RevisionId) -> None:
-        with self._lock:
-            self._set(revision, Readiness.FETCHING)
-        registered = self.catalog.record(revision)
-        self.check_base(registered.policy, revision)
-        try:
-            adapter = load_packed(self._fetch(registered.artifact_uri))
-        except (IntegrityError, NotFoundError) as e:
-            # The operator's fix is one command: name it with this revision filled in.
-            repair = f"mint repair --adapter {revision.adapter} --revision {revision.number}"
-            raise type(e)(f"{e}; to re-export {revision}: {repair}") from e
-        index = adapter.index
-        if index.content_digest != registered.policy.content_digest:
-            raise IntegrityError(
-                f"artifact of {revision} has content digest {index.content_digest}, the policy "
-                f"record says {registered.policy.content_digest}"
-            )
-        key = str(revision)
-        for evicted in self.backend.stage(key, adapter):
-            self._evicted(evicted)
-
-        with self._lock:
-            self._policies[revision] = registered.policy
-            self._set(revision, Readiness.WARMING)
-        restarts = self.backend.restarts
-
-        def engine_lost() -> bool:
-            return self.backend.problem() is not None or self.backend.restarts != restarts
-
-        generating: Request | None = None
-        try:
-            self.backend.load(key)
-            prompt = self.codec.encode(WARMUP_TEXT)
-            warm_up = SamplingParams(max_new_tokens=WARMUP_TOKENS)
-            generating = self.generate(prompt, key, warm_up, warm_up=True, streamed=False)
-            generating.result(timeout_s=WARMUP_TIMEOUT_S)
-        except MintError as e:
-            if generating is not None:
-                # A warm-up that timed out still runs, pinning its slot: the weights leave
-                # (`_fail`, `_drop`) once it stops, which this makes the next step.
-                generating.cancel()
-            if engine_lost():  # not the revision's fault: admitted again once the engine is back
-                raise EngineUnavailableError(f"the engine restarted under {revision}: {e}") from e
-            raise
-        with self._lock:
-            # The engine may have died since the load (and `_engine_lost` run already): only
-            # an engine that still holds what was loaded makes the revision ready. The backend
-            # reports its problem before it tells the worker, so this check and `_engine_lost`
-            # (both under the lock) cannot miss each other.
-            if engine_lost():
-                raise EngineUnavailableError(f"the engine restarted while {revision} warmed up")
-            if not self.residency.in_host(key):  # another prewarm evicted it meanwhile
-                self._set(revision, Readiness.NOT_ADMITTED, reason="evicted from host cache")
-                return
-            self._set(revision, Readiness.READY)
-
-    def _fetch(self, uri: str) -> Path:
-        if not getattr(self._prewarming, "active", False):
-            with self._lock:
-                self._request_path_fetches += 1
-        return self.store.fetch(uri)
-
-    def _evicted(self, key: str) -> None:
-        """`key` left the host cache: it no longer serves here until admitted again."""
-        self.backend.unload(key)
-        with self._lock:
-            for revision, entry in self._table.items():
-                if str(revision) == key and entry.state is Readiness.READY:
-                    self._set(revision, Readiness.NOT_ADMITTED, reason="evicted from host cache")
 
 
 def _alias_of(move: HeldMove) -> tuple[str, str]:

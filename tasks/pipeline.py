@@ -439,7 +439,7 @@ def evaluate_revision(
     worker = base_fleet(config, revision)[0]
 
     def served(which: RevisionId) -> Generate:
-        return lambda prompts, budget: worker.answers(str(which), prompts, budget)
+        return lambda prompts, budget: worker.greedy_texts(str(which), prompts, budget)
 
     scores = tuple(
         SetScore(

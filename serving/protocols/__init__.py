@@ -1,4 +1,4 @@
-"""The wire protocols the worker speaks, one module each; `serving.app` routes requests to them.
+"""The wire protocols the worker speaks, one module each; `serving.http` routes requests to them.
 
 - `tgi`: Hugging Face Text Generation Inference (`/generate`, `/generate_stream`, `/`).
 - `openai`: OpenAI's completions, chat completions and models (`/v1/...`), with vLLM's
@@ -8,7 +8,7 @@ Each module holds its protocol's request models and pure translations: from a re
 worker's `SamplingParams`, and from what a generation yields (its `TokenEvent`s, then its
 `Generation`) to the protocol's JSON bodies and server-sent events. None of them touches a
 worker or an app, so each can be tested with hand-built events. Routing, keys, the readiness
-gate and errors (`serving.answers`) are the app's.
+gate and errors (`serving.http.errors`) are the app's.
 """
 
 from mint_core.errors import ConfigurationError

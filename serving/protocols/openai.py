@@ -33,8 +33,8 @@ from mint_core.config import MAX_PROMPTS
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.text import Message
-from serving.answers import sse
 from serving.generation import TokenEvent
+from serving.http.common import sse
 from serving.protocols import Event, within_context
 from serving.sampling import SamplingParams, stop_hit
 

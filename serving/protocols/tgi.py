@@ -24,8 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.model.generate import Generation
 from mint_core.model.text import TextCodec
-from serving.answers import sse
 from serving.generation import TokenEvent
+from serving.http.common import sse
 from serving.protocols import Event, within_context
 from serving.sampling import SamplingParams
 

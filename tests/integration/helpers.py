@@ -39,9 +39,9 @@ from mint_core.packing import PackedIndex
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
 from mint_core.services import ManagedProcess
-from serving.app import create_app
 from serving.embedded import EmbeddedBackend
 from serving.engine import TorchEngine
+from serving.http.app import create_app
 from serving.worker import Worker
 from tasks.pipeline import (
     Exported,
@@ -236,7 +236,7 @@ def in_process_worker(mlflow: ManagedProcess, home: Path) -> Iterator[Worker]:
         Catalog(Registry(config.tracking_uri)),
         open_store(config),
         sync_interval_s=3600,
-    )
+    ).start()
     try:
         yield worker
     finally:

@@ -18,10 +18,10 @@ from fastapi.testclient import TestClient
 
 from mint_core.errors import ServiceError
 from mint_core.services import ManagedProcess
-from serving.app import ECHO_LIMIT
 from serving.client import WorkerClient
 from serving.engine import BASE
 from serving.generation import Request, TokenEvent
+from serving.http.errors import ECHO_LIMIT
 from serving.sampling import SamplingParams
 from serving.worker import Worker
 from tests.integration.helpers import app_client, error_of, in_process_worker, strict_json
@@ -210,7 +210,7 @@ def test_an_unexpected_failure_inside_a_stream_is_logged_not_sent(
 
     request = Crashing([0], BASE, SamplingParams(4), local_worker.backend.engine.codec)
     serve_next(monkeypatch, local_worker, request)
-    with caplog.at_level(logging.ERROR, logger="serving.app"):
+    with caplog.at_level(logging.ERROR, logger="serving.http.context"):
         streamed = api.post("/generate_stream", json={"inputs": "a="})
     *_, last = sse_events(streamed)
     assert last["error_type"] == "internal" and set(last) == {"error", "error_type"}

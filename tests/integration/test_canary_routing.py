@@ -22,8 +22,8 @@ from mint_core.model.base import BaseModel
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANARY, PRODUCTION, RevisionId
 from mint_core.services import ManagedProcess
-from serving.app import REQUEST_ID_HEADER, REVISION_HEADER
 from serving.client import WorkerClient
+from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER
 from serving.outcomes import Outcomes
 from tests.helpers import make_policy
 from tests.integration.helpers import register_random_adapter

@@ -21,7 +21,7 @@ import schemathesis
 from schemathesis.checks import max_response_time, not_a_server_error
 
 from mint_core.config import BackendKind, MintConfig
-from serving.app import MAX_REQUEST_BYTES
+from serving.http.limits import MAX_REQUEST_BYTES
 from serving.server import start_worker
 from tests.integration.helpers import MixedFleet
 

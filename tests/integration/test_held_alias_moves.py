@@ -22,7 +22,7 @@ from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from mint_core.services import ManagedProcess
-from serving.app import REVISION_HEADER
+from serving.http.common import REVISION_HEADER
 from serving.server import start_worker
 from tests.helpers import make_policy
 from tests.integration.helpers import register_random_adapter

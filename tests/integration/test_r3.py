@@ -32,10 +32,10 @@ from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.residency import Residency
 from mint_core.services import ManagedProcess
-from serving.app import create_app
 from serving.client import WorkerClient
 from serving.embedded import EmbeddedBackend
 from serving.engine import BASE, AdapterWeights, TorchEngine
+from serving.http.app import create_app
 from serving.metrics import WorkerMetrics
 from serving.sampling import SamplingParams
 from serving.scheduler import Scheduler
@@ -227,7 +227,7 @@ def test_worker_client_samples_with_routes_over_http(
     config = MintConfig(home=home, tracking_uri=mlflow_server.url)
     backend = EmbeddedBackend(engine, config.host_cache_mb << 20)
     worker = Worker(backend, Catalog(Registry(config.tracking_uri)), open_store(config),
-                    sync_interval_s=3600)  # fmt: skip
+                    sync_interval_s=3600).start()  # fmt: skip
     try:
         with TestClient(create_app(worker)) as http:
             client = WorkerClient("http://testserver", http=http)

@@ -9,7 +9,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mint_core.services import ManagedProcess
-from serving.app import MAX_REQUEST_BYTES, create_app
+from serving.http.app import create_app
+from serving.http.limits import MAX_REQUEST_BYTES
 from serving.protocols import openai
 from serving.worker import Worker
 from tests.integration.helpers import app_client, error_of, in_process_worker

@@ -31,9 +31,9 @@ from mint_core.model.generate import seeded
 from mint_core.model.tiny import EOS, IM_END, TinySpec, byte_tokenizer, save_base_folder
 from mint_core.registry import Registry
 from mint_core.services import ManagedProcess
-from serving.app import create_app
 from serving.embedded import EmbeddedBackend
 from serving.engine import TorchEngine
+from serving.http.app import create_app
 from serving.worker import Worker
 
 ANSWERS = {"=": ("é中😀", IM_END), "\n": ("é中😀", IM_END), "?": ("¢", EOS)}
@@ -96,7 +96,7 @@ def serving(base: BaseModel, home: Path, tracking_uri: str) -> Iterator[TestClie
     config = MintConfig(home=home, tracking_uri=tracking_uri)
     catalog = Catalog(Registry(tracking_uri))
     backend = EmbeddedBackend(TorchEngine(base), config.host_cache_mb << 20)
-    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600)
+    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600).start()
     try:
         with TestClient(create_app(worker)) as client:
             yield client

@@ -22,7 +22,7 @@ from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
 from mint_core.services import start_mlflow
 from mint_core.states import Readiness
-from serving import worker as worker_module
+from serving import prewarm
 from serving.embedded import EmbeddedBackend
 from serving.engine import AdapterWeights, TorchEngine
 from serving.sampling import SamplingParams
@@ -49,7 +49,7 @@ def worker_for(config: MintConfig, slots: int, host_cache_bytes: int) -> Iterato
     engine = TorchEngine(load_base(config.base, config.home), slots=slots)
     catalog = Catalog(Registry(config.tracking_uri))
     backend = EmbeddedBackend(engine, host_cache_bytes)
-    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600)
+    worker = Worker(backend, catalog, open_store(config), sync_interval_s=3600).start()
     try:
         yield worker
     finally:
@@ -114,7 +114,7 @@ def test_request_path_loads_counts_what_a_users_request_waited_for(
             worker.generate(prompt, str(first), params).result(timeout_s=60)
             assert worker.request_path_loads == loads
         # A fetch from a request's thread (the readiness gate never makes one) counts too.
-        worker._fetch(worker.catalog.record(first).artifact_uri)
+        worker._prewarm.fetch(worker.catalog.record(first).artifact_uri)
         assert worker.request_path_loads == 2
 
 
@@ -126,7 +126,7 @@ def test_a_warm_up_that_fails_leaves_nothing_in_the_host_cache(
     of the failed revision is held anywhere."""
     revision = register_random_adapter(own_registry, base, "stuck", tmp_path / "a", seed=5)
     # Long enough for the warm-up to have joined the batch (and pinned its slot) when it ends.
-    monkeypatch.setattr(worker_module, "WARMUP_TIMEOUT_S", 5.0)
+    monkeypatch.setattr(prewarm, "WARMUP_TIMEOUT_S", 5.0)
     with worker_for(own_registry, slots=2, host_cache_bytes=1 << 30) as worker:
         engine = worker.backend.engine
         moving = threading.Event()

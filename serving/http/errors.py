@@ -1,16 +1,14 @@
-"""How the worker's HTTP API writes what it answers, whatever the protocol (TGI, OpenAI, MinT).
+"""The one table from what went wrong to the HTTP response, for the worker's API and the gateway.
 
-- JSON bodies and stream events go through `json_bytes`: JSON has no NaN or Infinity, so a
-  non-finite float (the logprob of a damaged adapter's token) is written as null.
-- Streams are server-sent events, one `data: <json>` each (`sse`).
-- Errors, whatever raised them (MinT, request validation, routing, a limit, a bug), have one
-  shape, TGI's: `error` and `error_type`, plus the names that explain them (`ErrorAnswer`).
-  `error_answer` is the one table from what went wrong to the status: unknown key 401, not
-  allowed 403, unknown adapter or route 404, a revision of another base 409, body over the
-  size limit 413, malformed request 422, not ready 503 with Retry-After, anything unexpected
-  500 (details in the log only). Inside a stream, an error is one last event of that shape.
-- Values echoed in messages are cut short (`shorten`): a caller may send anything, of any
-  length, and an error message is no place to send it all back.
+Errors, whatever raised them (MinT, request validation, routing, a limit, a bug), have one
+shape, TGI's: `error` and `error_type`, plus the names that explain them (`ErrorResponse`).
+`error_response` is the table: unknown key 401, not allowed 403, unknown adapter or route 404,
+a revision of another base 409, body over the size limit 413, malformed request 422, not ready
+503 with Retry-After, anything unexpected 500 (details in the log only). Inside a stream, an
+error is one last event of that shape.
+
+Values echoed in messages are cut short (`shorten`): a caller may send anything, of any
+length, and an error message is no place to send it all back.
 """
 
 import re
@@ -21,8 +19,6 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from pydantic_core import to_json
 from starlette.exceptions import HTTPException
 
 from mint_core.errors import (
@@ -35,7 +31,8 @@ from mint_core.errors import (
     NotFoundError,
     RegistryError,
 )
-from serving.worker import ReadinessEntry, RevisionNotReady
+from serving.http.common import MintJSONResponse, entry_json
+from serving.readiness import RevisionNotReady
 
 RETRY_AFTER_S = 1
 ECHO_LIMIT = 200
@@ -47,25 +44,6 @@ LISTED_FIELDS = 5
 """Most refused fields one validation error names."""
 _LONG_RUN = re.compile(rf"\S{{{ECHO_LIMIT + 1},}}")
 _RETRY = {"Retry-After": str(RETRY_AFTER_S)}
-
-
-def json_bytes(payload: object) -> bytes:
-    """Every JSON body and stream event of the API. JSON has no NaN or Infinity: a non-finite
-    float is written as null, so strict clients can still read the rest."""
-    return to_json(payload, inf_nan_mode="null")
-
-
-def sse(payload: object) -> str:
-    """One server-sent event carrying `payload` as JSON."""
-    return f"data: {json_bytes(payload).decode()}\n\n"
-
-
-class JSONAnswer(JSONResponse):
-    """The API's JSON responses, written by `json_bytes`. (Routes that return a dict are written
-    by FastAPI through pydantic, whose rule for non-finite floats is the same: null.)"""
-
-    def render(self, content: object) -> bytes:
-        return json_bytes(content)
 
 
 def clip(text: str, limit: int = ECHO_LIMIT) -> str:
@@ -93,8 +71,8 @@ class BodyTooLarge(HTTPException):
 
 
 @dataclass(frozen=True)
-class ErrorAnswer:
-    """An error as the API answers it: a status, a body in TGI's shape (`error`, `error_type`,
+class ErrorResponse:
+    """An error as the API responds with it: a status, a body in TGI's shape (`error`, `error_type`,
     plus the names that explain it) and headers. A stream sends the body as its last event."""
 
     status: int
@@ -107,54 +85,56 @@ class ErrorAnswer:
     def body(self) -> dict[str, object]:
         return {"error": shorten(self.message), "error_type": self.error_type, **self.names}
 
-    def response(self) -> JSONAnswer:
-        return JSONAnswer(self.body, status_code=self.status, headers=dict(self.headers))
+    def to_response(self) -> MintJSONResponse:
+        return MintJSONResponse(self.body, status_code=self.status, headers=dict(self.headers))
 
 
-def error_answer(e: Exception, request: Request | None = None) -> ErrorAnswer:
-    """The one table from what went wrong to what the API answers, for every endpoint and
-    stream. `request` names the route in answers about routing."""
+def error_response(e: Exception, request: Request | None = None) -> ErrorResponse:
+    """The one table from what went wrong to the response, for every endpoint and
+    stream. `request` names the route in responses about routing."""
     route = f"{request.method} {request.url.path}" if request else "this request"
     match e:
         case AuthenticationError():
-            return ErrorAnswer(
+            return ErrorResponse(
                 401, "unauthenticated", str(e), headers={"WWW-Authenticate": "Bearer"}
             )
         case AccessDeniedError():
-            return ErrorAnswer(403, "forbidden", str(e))
+            return ErrorResponse(403, "forbidden", str(e))
         case NotFoundError():
-            return ErrorAnswer(404, "not_found", str(e))
+            return ErrorResponse(404, "not_found", str(e))
         case BaseMismatchError():
-            return ErrorAnswer(409, "base_mismatch", str(e))
+            return ErrorResponse(409, "base_mismatch", str(e))
         case RevisionNotReady():
-            return ErrorAnswer(503, "not_ready", str(e), entry_json(e.entry), _RETRY)
+            return ErrorResponse(503, "not_ready", str(e), entry_json(e.entry), _RETRY)
         case ConfigurationError():
-            return ErrorAnswer(422, "validation", str(e))
+            return ErrorResponse(422, "validation", str(e))
         case RegistryError():
-            return ErrorAnswer(503, "registry_unavailable", str(e), headers=_RETRY)
+            return ErrorResponse(503, "registry_unavailable", str(e), headers=_RETRY)
         case EngineUnavailableError():
-            return ErrorAnswer(503, "engine_unavailable", str(e), headers=_RETRY)
+            return ErrorResponse(503, "engine_unavailable", str(e), headers=_RETRY)
         case MintError():
-            return ErrorAnswer(503, _error_type(e), str(e))
+            return ErrorResponse(503, _error_type(e), str(e))
         case RequestValidationError():
-            return ErrorAnswer(422, "validation", _refused_fields(e.errors()))
+            return ErrorResponse(422, "validation", _refused_fields(e.errors()))
         case BodyTooLarge():
-            return ErrorAnswer(413, "body_too_large", e.detail)
+            return ErrorResponse(413, "body_too_large", e.detail)
         case HTTPException(status_code=400):
             # FastAPI answers 400 to a body it cannot decode (not UTF-8), and 422 to one that
             # is not JSON; to a client both are malformed, which the API answers 422.
-            return ErrorAnswer(422, "validation", f"the body is not JSON in UTF-8: {e.__cause__}")
+            return ErrorResponse(422, "validation", f"the body is not JSON in UTF-8: {e.__cause__}")
         case HTTPException(status_code=405):
             allowed = (e.headers or {}).get("Allow", "")
             message = f"{route}: this endpoint takes {allowed}"
-            return ErrorAnswer(405, "method_not_allowed", message, headers=e.headers or {})
+            return ErrorResponse(405, "method_not_allowed", message, headers=e.headers or {})
         case HTTPException():
             status = HTTPStatus(e.status_code)
             error_type = status.phrase.lower().replace(" ", "_")
             message = f"{route}: no such endpoint" if status is HTTPStatus.NOT_FOUND else e.detail
-            return ErrorAnswer(e.status_code, error_type, message, headers=e.headers or {})
+            return ErrorResponse(e.status_code, error_type, message, headers=e.headers or {})
         case _:
-            return ErrorAnswer(500, "internal", f"{route} failed; the worker's log has the details")
+            return ErrorResponse(
+                500, "internal", f"{route} failed; the worker's log has the details"
+            )
 
 
 def _error_type(e: MintError) -> str:
@@ -179,17 +159,3 @@ def _refused_fields(errors: Sequence[Any]) -> str:
     if len(errors) > LISTED_FIELDS:
         clauses.append(f"and {len(errors) - LISTED_FIELDS} more")
     return "; ".join(clauses)
-
-
-def entry_json(entry: ReadinessEntry) -> dict[str, object]:
-    """One revision's readiness on this worker, as `/v1/adapters/{name}`, admission and a
-    not-ready answer show it."""
-    return {
-        "id": str(entry.revision),
-        "adapter": entry.revision.adapter,
-        "revision": entry.revision.number,
-        "state": entry.state.value,
-        "since": entry.since,
-        "reason": entry.reason,
-        "queue_position": entry.queue_position,
-    }

@@ -1,0 +1,63 @@
+"""The admin endpoints under `/admin` (besides `/admin/outcomes`): admission, sync, what a
+gateway routes by, and the event log. With API keys, only admin principals may call them
+(`context.admin_only`, on the router: a route added here is guarded like the others)."""
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends
+from pydantic import BaseModel, Field
+
+from mint_core.admission import Priority
+from mint_core.revisions import RevisionId, check_adapter_name
+from serving.http.common import entry_json
+from serving.http.context import WorkerOf, admin_only
+
+router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
+
+
+class AdmitRequest(BaseModel):
+    adapter: str
+    revision: int = Field(ge=1)
+    priority: Literal["normal", "rollback"] = "normal"
+
+
+@router.post("/admit", status_code=202)
+def admit(body: AdmitRequest, worker: WorkerOf) -> dict[str, object]:
+    revision = RevisionId(check_adapter_name(body.adapter), body.revision)
+    return entry_json(worker.admit_known(revision, Priority[body.priority.upper()]))
+
+
+@router.post("/sync", status_code=202)
+def sync(worker: WorkerOf) -> dict[str, object]:
+    """Catch up with the registry now (activation calls it after moving an alias)."""
+    return {"admitted": [str(r) for r in worker.sync()]}
+
+
+@router.get("/routing")
+def routing(worker: WorkerOf) -> dict[str, object]:
+    """What `mint gateway` routes by: the base, the ready revisions, the engine keys in
+    device slots (adapter affinity) and the load."""
+    ready, slots = worker.routing()
+    return {
+        "base_model": worker.base.model_id,
+        "base_digest": worker.base.digest,
+        "ready": [str(r) for r in ready],
+        "device_slots": slots,
+        "in_flight": worker.queue_depth + worker.batch_size,
+        "degraded_reason": worker.degraded,
+    }
+
+
+@router.get("/events")
+def events(worker: WorkerOf) -> dict[str, object]:
+    """The last readiness changes on this worker (`serving.readiness.EVENT_LOG_LENGTH`),
+    oldest first; and the last held alias moves that appeared or ended."""
+    return {
+        "events": [
+            {"at": e.since, "id": str(e.revision), "state": e.state.value, "reason": e.reason}
+            for e in worker.events()
+        ],
+        "alias_events": [
+            {"at": e.at, "kind": e.kind.value, **e.move.to_json()} for e in worker.alias_events()
+        ],
+    }

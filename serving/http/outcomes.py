@@ -1,0 +1,36 @@
+"""What happened to the generations a worker answered (`serving.outcomes`): clients score
+them (`POST /v1/feedback`), and a canary is watched by the summary (`GET /admin/outcomes`)."""
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import BaseModel, Field
+
+from serving.http.context import CallerOf, WorkerOf, admin_only
+
+router = APIRouter()
+admin_router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
+
+
+class FeedbackRequest(BaseModel):
+    request_id: str = Field(min_length=1, max_length=200)
+    """A response's `X-Mint-Request-Id`."""
+    score: float = Field(ge=0, le=1, allow_inf_nan=False)
+    """How good the generated text was, from 0 (wrong) to 1 (right)."""
+
+
+@router.post("/v1/feedback")
+def feedback(body: FeedbackRequest, of: CallerOf) -> dict[str, object]:
+    """A client's score of one response, by its request id: one per response, from the
+    principal that asked."""
+    served = of.worker.outcomes.score(body.request_id, body.score, of.principal)
+    return {"request_id": body.request_id, "revision": served, "score": body.score}
+
+
+@admin_router.get("/outcomes")
+def outcomes(worker: WorkerOf, since: Annotated[float, Query(ge=0)] = 0.0) -> dict[str, object]:
+    """Per revision, the requests answered at or after `since` (Unix time): requests,
+    errors and their rate, p50/p95 latency in seconds, feedback and its mean score. What a
+    canary is watched by."""
+    summary = worker.outcomes.summary(since)
+    return {"since": since, "revisions": {name: o.to_json() for name, o in summary.items()}}

@@ -1,0 +1,61 @@
+"""What a worker says about itself: `/health` (the probe the fleet reads), `/metrics`
+(Prometheus) and `/v1/adapters/{name}` (readiness and residency of each revision the caller may
+use)."""
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+
+from mint_core.revisions import check_adapter_name
+from serving.http.common import entry_json
+from serving.http.context import CallerOf, WorkerOf
+
+router = APIRouter()
+
+
+@router.get("/health")
+def health(worker: WorkerOf) -> dict[str, object]:
+    """`ok`, or `degraded` while the registry cannot be reached (serving goes on) or the
+    engine is down (being restarted); the backend, and the base it serves: model id,
+    weights digest, family and context length."""
+    base = worker.base
+    return {
+        "status": "degraded" if worker.degraded else "ok",
+        "degraded_reason": worker.degraded,
+        "last_sync": worker.last_sync,
+        "backend": worker.backend_kind,
+        "base_model": base.model_id,
+        "base_digest": base.digest,
+        "base_family": base.family,
+        "context_length": base.context_length,
+        "queue_depth": worker.queue_depth,
+        "batch_size": worker.batch_size,
+        "request_path_loads": worker.request_path_loads,
+        # Aliases moved outside the pipeline: each serves the pipeline's last target.
+        "held_alias_moves": [move.to_json() for move in worker.held_moves],
+    }
+
+
+@router.get("/metrics")
+def metrics(worker: WorkerOf) -> Response:
+    return Response(worker.exposition(), media_type="text/plain; version=0.0.4")
+
+
+@router.get("/v1/adapters/{name}")
+def adapter_status(name: str, of: CallerOf) -> dict[str, object]:
+    """Each revision of `name` on this worker that the caller may use (admins, and everyone
+    on a worker without API keys: all of them, as the pipeline reads readiness with its
+    admin key), with where its weights are."""
+    check_adapter_name(name)
+    sees_all = of.open_worker or of.admin
+    revisions = [
+        entry_json(entry)
+        | {
+            "residency": {
+                "host": residence.host,
+                "device_slot": residence.device_slot,
+                "pins": residence.pins,
+            }
+        }
+        for entry, residence in of.worker.adapter_status(name, of.principal, sees_all)
+    ]
+    return {"adapter": name, "revisions": revisions}
