@@ -10,6 +10,9 @@ import dataclasses
 import os
 import time
 
+from control.services import ManagedProcess, start_mlflow, stop_all
+from control.status import format_stage_times, format_table, status_rows
+from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import load_base
 from mint_core.model.toy import (
@@ -21,10 +24,7 @@ from mint_core.model.toy import (
     write_task_data,
 )
 from mint_core.registry_accounts import ACCOUNTS_FILE, RegistryAccounts
-from mint_core.services import ManagedProcess, start_mlflow, stop_all
-from serving.client import WorkerClient
-from serving.server import start_worker
-from serving.status import format_stage_times, format_table, status_rows
+from serving.worker.server import start_worker
 
 ADAPTERS = {"upper-bot": Task.UPPER, "reverse-bot": Task.REVERSE}
 SHOWN_WORDS = 6

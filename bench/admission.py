@@ -43,16 +43,16 @@ import httpx
 import psutil
 from peft import LoraConfig, get_peft_model
 
+from control.services import start_mlflow, stop_all
+from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.registry import Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId
-from mint_core.services import start_mlflow, stop_all
 from mint_core.states import Stage
-from serving.client import WorkerClient
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tasks.pipeline import (
     Exported,
     activate_revision,

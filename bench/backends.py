@@ -38,13 +38,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import httpx
 import psutil
 
+from control.services import ManagedProcess, start_mlflow, stop_all
 from mint_core.config import BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
-from mint_core.services import ManagedProcess, start_mlflow, stop_all
-from serving.server import start_worker
-from serving.vllm import VllmServer, VllmSettings
+from serving.backends.vllm import VllmServer, VllmSettings
+from serving.worker.server import start_worker
 from tasks.pipeline import wait_fleet_ready
 from tests.integration.helpers import register_random_adapter
 

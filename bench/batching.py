@@ -34,10 +34,10 @@ from mint_core.model.text import TextCodec
 from mint_core.model.tiny import TinySpec, byte_tokenizer
 from mint_core.model.toy import held_out_words
 from mint_core.residency import Residency
-from serving.engine import BASE, AdapterWeights, TorchEngine
-from serving.metrics import WorkerMetrics
-from serving.sampling import SamplingParams
-from serving.scheduler import Scheduler
+from serving.engine.engine import BASE, AdapterWeights, TorchEngine
+from serving.engine.sampling import SamplingParams
+from serving.engine.scheduler import Scheduler
+from serving.worker.metrics import WorkerMetrics
 
 RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
 

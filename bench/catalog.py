@@ -46,6 +46,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import psutil
 from mlflow.tracking import MlflowClient
 
+from control.services import ManagedProcess, start_mlflow
 from mint_core import catalog_snapshot
 from mint_core.artifact_store import LocalArtifactStore
 from mint_core.catalog import Catalog
@@ -60,12 +61,11 @@ from mint_core.revisions import (
     RevisionId,
     RevisionRef,
 )
-from mint_core.services import ManagedProcess, start_mlflow
 from mint_core.states import Stage
 
 RESULTS = Path(__file__).resolve().parent / "results" / "catalog.json"
 SYNC_INTERVAL_S = 1.0
-"""A worker's default (serving.worker.DEFAULT_SYNC_INTERVAL_S)."""
+"""A worker's default (serving.worker.worker.DEFAULT_SYNC_INTERVAL_S)."""
 THREADS = 8
 
 

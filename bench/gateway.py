@@ -34,13 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import psutil
 
 from bench.backends import MINT_EXTRA, Target, closed_loop, same_work
+from control.services import ManagedProcess, start_mlflow, stop_all
 from mint_core.config import MintConfig
 from mint_core.model.base import load_base
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
-from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.gateway import start_gateway
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tasks.pipeline import wait_fleet_ready
 from tests.integration.helpers import register_random_adapter
 

@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from control.services import start_mlflow
 from mint_core.digests import sha256_json
 from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord
-from mint_core.services import start_mlflow
 
 REFERENCE_S = 1.66
 RESULTS = Path(__file__).resolve().parent / "results" / "register.json"

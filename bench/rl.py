@@ -42,6 +42,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from mlflow import MlflowClient
 
+from control.services import start_mlflow, start_prefect, stop_all
+from control.worker_client import WorkerClient
 from flows.release import release
 from flows.rl import RL_ALIAS, rl
 from mint_core.config import MintConfig
@@ -49,9 +51,7 @@ from mint_core.model.base import BaseSource, load_text
 from mint_core.model.rl import evaluate_sampled, held_out_prompts, task_prompts
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.toy import Task, write_jsonl
-from mint_core.services import start_mlflow, start_prefect, stop_all
-from serving.client import WorkerClient
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tasks.rl import WorkerSampler
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rl.json"

@@ -54,14 +54,14 @@ from bench.sync import (
     merged_path,
     read_speed,
 )
+from control.services import ManagedProcess, start_mlflow, stop_all
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseSource
 from mint_core.model.experts import EXPERT_PARAMETERS
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import byte_tokenizer, save_base_folder
 from mint_core.moe_reference import ATTENTION_PROJECTIONS, QWEN3_30B_A3B, MoeLoraShape
-from mint_core.services import ManagedProcess, start_mlflow, stop_all
-from serving.server import start_worker
+from serving.worker.server import start_worker
 
 RESULTS = Path(__file__).resolve().parent / "results" / "rl_sync.json"
 REFERENCE_SPEEDUP = 2.85

@@ -63,6 +63,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from bench.packing import evict
+from control.services import ManagedProcess, start_mlflow, stop_all
+from control.worker_client import WorkerClient
 from mint_core.artifact_store import open_store
 from mint_core.config import MintConfig
 from mint_core.freezing import freeze
@@ -72,9 +74,7 @@ from mint_core.model.tiny import SPECIAL_TOKENS, byte_tokenizer, save_base_folde
 from mint_core.packing import pack
 from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord, RevisionId
-from mint_core.services import ManagedProcess, start_mlflow, stop_all
-from serving.client import WorkerClient
-from serving.server import start_worker
+from serving.worker.server import start_worker
 
 RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
 QWEN3_0_6B_LAYERS = 28

@@ -7,8 +7,8 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from control.status import fleet_health, format_table, status_rows, worker_rows
 from mint_cli.options import REF, REGISTRY
-from serving.status import fleet_health, format_table, status_rows, worker_rows
 
 if TYPE_CHECKING:
     from mint_cli.options import Commands

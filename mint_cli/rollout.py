@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import TYPE_CHECKING
 
+from control.status import format_table
 from mint_cli.options import (
     DATA,
     PRINCIPAL,
@@ -26,7 +27,6 @@ from mint_cli.options import (
 )
 from mint_core.config import CANARY_MIN_REQUESTS, CANARY_PERCENT, CANARY_WINDOW_S
 from mint_core.gates import Gates
-from serving.status import format_table
 
 if TYPE_CHECKING:
     from mint_cli.options import Commands

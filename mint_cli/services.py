@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 
 def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
-    from serving.server import serve
+    from serving.worker.server import serve
 
     if args.backend:
         config = dataclasses.replace(config, backend=BackendKind(args.backend))
@@ -44,7 +44,7 @@ def cmd_gateway(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
-    from mint_core.services import start_mlflow
+    from control.services import start_mlflow
 
     accounts = RegistryAccounts.load_or_create(config.home)
     server = start_mlflow(
@@ -77,9 +77,9 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 
 def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     build_base(config)  # before any service (and Prefect's import): the worker only loads it
+    from control.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from flows.deployments import start_flow_server
-    from mint_core.services import ManagedProcess, start_mlflow, start_prefect, stop_all
-    from serving.server import start_worker
+    from serving.worker.server import start_worker
 
     started: list[ManagedProcess] = []
     accounts = RegistryAccounts.load_or_create(config.home)

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from control.status import format_stage_times
 from mint_cli.options import (
     DATA,
     FOLDER,
@@ -21,7 +22,6 @@ from mint_cli.options import (
     real,
     whole,
 )
-from serving.status import format_stage_times
 
 if TYPE_CHECKING:
     from mint_cli.options import Commands

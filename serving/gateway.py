@@ -45,6 +45,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from control.services import LOOPBACK, ManagedProcess, free_port, start_process
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
 from mint_core.config import GATEWAY_PORT, MintConfig
@@ -57,7 +58,6 @@ from mint_core.errors import (
 )
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
-from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
 from serving.http.common import (
     ADAPTER_PREFIX,
     BASE_NAMES,

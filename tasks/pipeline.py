@@ -26,6 +26,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from tqdm.auto import tqdm
 
+from control.worker_client import WorkerClient
 from mint_core.access import EVERYONE
 from mint_core.artifact_store import open_store, read_data
 from mint_core.catalog import build_snapshot
@@ -67,7 +68,6 @@ from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
 from mint_core.registry import DatasetLog, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
-from serving.client import WorkerClient
 from tasks.runs import run_log
 
 log = logging.getLogger(__name__)

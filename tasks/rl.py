@@ -13,6 +13,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from control.worker_client import WorkerClient
 from mint_core.artifact_store import open_store
 from mint_core.config import MintConfig
 from mint_core.digests import sha256_bytes
@@ -32,7 +33,6 @@ from mint_core.model.toy import Example
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.packing import unpack
 from mint_core.registry import DatasetLog, RegisteredRevision, Registry
-from serving.client import WorkerClient
 
 
 class WorkerSampler:

@@ -50,7 +50,7 @@ def routing(worker: WorkerOf) -> dict[str, object]:
 
 @router.get("/events")
 def events(worker: WorkerOf) -> dict[str, object]:
-    """The last readiness changes on this worker (`serving.readiness.EVENT_LOG_LENGTH`),
+    """The last readiness changes on this worker (`serving.worker.readiness.EVENT_LOG_LENGTH`),
     oldest first; and the last held alias moves that appeared or ended."""
     return {
         "events": [

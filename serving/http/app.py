@@ -17,7 +17,7 @@ Generation responses carry `X-Mint-Revision`: what served them, the exact revisi
 base's model id, chosen once per request (a canary's share included), streams and
 multi-prompt completions too; and `X-Mint-Request-Id`, which OpenAI responses also carry as
 their `id`: what feedback names. Each response's outcome is kept per revision
-(`serving.outcomes`).
+(`serving.worker.outcomes`).
 
 Errors, inside streams too, are JSON in TGI's shape, `error` and `error_type`, with the status
 codes of `serving.http.errors`.

@@ -11,7 +11,7 @@ from pydantic_core import to_json
 
 from mint_core.errors import ConfigurationError
 from mint_core.revisions import RevisionRef
-from serving.readiness import ReadinessEntry
+from serving.worker.readiness import ReadinessEntry
 
 __all__ = [
     "ADAPTER_PREFIX",

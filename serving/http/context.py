@@ -23,18 +23,18 @@ from mint_core.errors import AuthenticationError, MintError
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.revisions import RevisionId, RevisionRef
-from serving.generation import Request as Generating
+from serving.engine.generation import Request as Generating
+from serving.engine.sampling import SamplingParams
 from serving.http.common import BASE_NAMES, REQUEST_ID_HEADER, REVISION_HEADER, sse
 from serving.http.errors import error_response
-from serving.outcomes import Outcomes
-from serving.readiness import AliasEvent, ReadinessEntry, Residence
-from serving.sampling import SamplingParams
+from serving.worker.outcomes import Outcomes
+from serving.worker.readiness import AliasEvent, ReadinessEntry, Residence
 
 log = logging.getLogger(__name__)
 
 
 class WorkerAPI(Protocol):
-    """What the HTTP layer asks of a worker (`serving.worker.Worker`), and nothing more."""
+    """What the HTTP layer asks of a worker (`serving.worker.worker.Worker`), and nothing more."""
 
     outcomes: Outcomes
 

@@ -32,7 +32,7 @@ from mint_core.errors import (
     RegistryError,
 )
 from serving.http.common import MintJSONResponse, entry_json
-from serving.readiness import RevisionNotReady
+from serving.worker.readiness import RevisionNotReady
 
 RETRY_AFTER_S = 1
 ECHO_LIMIT = 200

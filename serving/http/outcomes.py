@@ -1,4 +1,4 @@
-"""What happened to the generations a worker answered (`serving.outcomes`): clients score
+"""What happened to the generations a worker answered (`serving.worker.outcomes`): clients score
 them (`POST /v1/feedback`), and a canary is watched by the summary (`GET /admin/outcomes`)."""
 
 from typing import Annotated

@@ -13,7 +13,7 @@ gate and errors (`serving.http.errors`) are the app's.
 
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import Generation
-from serving.generation import TokenEvent
+from serving.engine.generation import TokenEvent
 
 __all__ = ["Event", "within_context"]
 

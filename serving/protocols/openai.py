@@ -33,10 +33,10 @@ from mint_core.config import MAX_PROMPTS
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.text import Message
-from serving.generation import TokenEvent
+from serving.engine.generation import TokenEvent
+from serving.engine.sampling import SamplingParams, stop_hit
 from serving.http.common import sse
 from serving.protocols import Event, within_context
-from serving.sampling import SamplingParams, stop_hit
 
 DONE = "data: [DONE]\n\n"
 """The event that ends a stream (not JSON)."""

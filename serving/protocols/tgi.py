@@ -24,10 +24,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mint_core.model.generate import Generation
 from mint_core.model.text import TextCodec
-from serving.generation import TokenEvent
+from serving.engine.generation import TokenEvent
+from serving.engine.sampling import SamplingParams
 from serving.http.common import sse
 from serving.protocols import Event, within_context
-from serving.sampling import SamplingParams
 
 MAX_SEED = 2**64 - 1
 """TGI's seed is an unsigned 64-bit integer; so is the generator's."""

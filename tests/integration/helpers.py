@@ -27,6 +27,7 @@ import pytest
 from fastapi.testclient import TestClient
 from peft import LoraConfig
 
+from control.services import ManagedProcess
 from mint_core.access import EVERYONE
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
 from mint_core.catalog import Catalog
@@ -38,11 +39,10 @@ from mint_core.model.training import TrainingConfig
 from mint_core.packing import PackedIndex
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
-from mint_core.services import ManagedProcess
-from serving.embedded import EmbeddedBackend
-from serving.engine import TorchEngine
+from serving.backends.embedded import EmbeddedBackend
+from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
-from serving.worker import Worker
+from serving.worker.worker import Worker
 from tasks.pipeline import (
     Exported,
     check_import,

@@ -16,14 +16,14 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from control.services import ManagedProcess
+from control.worker_client import WorkerClient
 from mint_core.errors import ServiceError
-from mint_core.services import ManagedProcess
-from serving.client import WorkerClient
-from serving.engine import BASE
-from serving.generation import Request, TokenEvent
+from serving.engine.engine import BASE
+from serving.engine.generation import Request, TokenEvent
+from serving.engine.sampling import SamplingParams
 from serving.http.errors import ECHO_LIMIT
-from serving.sampling import SamplingParams
-from serving.worker import Worker
+from serving.worker.worker import Worker
 from tests.integration.helpers import app_client, error_of, in_process_worker, strict_json
 
 LONG = 10_000

@@ -12,6 +12,7 @@ import pytest
 from prefect import get_client
 from prefect.flow_runs import resume_flow_run
 
+from control.services import ManagedProcess
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
 from mint_core.config import MintConfig
@@ -22,7 +23,6 @@ from mint_core.model.base import BaseModel
 from mint_core.model.toy import Task, write_held_out_data
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
-from mint_core.services import ManagedProcess
 from mint_core.states import Stage
 from tests.helpers import make_policy
 from tests.integration.helpers import paused_run, register_random_adapter, run_logs

@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from control.services import ManagedProcess
 from mint_core.artifact_store import (
     ArtifactStore,
     LocalArtifactStore,
@@ -25,7 +26,6 @@ from mint_core.model.datasets import Dataset, parse_jsonl
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
 from mint_core.packing import load, pack, verify
-from mint_core.services import ManagedProcess
 from tests.integration.helpers import corrupt_in_place, create_bucket
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)

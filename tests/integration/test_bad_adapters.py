@@ -12,6 +12,8 @@ import pytest
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
+from control.services import ManagedProcess
+from control.worker_client import WorkerClient
 from mint_cli import main as mint
 from mint_core import freezing
 from mint_core.config import MintConfig
@@ -21,8 +23,6 @@ from mint_core.model import imports
 from mint_core.model.base import BaseModel
 from mint_core.model.imports import inspect_import
 from mint_core.registry import Registry
-from mint_core.services import ManagedProcess
-from serving.client import WorkerClient
 from tasks.pipeline import (
     check_import,
     export_adapter,

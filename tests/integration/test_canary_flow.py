@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
+from control.services import ManagedProcess
 from flows.canary import canary
 from mint_core.config import MintConfig
 from mint_core.errors import RejectedError
@@ -19,7 +20,6 @@ from mint_core.gates import Gates
 from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.revisions import CANARY, RevisionId, RevisionRef
-from mint_core.services import ManagedProcess
 from mint_core.states import Stage
 from tests.integration.helpers import register_step_by_step
 from tests.integration.helpers import toy_release as release

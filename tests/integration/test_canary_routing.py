@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from control.services import ManagedProcess
+from control.worker_client import WorkerClient
 from flows.promote import promote
 from mint_core.canary import RevisionOutcomes, merge
 from mint_core.catalog import Catalog
@@ -21,10 +23,8 @@ from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundErro
 from mint_core.model.base import BaseModel
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANARY, PRODUCTION, RevisionId
-from mint_core.services import ManagedProcess
-from serving.client import WorkerClient
 from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER
-from serving.outcomes import Outcomes
+from serving.worker.outcomes import Outcomes
 from tests.helpers import make_policy
 from tests.integration.helpers import register_random_adapter
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import mint_cli
+from control.services import ManagedProcess
 from mint_core import catalog_snapshot
 from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore
 from mint_core.catalog import Catalog, build_snapshot
@@ -24,7 +25,6 @@ from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
-from mint_core.services import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import create_bucket
 

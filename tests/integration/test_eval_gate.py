@@ -8,6 +8,7 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
+from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.errors import RejectedError
 from mint_core.evaluation import (
@@ -23,7 +24,6 @@ from mint_core.model.datasets import Row, parse_jsonl
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.states import Stage
-from serving.client import WorkerClient
 from tests.integration.helpers import toy_release as release
 
 NAME = "upper-gate-bot"

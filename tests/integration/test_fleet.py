@@ -16,16 +16,16 @@ from typing import cast
 import httpx
 import pytest
 
+from control.services import ManagedProcess, start_mlflow, stop_all
+from control.worker_client import WorkerClient
 from mint_core.artifact_store import LocalArtifactStore
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, NotReadyError
 from mint_core.model.base import BaseModel
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANDIDATE, RevisionId, RevisionRef
-from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from mint_core.states import Stage
-from serving.client import WorkerClient
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
 from tests.integration.helpers import PREWARMING, most_prewarming_at_once, register_random_adapter
 

@@ -9,11 +9,11 @@ import pytest
 from prefect import get_client
 from prefect.states import State
 
+from control.services import ManagedProcess
 from flows.promote import rollback
 from mint_core.config import MintConfig
 from mint_core.gates import Gates
 from mint_core.registry import Registry
-from mint_core.services import ManagedProcess
 from tests.integration.helpers import run_logs, run_markdown
 from tests.integration.helpers import toy_release as release
 

@@ -22,7 +22,7 @@ from schemathesis.checks import max_response_time, not_a_server_error
 
 from mint_core.config import BackendKind, MintConfig
 from serving.http.limits import MAX_REQUEST_BYTES
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tests.integration.helpers import MixedFleet
 
 pytestmark = pytest.mark.slow

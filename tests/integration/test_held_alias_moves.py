@@ -12,6 +12,7 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from control.services import ManagedProcess
 from mint_cli import main as mint
 from mint_core.alias_intents import AliasIntent, HeldMove, sanctioned
 from mint_core.catalog import Catalog
@@ -21,9 +22,8 @@ from mint_core.errors import NotFoundError
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
-from mint_core.services import ManagedProcess
 from serving.http.common import REVISION_HEADER
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tests.helpers import make_policy
 from tests.integration.helpers import register_random_adapter
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
+from control.services import ManagedProcess
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote, rollback
 from mint_core.config import MintConfig
@@ -27,7 +28,6 @@ from mint_core.history import (
 from mint_core.model.base import BaseModel
 from mint_core.registry import AliasMove, Registry
 from mint_core.revisions import PRODUCTION, RevisionId
-from mint_core.services import ManagedProcess
 from mint_core.states import Stage
 from tests.helpers import make_policy
 from tests.integration.helpers import paused_run, register_random_adapter, toy_release

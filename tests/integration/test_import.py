@@ -15,6 +15,7 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from control.worker_client import WorkerClient
 from mint_cli import main as mint
 from mint_core.config import MintConfig
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError
@@ -26,7 +27,6 @@ from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.revisions import POLICY_FILE, RevisionRef
-from serving.client import WorkerClient
 from tests.helpers import family_folder, make_policy, random_lora, tiny_base
 
 PROMPTS = [prompt_for(word) for word in held_out_words()[:16]]

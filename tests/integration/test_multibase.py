@@ -16,12 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from control.services import ManagedProcess, start_mlflow, stop_all
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.revisions import RevisionId
-from mint_core.services import ManagedProcess, start_mlflow, stop_all
 from serving.gateway import WORKER_HEADER, Fleet, WorkerView, start_gateway
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
 from tests.helpers import family_folder
 from tests.integration.helpers import register_random_adapter

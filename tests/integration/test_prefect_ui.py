@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+from control.services import ManagedProcess, start_prefect
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
 from mint_core.config import MintConfig
@@ -21,7 +22,6 @@ from mint_core.gates import Gates
 from mint_core.model.base import BaseModel
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
-from mint_core.services import ManagedProcess, start_prefect
 from tests.integration.browser import UiPage
 from tests.integration.helpers import register_random_adapter
 

@@ -8,6 +8,8 @@ import pytest
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig
 
+from control.services import ManagedProcess
+from control.worker_client import WorkerClient
 from mint_cli import main as mint
 from mint_core.artifact_store import LocalArtifactStore, open_store
 from mint_core.config import MintConfig
@@ -22,8 +24,6 @@ from mint_core.packing import pack
 from mint_core.pulling import pull
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
-from mint_core.services import ManagedProcess
-from serving.client import WorkerClient
 from tests.helpers import make_policy, random_lora, tiny_base
 from tests.integration.helpers import toy_release
 

@@ -20,6 +20,8 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import PreTrainedModel
 
+from control.services import ManagedProcess
+from control.worker_client import WorkerClient
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
@@ -31,16 +33,14 @@ from mint_core.model.tiny import TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.residency import Residency
-from mint_core.services import ManagedProcess
-from serving.client import WorkerClient
-from serving.embedded import EmbeddedBackend
-from serving.engine import BASE, AdapterWeights, TorchEngine
+from serving.backends.embedded import EmbeddedBackend
+from serving.backends.vllm import VllmBackend
+from serving.engine.engine import BASE, AdapterWeights, TorchEngine
+from serving.engine.sampling import SamplingParams
+from serving.engine.scheduler import Scheduler
 from serving.http.app import create_app
-from serving.metrics import WorkerMetrics
-from serving.sampling import SamplingParams
-from serving.scheduler import Scheduler
-from serving.vllm import VllmBackend
-from serving.worker import Worker
+from serving.worker.metrics import WorkerMetrics
+from serving.worker.worker import Worker
 from tests.helpers import ENGINE_SPEC, tiny_base
 
 MOE_SPEC = TinySpec(

@@ -12,11 +12,11 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from control.services import free_port
 from mint_core.errors import RegistryError
 from mint_core.registry import Registry
 from mint_core.registry_accounts import ACCOUNTS_FILE, Account, RegistryAccounts
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
-from mint_core.services import free_port
 from tests.helpers import make_policy
 from tests.integration.helpers import mint_env, start_mint, stop_and_check, wait_for
 

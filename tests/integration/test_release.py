@@ -10,6 +10,9 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
+from control.services import ManagedProcess
+from control.status import format_table, status_rows
+from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.digests import sha256_file
 from mint_core.errors import BaseMismatchError, DatasetError, NotFoundError, TransitionError
@@ -17,10 +20,7 @@ from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
-from mint_core.services import ManagedProcess
 from mint_core.states import Readiness, Stage
-from serving.client import WorkerClient
-from serving.status import format_table, status_rows
 from tasks.pipeline import (
     activate_revision,
     admit_revision,

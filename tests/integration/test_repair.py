@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from control.worker_client import WorkerClient
 from flows.promote import promote
 from flows.repair import RepairReport, repair
 from mint_core.artifact_store import LocalArtifactStore, open_store
@@ -18,8 +19,7 @@ from mint_core.packing import load, verify
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Readiness, Stage
-from serving.client import WorkerClient
-from serving.server import start_worker
+from serving.worker.server import start_worker
 from tasks.pipeline import ensure_exported
 from tests.integration.helpers import Fleet, answer, register_step_by_step
 from tests.integration.helpers import toy_release as release

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from mint_core.services import ManagedProcess
+from control.services import ManagedProcess
 from serving.http.app import create_app
 from serving.http.limits import MAX_REQUEST_BYTES
 from serving.protocols import openai
-from serving.worker import Worker
+from serving.worker.worker import Worker
 from tests.integration.helpers import app_client, error_of, in_process_worker
 
 CONTEXT = 128

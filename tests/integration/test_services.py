@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from control.services import ManagedProcess, group_running, start_process
 from mint_core.errors import ServiceError
-from mint_core.services import ManagedProcess, group_running, start_process
 
 
 def started(tmp_path: Path, script: str) -> tuple[ManagedProcess, int]:
@@ -153,7 +153,7 @@ def without_preexec_fn(self, *args, **kwargs):
 
 subprocess.Popen.__init__ = without_preexec_fn
 
-from serving.vllm import VllmServer, VllmSettings
+from serving.backends.vllm import VllmServer, VllmSettings
 
 for _ in range(4):  # a worker runs many threads
     threading.Thread(target=time.sleep, args=(600,), daemon=True).start()

@@ -100,7 +100,7 @@ from pathlib import Path
 
 import pytest
 
-from mint_core.services import start_s3
+from control.services import start_s3
 
 
 @pytest.fixture

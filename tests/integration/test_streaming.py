@@ -22,6 +22,7 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import LlamaForCausalLM
 
+from control.services import ManagedProcess
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
@@ -30,11 +31,10 @@ from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import EOS, IM_END, TinySpec, byte_tokenizer, save_base_folder
 from mint_core.registry import Registry
-from mint_core.services import ManagedProcess
-from serving.embedded import EmbeddedBackend
-from serving.engine import TorchEngine
+from serving.backends.embedded import EmbeddedBackend
+from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
-from serving.worker import Worker
+from serving.worker.worker import Worker
 
 ANSWERS = {"=": ("é中😀", IM_END), "\n": ("é中😀", IM_END), "?": ("¢", EOS)}
 """The forced greedy answer after a prompt's last character, and the end token after it. A chat

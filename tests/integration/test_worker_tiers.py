@@ -14,19 +14,19 @@ from pathlib import Path
 
 import pytest
 
+from control.services import start_mlflow
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel, load_base
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
-from mint_core.services import start_mlflow
 from mint_core.states import Readiness
-from serving import prewarm
-from serving.embedded import EmbeddedBackend
-from serving.engine import AdapterWeights, TorchEngine
-from serving.sampling import SamplingParams
-from serving.worker import ReadinessEntry, Worker
+from serving.backends.embedded import EmbeddedBackend
+from serving.engine.engine import AdapterWeights, TorchEngine
+from serving.engine.sampling import SamplingParams
+from serving.worker import prewarm
+from serving.worker.worker import ReadinessEntry, Worker
 from tests.integration.helpers import register_random_adapter
 
 pytestmark = pytest.mark.slow

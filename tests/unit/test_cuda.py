@@ -14,7 +14,7 @@ from mint_core.model.tiny import ensure_tiny
 from mint_core.model.toy import Task, write_held_out_data, write_task_data
 from mint_core.model.training import TrainingConfig, train_lora
 from mint_core.packing import load, pack
-from serving.engine import TorchEngine
+from serving.engine.engine import TorchEngine
 from tests.helpers import ENGINE_PROMPTS, ENGINE_SPEC, config_of, random_adapter, weights_of
 
 pytestmark = [

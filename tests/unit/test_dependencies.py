@@ -10,7 +10,17 @@ import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OWN = {"mint_core", "serving", "flows", "tasks", "bench", "tests", "mint_cli", "mint_demo"}
+OWN = {
+    "mint_core",
+    "serving",
+    "control",
+    "flows",
+    "tasks",
+    "bench",
+    "tests",
+    "mint_cli",
+    "mint_demo",
+}
 
 
 def _normalized(name: str) -> str:
@@ -58,7 +68,16 @@ def undeclared(folders: tuple[str, ...], extras: tuple[str, ...] = ()) -> list[s
 
 
 def test_the_package_and_benchmarks_declare_what_they_import() -> None:
-    code = ("mint_core", "serving", "flows", "tasks", "bench", "mint_cli", "mint_demo.py")
+    code = (
+        "mint_core",
+        "serving",
+        "control",
+        "flows",
+        "tasks",
+        "bench",
+        "mint_cli",
+        "mint_demo.py",
+    )
     assert undeclared(code) == []
 
 

@@ -14,7 +14,7 @@ from peft import PeftModel
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
 from mint_core.model.base import BaseModel, BaseSource, load_base, servable_modules
 from mint_core.model.generate import greedy_generate, pad_left
-from serving.engine import BASE, TorchEngine, positions
+from serving.engine.engine import BASE, TorchEngine, positions
 from tests.helpers import (
     DENSE_FAMILIES,
     PROJECTIONS,

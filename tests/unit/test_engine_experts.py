@@ -18,8 +18,8 @@ from mint_core.model.experts import experts_modules
 from mint_core.model.generate import pad_left
 from mint_core.model.tiny import TinySpec
 from mint_core.packing import load, pack_tensors
-from serving.engine import BASE, AdapterWeights, TorchEngine, positions
-from serving.lora import SlotLoraExperts
+from serving.engine.engine import BASE, AdapterWeights, TorchEngine, positions
+from serving.engine.lora import SlotLoraExperts
 from tests.helpers import ENGINE_PROMPTS as PROMPTS
 from tests.helpers import config_of, random_lora, tiny_base, weights_of
 

@@ -35,7 +35,7 @@ from mint_core.packing import (
     unpack,
     verify,
 )
-from serving.engine import TorchEngine
+from serving.engine.engine import TorchEngine
 from tests.helpers import random_lora
 
 SMALL_MOE = MoeLoraShape(layers=3, experts=4, hidden=64, expert_intermediate=32, query_heads=4,

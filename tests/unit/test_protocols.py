@@ -9,7 +9,7 @@ import pytest
 
 from mint_core.errors import ConfigurationError
 from mint_core.model.generate import FinishReason, Generation
-from serving.generation import TokenEvent
+from serving.engine.generation import TokenEvent
 from serving.protocols import Event, openai, tgi
 
 CONTEXT = 128

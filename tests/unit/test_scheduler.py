@@ -14,11 +14,11 @@ from mint_core.errors import ConfigurationError, MintError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.tiny import EOS, IM_END
 from mint_core.residency import Residency, Tier
-from serving.engine import BASE, AdapterWeights, TorchEngine
-from serving.generation import Request, TokenEvent
-from serving.metrics import WorkerMetrics
-from serving.sampling import SamplingParams
-from serving.scheduler import Scheduler
+from serving.engine.engine import BASE, AdapterWeights, TorchEngine
+from serving.engine.generation import Request, TokenEvent
+from serving.engine.sampling import SamplingParams
+from serving.engine.scheduler import Scheduler
+from serving.worker.metrics import WorkerMetrics
 from tests.helpers import ENGINE_PROMPTS as PROMPTS
 from tests.helpers import ENGINE_SPEC as SPEC
 from tests.helpers import config_of, random_adapter, tiny_base, weights_of

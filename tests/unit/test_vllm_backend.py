@@ -19,7 +19,7 @@ from mint_core.errors import (
 )
 from mint_core.model.base import BaseIdentity, BaseText
 from mint_core.packing import FusedExperts, PackedAdapter, PackedIndex, StoredTensor
-from serving.vllm import (
+from serving.backends.vllm import (
     VllmBackend,
     VllmServer,
     VllmSettings,

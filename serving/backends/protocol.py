@@ -1,9 +1,9 @@
 """What a worker needs of an engine: the `Backend` protocol.
 
 The worker keeps the lifecycle (catalog, admission, prewarm, the readiness gate, access); a
-backend runs the model. Two implement it: `serving.embedded.EmbeddedBackend`, MinT's own torch
-engine and continuous-batching scheduler in the worker's process, and
-`serving.vllm.VllmBackend`, a vLLM OpenAI server the worker starts and supervises.
+backend runs the model. Two implement it: `serving.backends.embedded.EmbeddedBackend`, MinT's
+own torch engine and continuous-batching scheduler in the worker's process, and
+`serving.backends.vllm.VllmBackend`, a vLLM OpenAI server the worker starts and supervises.
 
 Prewarm drives a backend in two phases, with the artifact already fetched and verified:
 `stage` takes the adapter into the host tier (phase 1, `fetching`), `load` makes it servable
@@ -17,9 +17,9 @@ from typing import Any, Protocol
 from mint_core.model.base import BaseText
 from mint_core.packing import PackedAdapter
 from mint_core.residency import Residency
-from serving.generation import Request
-from serving.metrics import WorkerMetrics
-from serving.sampling import SamplingParams
+from serving.engine.generation import Request
+from serving.engine.sampling import SamplingParams
+from serving.worker.metrics import WorkerMetrics
 
 
 class Backend(Protocol):

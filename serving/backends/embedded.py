@@ -11,11 +11,11 @@ from collections.abc import Callable, Sequence
 from mint_core.config import BackendKind
 from mint_core.packing import PackedAdapter
 from mint_core.residency import Residency
-from serving.engine import AdapterWeights, TorchEngine
-from serving.generation import Request
-from serving.metrics import WorkerMetrics
-from serving.sampling import SamplingParams
-from serving.scheduler import DEFAULT_MAX_BATCH, Scheduler
+from serving.engine.engine import AdapterWeights, TorchEngine
+from serving.engine.generation import Request
+from serving.engine.sampling import SamplingParams
+from serving.engine.scheduler import DEFAULT_MAX_BATCH, Scheduler
+from serving.worker.metrics import WorkerMetrics
 
 
 class EmbeddedBackend:

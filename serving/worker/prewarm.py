@@ -24,10 +24,10 @@ from mint_core.errors import EngineUnavailableError, IntegrityError, MintError, 
 from mint_core.packing import load as load_packed
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.states import Readiness
-from serving.backend import Backend
-from serving.generation import Request
-from serving.readiness import ReadinessTable
-from serving.sampling import SamplingParams
+from serving.backends.protocol import Backend
+from serving.engine.generation import Request
+from serving.engine.sampling import SamplingParams
+from serving.worker.readiness import ReadinessTable
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """A serving worker: its backend (the engine that runs the base and the adapters), the residency
 tiers, and each revision's readiness on this worker. The worker keeps the lifecycle and the
-gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.backend`).
+gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.backends.protocol`).
 
 - **Watcher**: a thread syncs the catalog with the registry every `sync_interval_s` (and when
   nudged) and admits what the registry says this worker should hold (`Catalog.desired`). If
   MLflow is down the worker keeps serving what it has and reports itself `degraded`.
 - **Admission**: admitted revisions queue (`mint_core.admission`, rollbacks first) and K
-  prewarm threads take them one at a time (`serving.prewarm`), in two phases: fetch and verify
-  the artifact into the host tier (`fetching`), then load it into the engine and run a warm-up
-  generation (`warming`); only then is it `ready`.
+  prewarm threads take them one at a time (`serving.worker.prewarm`), in two phases: fetch and
+  verify the artifact into the host tier (`fetching`), then load it into the engine and run a
+  warm-up generation (`warming`); only then is it `ready`.
 - **Readiness gate**: the request path never fetches anything: `route` answers with the engine
   key of a ready revision or raises `RevisionNotReady` at once (and EngineUnavailableError
   while the engine is down). `request_path_loads` counts what a user's request waited for all
@@ -33,7 +33,7 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
 
 Every readiness change is kept in an event log (`events`), and every held alias move that
 appears or ends in another (`alias_events`), which is how tests and operators see what
-happened and when: the last `EVENT_LOG_LENGTH` of each (`serving.readiness` says what bounds
+happened and when: the last `EVENT_LOG_LENGTH` of each (`serving.worker.readiness` says what bounds
 the worker's memory).
 
 A worker's threads (K prewarm threads and the watcher) start in `start()`, once the worker is
@@ -43,7 +43,7 @@ Locks, outermost first (a thread holding one never waits for one above it):
 
 1. `_syncing`: one sync with the registry at a time (the watcher's, `/admin/sync`'s).
 2. the catalog's own locks (its index, its registry client).
-3. the readiness table's condition (`serving.readiness.ReadinessTable`): entries, policies,
+3. the readiness table's condition (`serving.worker.readiness.ReadinessTable`): entries, policies,
    admission queue, event log, the newest engine generation lost.
 4. `_lock`: held alias moves and their events; apart, `Prewarm`'s count of request-path
    fetches (a leaf: nothing is taken under it).
@@ -74,12 +74,13 @@ from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness
-from serving.backend import Backend
-from serving.engine import BASE
-from serving.generation import Request
-from serving.outcomes import Outcomes
-from serving.prewarm import Prewarm
-from serving.readiness import (
+from serving.backends.protocol import Backend
+from serving.engine.engine import BASE
+from serving.engine.generation import Request
+from serving.engine.sampling import SamplingParams
+from serving.worker.outcomes import Outcomes
+from serving.worker.prewarm import Prewarm
+from serving.worker.readiness import (
     EVENT_LOG_LENGTH,
     AliasEvent,
     AliasEventKind,
@@ -88,7 +89,6 @@ from serving.readiness import (
     Residence,
     RevisionNotReady,
 )
-from serving.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -43,10 +43,10 @@ from mint_core.errors import (
 )
 from mint_core.model.generate import Route, pad_left
 from mint_core.residency import Residency, SlotGrant
-from serving.engine import BASE, AdapterWeights, TorchEngine
-from serving.generation import Request, check_prompt
-from serving.metrics import WorkerMetrics
-from serving.sampling import SamplingParams
+from serving.engine.engine import BASE, AdapterWeights, TorchEngine
+from serving.engine.generation import Request, check_prompt
+from serving.engine.sampling import SamplingParams
+from serving.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

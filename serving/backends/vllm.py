@@ -15,7 +15,7 @@ How MinT's lifecycle maps onto vLLM:
   (MinT tokenizes and applies the chat template, so both backends see the same tokens),
   `model` = the exact revision, the base's end-of-sequence ids as stop tokens, and the token
   ids and logprobs of each piece. The generation ends where MinT's rules say (EOS, stop
-  string, length: `serving.generation.Request`); the stream is closed there, which aborts the
+  string, length: `serving.engine.generation.Request`); the stream is closed there, which aborts the
   request inside vLLM. vLLM never sees a request for a revision the gate did not pass, and a
   name it does not know answers 404, never the base in its place.
 - **health**: a supervisor thread watches the process. If vLLM dies or stops answering, the
@@ -44,6 +44,7 @@ from pathlib import Path
 
 import httpx
 
+from control.services import LOOPBACK, ManagedProcess, free_port, responds_ok, start_process
 from mint_core.config import BackendKind, MintConfig
 from mint_core.errors import (
     ConfigurationError,
@@ -56,15 +57,14 @@ from mint_core.folders import publish_folder
 from mint_core.model.base import BaseText
 from mint_core.packing import PackedAdapter, write_peft
 from mint_core.residency import Residency
-from mint_core.services import LOOPBACK, ManagedProcess, free_port, responds_ok, start_process
-from serving.engine import BASE
-from serving.generation import Request, check_prompt
-from serving.metrics import WorkerMetrics
-from serving.sampling import SamplingParams
+from serving.engine.engine import BASE
+from serving.engine.generation import Request, check_prompt
+from serving.engine.sampling import SamplingParams
+from serving.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-VLLM_ENV = Path(__file__).resolve().parents[1] / ".venv-vllm"
+VLLM_ENV = Path(__file__).resolve().parents[2] / ".venv-vllm"
 """Where `make vllm` builds vLLM's environment."""
 START_TIMEOUT_S = 900.0
 """vLLM imports for a minute or more on a busy CPU machine, and compiles on a GPU."""

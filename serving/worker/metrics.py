@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 from mint_core.residency import Residency
 
 if TYPE_CHECKING:
-    from serving.generation import Request
+    from serving.engine.generation import Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 

@@ -8,17 +8,17 @@ from collections.abc import Mapping
 import uvicorn
 from transformers.utils import logging as transformers_logging
 
+from control.services import LOOPBACK, ManagedProcess, free_port, start_process
 from mint_core.artifact_store import open_store
 from mint_core.catalog import Catalog
 from mint_core.config import WORKER_PORT, BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
-from mint_core.services import LOOPBACK, ManagedProcess, free_port, start_process
-from serving.backend import Backend
-from serving.embedded import EmbeddedBackend
-from serving.engine import TorchEngine
+from serving.backends.embedded import EmbeddedBackend
+from serving.backends.protocol import Backend
+from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
-from serving.worker import Worker
+from serving.worker.worker import Worker
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def build_backend(config: MintConfig) -> Backend:
     """The engine `config.backend` names, serving `config.base`."""
     host_cache_bytes = config.host_cache_mb << 20
     if config.backend is BackendKind.VLLM:
-        from serving.vllm import VllmBackend, VllmSettings
+        from serving.backends.vllm import VllmBackend, VllmSettings
 
         text = load_text(config.base, config.home)
         return VllmBackend(text, VllmSettings.from_config(config), host_cache_bytes)

@@ -18,7 +18,7 @@ from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.model.base import BaseText
 from mint_core.model.generate import FinishReason, Generation, Route
 from mint_core.model.text import TextCodec
-from serving.sampling import RowSampler, SamplingParams, stop_hit
+from serving.engine.sampling import RowSampler, SamplingParams, stop_hit
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 The engine owns its base model, any Hugging Face causal LM, and adapts it in place: every linear
 layer an adapter may target (all of them but the output embedding, by module name, whatever the
-family calls them) is wrapped (`serving.lora`), and so is every fused MoE experts module, so a
-batch can mix adapters row by row, each row naming its device slot, slot 0 being the base alone.
+family calls them) is wrapped (`serving.engine.lora`), and so is every fused MoE experts module,
+so a batch can mix adapters row by row, each row naming its device slot, slot 0 being the base
+alone.
 Loading an adapter copies its LoRA pairs into a slot (the worker's residency plan says which);
 the base weights are never touched.
 `step` is one forward pass over a batch with its key/value cache, what the continuous-batching
@@ -28,7 +29,7 @@ from mint_core.model.base import BaseModel, servable_modules
 from mint_core.model.experts import ExpertTarget, expert_lora_targets, expert_stacks
 from mint_core.model.generate import Generation, greedy_generate, pad_left
 from mint_core.model.routing import Routes, moe_gates, recording_routes
-from serving.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_experts, wrap_linears
+from serving.engine.lora import BASE_SLOT, SlotBatch, lora_scaling, wrap_experts, wrap_linears
 
 BASE = "__base__"
 """Adapter key of rows served by the base model alone."""
