@@ -40,7 +40,6 @@ from mint_core.errors import (
     RejectedError,
     RolloutBusyError,
     ServiceError,
-    TransitionError,
 )
 from mint_core.evaluation import (
     EVAL_ROWS_TAG,
@@ -64,7 +63,7 @@ from mint_core.model.training import (
     train_lora,
 )
 from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
-from mint_core.registry import DatasetLog, Registry
+from mint_core.registry import DatasetLog, Registry, check_activatable
 from mint_core.revisions import CANDIDATE, PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
 from serving.client import WorkerClient
@@ -517,10 +516,6 @@ def _stored_rows(
         staging.unlink(missing_ok=True)
 
 
-_ACTIVATABLE = (Stage.ADMITTED, Stage.PREWARMING, Stage.READY)
-"""Stages from which activation can go on to `active`, in order."""
-
-
 @task(name="activate", cache_policy=NO_CACHE)
 def activate_revision(
     config: MintConfig,
@@ -536,25 +531,17 @@ def activate_revision(
     the workers, so they switch new requests at once instead of at their next sync. `approver`
     (who approved this roll-out, if its gates asked) is recorded on the move."""
     registry = Registry(config.tracking_uri)
-    stage = registry.get(revision).stage
-    if stage not in _ACTIVATABLE:
-        raise TransitionError(
-            f"{revision} is {stage}; only an admitted revision can be activated: admit it first"
-        )
+    check_activatable(registry.get(revision))
     try:
         wait_fleet_ready(config, revision, timeout_s)
     except NotReadyError as e:
         raise NotReadyError(f"not moving {revision.adapter}@{alias} to {revision}: {e}") from e
-    for step in _ACTIVATABLE[_ACTIVATABLE.index(stage) + 1 :]:
-        registry.set_stage(revision, step, actor, "every worker reports it ready")
-    previous = registry.move_alias(revision, alias, actor, reason, approver)
+    # Read again after the wait (minutes, perhaps): the activation writes on from this record.
+    registered = registry.get(revision)
+    check_activatable(registered)
+    previous = registry.activate(registered, alias, actor, reason, approver)
     before = "none" if previous is None else f"r{previous}"
     run_log().info("%s@%s %s → r%d (%s)", revision.adapter, alias, before, revision.number, reason)
-    if CANDIDATE in registry.get(revision).aliases:
-        registry.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over
-    registry.set_stage(revision, Stage.ACTIVE, actor, reason)
-    if alias == PRODUCTION and previous is not None and previous != revision.number:
-        registry.set_stage(RevisionId(revision.adapter, previous), Stage.RETIRED, actor, reason)
     for url in config.worker_urls:  # every base's: a worker that does not serve it syncs fast
         try:
             WorkerClient(url, config.worker_api_key).sync()
