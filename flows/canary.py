@@ -21,9 +21,9 @@ from mint_core.errors import ConfigurationError, MintError, NotFoundError, Rejec
 from mint_core.registry import Registry, check_canary_percent
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
 from tasks.pipeline import (
+    Fleet,
     activate_revision,
     admit_revision,
-    base_fleet,
     ensure_exported,
     prewarm_revision,
     rollout_lock,
@@ -83,15 +83,15 @@ def canary(
     gates = registry.gates(adapter)
     ensure_exported(config, candidate)
     with rollout_lock(adapter):
-        admit_revision(config, candidate)
-        prewarm_revision(config, candidate)
+        fleet = admit_revision(config, candidate)
+        prewarm_revision(config, candidate, fleet=fleet)
         started = time.time()
         registry.start_canary(
             candidate, percent, actor, f"canary: {percent:g}% of {adapter}@{PRODUCTION}"
         )
-    _nudge(config, candidate)
+    _nudge(fleet)
     try:
-        figures = _watch(config, candidate, production, started, window_s, min_requests)
+        figures = _watch(fleet, candidate, production, started, window_s, min_requests)
         verdict = judge(
             figures.get(str(candidate), RevisionOutcomes.empty(str(candidate))),
             figures.get(str(production), RevisionOutcomes.empty(str(production))),
@@ -111,6 +111,7 @@ def canary(
                     actor,
                     f"canary {verdict.reason}",
                     approver=approver,
+                    fleet=fleet,
                 )
             registry.end_canary(adapter, actor, verdict.reason)
             if not verdict.promote:
@@ -125,7 +126,7 @@ def canary(
             with contextlib.suppress(MintError):
                 registry.mark_failed(candidate, stopped, actor)
         raise
-    _nudge(config, candidate)
+    _nudge(fleet)
     summarize(
         adapter,
         f"canary {candidate} {'promoted' if verdict.promote else 'rolled back'}",
@@ -135,7 +136,7 @@ def canary(
 
 
 def _watch(
-    config: MintConfig,
+    fleet: Fleet,
     candidate: RevisionId,
     production: RevisionId,
     since: float,
@@ -144,22 +145,21 @@ def _watch(
 ) -> dict[str, RevisionOutcomes]:
     """The fleet's figures per revision since `since`, once the window has passed and the
     candidate has served `min_requests` (or three windows have passed)."""
-    workers = base_fleet(config, candidate)
     end, last_chance = since + window_s, since + 3 * window_s
     while True:
         time.sleep(POLL_S)
         now = time.time()
         if now < end:
             continue
-        figures = merge(worker.outcomes(since) for worker in workers)
+        figures = merge(worker.outcomes(since) for worker in fleet.workers)
         served = figures.get(str(candidate))
         if (served and served.requests >= min_requests) or now >= last_chance:
             return figures
 
 
-def _nudge(config: MintConfig, revision: RevisionId) -> None:
+def _nudge(fleet: Fleet) -> None:
     """Have the workers follow the registry now rather than at their next sync."""
-    for worker in base_fleet(config, revision):
+    for worker in fleet.workers:
         worker.sync()
 
 

@@ -13,22 +13,14 @@ import prefect.runtime
 from prefect import flow
 
 from flows.rollout import StageClock, roll_out
+from flows.ship import Shipment, ship
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
-from mint_core.model.datasets import DEFAULT_EVAL_FRACTION, Dataset
-from mint_core.model.imports import ImportedAdapter
-from mint_core.model.training import EVAL_GENERATION_ROWS, TrainedAdapter, TrainingConfig
+from mint_core.model.datasets import DEFAULT_EVAL_FRACTION
+from mint_core.model.training import EVAL_GENERATION_ROWS, TrainingConfig
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
-from tasks.pipeline import (
-    check_import,
-    export_adapter,
-    freeze_adapter,
-    load_data,
-    pack_adapter,
-    register_revision,
-    train_adapter,
-)
+from tasks.pipeline import check_import, load_data, train_adapter
 from tasks.runs import label_run, production_move, summarize
 
 
@@ -121,7 +113,15 @@ def release(
     timed = StageClock()
     rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, seed)
     trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
-    revision = _ship(config, adapter, trained, actor, principals, timed, "release", held_out)
+    shipment = Shipment(
+        adapter,
+        trained,
+        actor,
+        principals=_allowed(principals),
+        held_out=held_out,
+        parent=RevisionRef(adapter),
+    )
+    revision = _release(config, shipment, timed, "release")
     scored = held_out.describe(min(len(held_out.rows), EVAL_GENERATION_ROWS))
     report = ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds, scored)
     _summarize(config, adapter, report, scored)
@@ -154,7 +154,10 @@ def import_adapter(
     label_run(adapter)
     timed = StageClock()
     imported = timed("check", check_import, config, Path(path), same_base_as)
-    revision = _ship(config, adapter, imported, actor, principals, timed, "import")
+    shipment = Shipment(
+        adapter, imported, actor, principals=_allowed(principals), parent=RevisionRef(adapter)
+    )
+    revision = _release(config, shipment, timed, "import")
     report = ReleaseReport(str(revision), {}, timed.seconds)
     _summarize(config, adapter, report, "")
     return report
@@ -178,37 +181,17 @@ def on_base(config: MintConfig, base_model: str | None) -> MintConfig:
     return dataclasses.replace(config, base=dataclasses.replace(config.base, name=base_model))
 
 
-def _ship(
-    config: MintConfig,
-    adapter: str,
-    source: TrainedAdapter | ImportedAdapter,
-    actor: str,
-    principals: list[str] | None,
-    timed: StageClock,
-    reason: str,
-    held_out: Dataset | None = None,
-) -> RevisionId:
-    """freeze -> pack -> export -> register -> admit -> prewarm -> activate."""
-    frozen = timed("freeze", freeze_adapter, config, source.path)
-    packed_dir, index = timed("pack", pack_adapter, config, frozen)
-    exported = timed("export", export_adapter, config, packed_dir, index)
-    allowed = tuple(principals) if principals else (EVERYONE,)
-    revision = timed(
-        "register",
-        register_revision,
-        config,
-        adapter,
-        source,
-        frozen,
-        exported,
-        actor,
-        allowed,
-        held_out,
-        RevisionRef(adapter),
-    )
+def _release(config: MintConfig, shipment: Shipment, timed: StageClock, reason: str) -> RevisionId:
+    """ship (freeze -> pack -> export -> register) -> roll out (admit -> prewarm -> activate)."""
+    revision = ship(config, shipment, timed)
     # From here on the revision stays registered whatever happens: promote can roll it out.
-    roll_out(config, revision, actor, reason, timed=timed)
+    roll_out(config, revision, shipment.actor, reason, timed=timed)
     return revision
+
+
+def _allowed(principals: list[str] | None) -> tuple[str, ...]:
+    """The principals a flow parameter names; none named: everyone."""
+    return tuple(principals) if principals else (EVERYONE,)
 
 
 @flow(name="retrain", flow_run_name="retrain {adapter}")

@@ -56,8 +56,8 @@ def repair(
     exported_again = ensure_exported(config, target)
     if held:
         with rollout_lock(adapter):
-            readmit_revision(config, target)
-            wait_fleet_ready(config, target, READY_TIMEOUT_S)
+            serving = readmit_revision(config, target)
+            wait_fleet_ready(config, target, READY_TIMEOUT_S, serving)
     report = RepairReport(str(target), exported_again, len(config.worker_urls) if held else 0)
     artifact = "exported again from its frozen files" if exported_again else "artifact intact"
     fleet = f"ready again on {report.workers} workers" if held else "no worker should hold it"

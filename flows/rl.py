@@ -16,7 +16,7 @@ from prefect import flow
 
 from flows.release import on_base
 from flows.rollout import StageClock
-from mint_core.access import EVERYONE
+from flows.ship import Shipment, ship
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
 from mint_core.model.experts import experts_modules
@@ -31,16 +31,7 @@ from mint_core.model.rl import (
 from mint_core.model.toy import Task
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
-from tasks.pipeline import (
-    activate_revision,
-    admit_revision,
-    base_fleet,
-    export_adapter,
-    freeze_adapter,
-    pack_adapter,
-    prewarm_revision,
-    register_revision,
-)
+from tasks.pipeline import Fleet, activate_revision, admit_revision, prewarm_revision
 from tasks.rl import (
     RlRun,
     WorkerSampler,
@@ -139,9 +130,10 @@ def rl(
     timed = StageClock()
     trainer = timed("start", start_trainer, config, grpo, origin)
     run = start_rl_run(config, adapter, grpo, toy_task.value, f"words<={max_chars}", seed)
-    revision = _ship(config, adapter, trainer, run, {}, actor, timed, origin.id if origin else None)
+    start_id = origin.id if origin else None
+    revision, fleet = _ship_to_rl(config, adapter, trainer, run, {}, actor, timed, start_id, None)
     shipped = [revision]
-    worker = base_fleet(config, revision)[0]
+    worker = fleet.workers[0]
     moe = bool(experts_modules(trainer.base.model))
     sampler = WorkerSampler(worker, f"{adapter}@{RL_ALIAS}", trainer.base.codec, moe, seed)
     figures: dict[str, float] = {}
@@ -155,9 +147,10 @@ def rl(
             shown = ", ".join(f"{name} {value:.4g}" for name, value in figures.items())
             run_log().info("rl step %d/%d: %s", metrics.step, steps, shown)
             if metrics.step % sync_every == 0:
-                shipped.append(
-                    _ship(config, adapter, trainer, run, figures, actor, timed, shipped[-1])
+                revision, _ = _ship_to_rl(
+                    config, adapter, trainer, run, figures, actor, timed, shipped[-1], fleet
                 )
+                shipped.append(revision)
     except BaseException:
         registry.finish_training_run(run.run_id, {}, trainer.steps, failed=True)
         raise
@@ -170,7 +163,7 @@ def rl(
     return RlReport(run.run_id, tuple(map(str, shipped)), figures, timed.seconds)
 
 
-def _ship(
+def _ship_to_rl(
     config: MintConfig,
     adapter: str,
     trainer: GrpoTrainer,
@@ -179,31 +172,19 @@ def _ship(
     actor: str,
     timed: StageClock,
     parent: RevisionId | None,
-) -> RevisionId:
-    """save -> freeze -> pack -> export -> register (with `parent`, the revision it trained
-    from) -> admit -> prewarm -> activate on `rl`."""
+    fleet: Fleet | None,
+) -> tuple[RevisionId, Fleet]:
+    """save -> ship (freeze, pack, export, register with `parent`, the revision it trained
+    from) -> admit -> prewarm -> activate on `rl`, on `fleet`: the workers of the run's base,
+    resolved at its first revision. The revision and the fleet."""
     trained = timed("save", save_policy, config, adapter, trainer, run, figures)
-    frozen = timed("freeze", freeze_adapter, config, trained.path)
-    packed_dir, index = timed("pack", pack_adapter, config, frozen)
-    exported = timed("export", export_adapter, config, packed_dir, index)
-    revision = timed(
-        "register",
-        register_revision,
-        config,
-        adapter,
-        trained,
-        frozen,
-        exported,
-        actor,
-        (EVERYONE,),
-        None,
-        RevisionRef(adapter, revision=parent.number) if parent else None,
-    )
-    timed("admit", admit_revision, config, revision)
-    timed("prewarm", prewarm_revision, config, revision)
+    parent_ref = RevisionRef(adapter, revision=parent.number) if parent else None
+    revision = ship(config, Shipment(adapter, trained, actor, parent=parent_ref), timed)
+    fleet = timed("admit", admit_revision, config, revision, fleet=fleet)
+    timed("prewarm", prewarm_revision, config, revision, fleet=fleet)
     reason = f"rl step {trainer.steps}"
-    timed("activate", activate_revision, config, revision, RL_ALIAS, actor, reason)
-    return revision
+    timed("activate", activate_revision, config, revision, RL_ALIAS, actor, reason, fleet=fleet)
+    return revision, fleet
 
 
 def _start_revision(registry: Registry, adapter: str, start: str) -> RegisteredRevision | None:

@@ -57,12 +57,14 @@ def roll_out(
     registry = Registry(config.tracking_uri)
     try:
         with rollout_lock(revision.adapter):
-            timed("admit", admit_revision, config, revision, rollback=rollback)
-            timed("prewarm", prewarm_revision, config, revision)
+            fleet = timed("admit", admit_revision, config, revision, rollback=rollback)
+            timed("prewarm", prewarm_revision, config, revision, fleet=fleet)
             gates = None if rollback else registry.gates(revision.adapter)
             evaluation = None
             if gates is not None:
-                evaluation = timed("evaluate", evaluate_revision, config, revision, gates, actor)
+                evaluation = timed(
+                    "evaluate", evaluate_revision, config, revision, gates, actor, fleet=fleet
+                )
         approver = ""
         if gates is not None and gates.requires_approval:
             approver = timed("approval", await_approval, config, revision, gates, actor, evaluation)
@@ -76,6 +78,7 @@ def roll_out(
                 actor,
                 reason,
                 approver=approver,
+                fleet=fleet,
             )
     except (RolloutBusyError, RejectedError):
         raise  # it only waited, or a gate already recorded why it stopped

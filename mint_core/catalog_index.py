@@ -23,12 +23,10 @@ from mint_core.errors import IntegrityError
 from mint_core.registry import (
     ALIAS_MOVE_TAG,
     STAGE_HISTORY_TAG,
-    STAGE_TAG,
     AdapterAliases,
     RegisteredRevision,
 )
 from mint_core.revisions import CANARY, TAG_PREFIX, PolicyRecord, RevisionId
-from mint_core.states import Stage
 
 FORMAT = 3
 """The index's layout; a file of another format is refused (rebuild the snapshot). 2: adapters
@@ -236,13 +234,12 @@ class CatalogIndex:
             return None
         uri, policy, tags, aliases = found
         tags = json.loads(tags)
-        return RegisteredRevision(
-            id=revision,
-            policy=PolicyRecord.from_json(policy),
-            artifact_uri=uri,
-            stage=Stage(tags.get(STAGE_TAG, Stage.REGISTERED.value)),
+        return RegisteredRevision.from_tags(
+            revision,
+            uri,
+            tags,
             aliases=tuple(sorted(aliases.split(","))) if aliases else (),
-            tags=tags,
+            policy=PolicyRecord.from_json(policy),
         )
 
     def named(self, aliases: Iterable[str], base: str | None) -> set[RevisionId]:

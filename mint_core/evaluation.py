@@ -8,14 +8,23 @@ pipeline, a serving worker over HTTP), so the gate scores what users would be se
 """
 
 import json
-from collections.abc import Callable, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mint_core.digests import sha256_bytes
-from mint_core.model.datasets import Row
+from mint_core.errors import NotFoundError
+from mint_core.gates import Gates
+from mint_core.model.datasets import Row, parse_jsonl
 from mint_core.model.text import Message
 from mint_core.revisions import RevisionId
+
+if TYPE_CHECKING:  # boto3, for a type only
+    from mint_core.artifact_store import ArtifactStore
 
 EVAL_ROWS_TAG = "mint.eval_data"
 """Model-version tag: the artifact-store name of the held-out rows a trained revision was
@@ -52,6 +61,73 @@ def to_jsonl(rows: Sequence[Row]) -> bytes:
             value = {"prompt": row.prompt, "completion": row.completion}
         lines.append(json.dumps(value, ensure_ascii=False) + "\n")
     return "".join(lines).encode()
+
+
+Rows = tuple[Row, ...]
+EvalSets = dict[EvalSet, tuple[Rows, str]]
+"""Each set's rows and where they come from ("of eval.jsonl")."""
+
+
+def choose_eval_sets(
+    gates: Gates,
+    revision: RevisionId,
+    production: RevisionId,
+    read: Callable[[str], Rows],
+    stored: Callable[[RevisionId], Rows | None],
+    limit: int,
+) -> EvalSets:
+    """The rows `revision` and `production` are scored on, at most `limit` per set (each row is
+    a generation per revision): the gates' `eval_data` and `regression_data` files (`read`),
+    and, without `eval_data`, the held-out rows production was trained with, else the
+    candidate's own (`stored`; None where a revision has none)."""
+    files = {EvalSet.EVAL: gates.eval_data, EvalSet.REGRESSION: gates.regression_data}
+    sets = {
+        name: (read(where), f"of {where.rstrip('/').rsplit('/', 1)[-1]}")
+        for name, where in files.items()
+        if where
+    }
+    if EvalSet.EVAL not in sets:
+        # Production's rows first: a candidate trained on another task would pass on its own.
+        for holder in (production, revision):
+            rows = stored(holder)
+            if rows is not None:
+                sets[EvalSet.EVAL] = (rows, f"{holder} was evaluated on in training")
+                break
+    return {name: (sets[name][0][:limit], sets[name][1]) for name in EvalSet if name in sets}
+
+
+@contextmanager
+def _staging(folder: Path) -> Iterator[Path]:
+    """A file name of its own under `folder` for the block, removed after it: the artifact
+    store puts and gets files, not bytes."""
+    staging = folder / f".{uuid.uuid4().hex}.jsonl"
+    staging.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        yield staging
+    finally:
+        staging.unlink(missing_ok=True)
+
+
+def store_rows(store: "ArtifactStore", staging: Path, rows: Sequence[Row]) -> str:
+    """Keep `rows` in the artifact store, named by their content (`rows_name`); the name.
+    `staging`: a folder for the file on its way."""
+    jsonl = to_jsonl(rows)
+    name = rows_name(jsonl)
+    with _staging(staging) as file:
+        file.write_bytes(jsonl)
+        store.put_file(name, file)
+    return name
+
+
+def load_rows(store: "ArtifactStore", staging: Path, name: str, revision: RevisionId) -> Rows:
+    """The rows `store_rows` kept as `name` for `revision`; NotFoundError if they are gone."""
+    with _staging(staging) as file:
+        if not store.get_file(name, file):
+            raise NotFoundError(
+                f"the eval rows of {revision} ({name}) are gone from the artifact store; name "
+                f"the eval rows of {revision.adapter!r} in its gates (eval_data)"
+            )
+        return parse_jsonl(file.read_bytes(), f"{revision}'s eval rows ({name})").rows
 
 
 def exact_match(rows: Sequence[Row], generate: Generate) -> float:

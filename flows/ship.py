@@ -1,0 +1,50 @@
+"""Shipping an adapter's files as the next revision of an adapter: freeze -> pack -> export ->
+register. Where the revision goes next is the caller's: a release rolls it out to `production`
+(`flows.rollout`), the RL flow moves its `rl` alias to it."""
+
+from dataclasses import dataclass
+
+from flows.rollout import StageClock
+from mint_core.access import EVERYONE
+from mint_core.config import MintConfig
+from mint_core.model.datasets import Dataset
+from mint_core.model.imports import ImportedAdapter
+from mint_core.model.training import TrainedAdapter
+from mint_core.revisions import RevisionId, RevisionRef
+from tasks.pipeline import export_adapter, freeze_adapter, pack_adapter, register_revision
+
+
+@dataclass(frozen=True)
+class Shipment:
+    """What to ship, and what its policy record says of it."""
+
+    adapter: str
+    source: TrainedAdapter | ImportedAdapter
+    actor: str
+    """Who ships it: recorded as who created it."""
+    principals: tuple[str, ...] = (EVERYONE,)
+    """Who may use it."""
+    held_out: Dataset | None = None
+    """The rows a trained revision was evaluated on: kept for evaluation gates."""
+    parent: RevisionRef | None = None
+    """The revision it descends from, if this resolves to one."""
+
+
+def ship(config: MintConfig, shipment: Shipment, timed: StageClock) -> RevisionId:
+    """The next revision of `shipment.adapter`, registered (no user reaches it yet)."""
+    frozen = timed("freeze", freeze_adapter, config, shipment.source.path)
+    packed_dir, index = timed("pack", pack_adapter, config, frozen)
+    exported = timed("export", export_adapter, config, packed_dir, index)
+    return timed(
+        "register",
+        register_revision,
+        config=config,
+        adapter=shipment.adapter,
+        source=shipment.source,
+        frozen=frozen,
+        exported=exported,
+        actor=shipment.actor,
+        principals=shipment.principals,
+        held_out=shipment.held_out,
+        parent=shipment.parent,
+    )

@@ -1,0 +1,76 @@
+"""The MLflow model registry as MinT's source of truth.
+
+Registered model = adapter, model version = revision (`rN` is the version number), version tags
+= policy record and stage, aliases = what users get. Registering writes metadata only: the
+weights stay in the artifact store and the version's `source` points at them.
+
+A revision's life here, one module per part, all reached through one `Registry`:
+
+1. `runs`: training records its hyperparameters, dataset and loss curve in an MLflow run.
+2. `revisions`: `register` makes the model version, the policy record as its tags; `resolve`
+   turns `name:rN` or `name@alias` into a `RegisteredRevision`.
+3. `stages`: each step of the pipeline moves its stage (checked against `states.Stage`'s
+   table), appended to its stage history.
+4. `aliases`: `activate` walks a ready revision to `active` and moves `production` to it,
+   recording the move in the adapter's alias history (`moves`) and as an intent workers follow.
+5. `canary`, `gates`: a candidate's share of live traffic, and what its roll-outs must pass.
+6. `changes`: what workers read at each sync to follow all of this.
+
+`_mlflow` holds the client, the tag names and the one translation of MLflow's failures into
+MinT's errors.
+"""
+
+from mint_core.registry._mlflow import (
+    ACTIVATED_AT_TAG,
+    ALIAS_MOVE_TAG,
+    APPROVAL_RUN_TAG,
+    CANARY_PERCENT_TAG,
+    EXPERIMENT_KIND_TAG,
+    FAILURE_TAG,
+    KIND_TAG,
+    MODEL_DEVELOPMENT,
+    REVISION_RUN_TAG,
+    STAGE_HISTORY_TAG,
+    STAGE_TAG,
+)
+from mint_core.registry.aliases import ACTIVATABLE, check_activatable
+from mint_core.registry.canary import Canaries, check_canary_percent
+from mint_core.registry.changes import MODELS_PAGE_MAX, AdapterAliases, Changes
+from mint_core.registry.gates import AdapterGates
+from mint_core.registry.moves import AliasMove, MoveRecord, moves_made
+from mint_core.registry.revisions import VERSIONS_PAGE, RegisteredRevision
+from mint_core.registry.runs import DatasetLog
+
+# The names tests knew these by before the registry became a package.
+_MoveRecord = MoveRecord
+_moves_made = moves_made
+
+__all__ = [
+    "ACTIVATABLE",
+    "ACTIVATED_AT_TAG",
+    "ALIAS_MOVE_TAG",
+    "APPROVAL_RUN_TAG",
+    "CANARY_PERCENT_TAG",
+    "EXPERIMENT_KIND_TAG",
+    "FAILURE_TAG",
+    "KIND_TAG",
+    "MODELS_PAGE_MAX",
+    "MODEL_DEVELOPMENT",
+    "REVISION_RUN_TAG",
+    "STAGE_HISTORY_TAG",
+    "STAGE_TAG",
+    "VERSIONS_PAGE",
+    "AdapterAliases",
+    "AliasMove",
+    "DatasetLog",
+    "MoveRecord",
+    "RegisteredRevision",
+    "Registry",
+    "check_activatable",
+    "check_canary_percent",
+    "moves_made",
+]
+
+
+class Registry(Canaries, AdapterGates, Changes):
+    """MinT's operations on an MLflow tracking server (`mint_core.registry`'s parts in one)."""

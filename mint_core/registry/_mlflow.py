@@ -1,0 +1,155 @@
+"""MLflow as the registry sees it: the client, the tag names MinT writes, and the one place
+MLflow's failures become MinT's errors.
+
+Two kinds of failure, translated in two layers that every call goes through:
+
+- a server that does not answer (refused, timed out, failing after MLflow's retries): the
+  client (`_Answering`) raises RegistryError naming the server and its setting, whichever call
+  it was;
+- a server that answers with a refusal: `MlflowStore._failing(action)` raises RegistryError
+  naming what was being done. A lookup of something that does not exist is not a failure:
+  `_model` raises NotFoundError, `_model_or_none` returns None.
+"""
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+
+import requests
+from mlflow.entities.model_registry import RegisteredModel
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from mint_core.errors import NotFoundError, RegistryError
+from mint_core.revisions import TAG_PREFIX
+
+STAGE_TAG = TAG_PREFIX + "stage"
+KIND_TAG = TAG_PREFIX + "kind"
+BASE_DIGEST_TAG = TAG_PREFIX + "base_digest"
+"""On a registered model: the base every revision of the adapter was trained on."""
+ACTIVATED_AT_TAG = TAG_PREFIX + "activated_at"
+STAGE_HISTORY_TAG = TAG_PREFIX + "stage_history"
+"""A revision's stage moves, one JSON list in one model-version tag. Model-version tag values are
+`Text` in MLflow's schema, and MLflow accepts up to 100,000 characters: with reasons cut to
+`REASON_CHARS`, that is well over a hundred moves of one revision (a roll-out is four)."""
+ALIAS_MOVE_TAG = TAG_PREFIX + "alias_move."
+"""Prefix of the tags recording alias moves, one small tag per move on the version moved to:
+`mint.alias_move.000042` is the adapter's 42nd move. History grows without bound and no tag
+does; registered-model tags, which every worker sync reads, hold none of it."""
+FAILURE_TAG = TAG_PREFIX + "failure_reason"
+APPROVAL_RUN_TAG = TAG_PREFIX + "approval_run"
+"""The Prefect flow run paused for a revision's approval: what `mint approve` resumes."""
+CANARY_PERCENT_TAG = TAG_PREFIX + "canary_percent"
+"""The share, in percent, of `name@production` requests that workers send to `name@canary`: a
+registered-model tag, so that every worker reads the same share at the same sync as the alias."""
+REVISION_RUN_TAG = TAG_PREFIX + "revision"
+"""On a training (or import) run: the revision it made, e.g. `upper-bot:r2`."""
+RUN_NAME_TAG = "mlflow.runName"
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The tag MLflow's UI reads to open an experiment as model training (runs, the model registry
+in its sidebar) rather than as GenAI development (an empty traces page)."""
+MODEL_DEVELOPMENT = "custom_model_development"
+ADAPTER_KIND = "adapter"
+"""The `KIND_TAG` of a registered model that is a MinT adapter."""
+REASON_CHARS = 1000
+"""Reasons are cut to this length in history records, keeping each one small."""
+
+
+class _Answering:
+    """MLflow's client, except that a call the server does not answer (refused, timed out,
+    failing after MLflow's retries) raises RegistryError naming the server, the setting that
+    names it and the cause, whichever call it was. Other failures stay MLflow's own."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        self._uri = tracking_uri
+        self._client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+    def __getattr__(self, name: str) -> object:
+        method = getattr(self._client, name)
+        if not callable(method):
+            return method
+
+        @functools.wraps(method)
+        def call(*args: object, **kwargs: object) -> object:
+            try:
+                return method(*args, **kwargs)
+            except (MlflowException, requests.RequestException) as e:
+                cause = _unanswered(e)
+                if cause is None:
+                    raise
+                raise RegistryError(
+                    f"MLflow at {self._uri} (MLFLOW_TRACKING_URI) did not answer {name}: "
+                    f"{cause}; check that it runs (`mint registry` starts one) and that "
+                    "MLFLOW_TRACKING_URI points at it"
+                ) from e
+
+        return call
+
+
+_UNANSWERED = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.RetryError,
+)
+"""requests' errors for a server that does not answer, or answers only with errors until
+MLflow's retries give up."""
+
+
+def _unanswered(error: BaseException) -> str | None:
+    """The innermost cause, as text, when `error` means the server did not answer; else None.
+    MLflow's client turns requests' network errors into MlflowException, keeping the original
+    as its context."""
+    network = error if isinstance(error, requests.RequestException) else error.__context__
+    if not isinstance(network, _UNANSWERED):
+        return None
+    cause: BaseException = network
+    while (inner := cause.__cause__ or cause.__context__) is not None:
+        cause = inner
+    return str(cause) or type(cause).__name__
+
+
+def missing(error: MlflowException) -> bool:
+    """Whether MLflow refused because what was asked for does not exist."""
+    return error.error_code == "RESOURCE_DOES_NOT_EXIST"
+
+
+def now() -> str:
+    """The time of a record, ISO-8601 UTC."""
+    return datetime.now(UTC).isoformat()
+
+
+class MlflowStore:
+    """The connection every part of the registry works through: the client and its lookups."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        self.tracking_uri = tracking_uri
+        # Typed as the client it stands in for: every call goes through it unchanged.
+        self._client: MlflowClient = _Answering(tracking_uri)  # type: ignore[assignment]
+
+    @contextmanager
+    def _failing(self, action: str) -> Iterator[None]:
+        """MLflow's refusals inside the block as RegistryError naming `action` (a server that
+        does not answer raises RegistryError already, in the client)."""
+        try:
+            yield
+        except (MlflowException, requests.RequestException) as e:
+            raise RegistryError(f"MLflow at {self.tracking_uri} failed to {action}: {e}") from e
+
+    def _model_or_none(self, adapter: str) -> RegisteredModel | None:
+        """The registered model of `adapter`; None if it is not registered."""
+        with self._failing(f"look up adapter {adapter!r}"):
+            try:
+                return self._client.get_registered_model(adapter)
+            except MlflowException as e:
+                if missing(e):
+                    return None
+                raise
+
+    def _model(self, adapter: str, hint: str = "") -> RegisteredModel:
+        """The registered model of `adapter`; NotFoundError, with `hint` (what to do), if it is
+        not registered."""
+        model = self._model_or_none(adapter)
+        if model is None:
+            raise NotFoundError(f"adapter {adapter!r} is not registered{hint}")
+        return model

@@ -1,0 +1,221 @@
+"""Revisions in the registry: registering one (a model version whose tags are its policy
+record), resolving a name to one, and listing them."""
+
+import logging
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Self
+
+from mlflow.entities.model_registry import ModelVersion
+from mlflow.exceptions import MlflowException
+
+from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError
+from mint_core.history import version_description
+from mint_core.registry._mlflow import (
+    ADAPTER_KIND,
+    BASE_DIGEST_TAG,
+    KIND_TAG,
+    REVISION_RUN_TAG,
+    RUN_NAME_TAG,
+    STAGE_TAG,
+    missing,
+)
+from mint_core.registry.runs import Runs
+from mint_core.revisions import PRODUCTION, TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
+from mint_core.states import Stage
+
+log = logging.getLogger(__name__)
+
+VERSIONS_PAGE = 1000
+"""Model versions per page when reading every revision: a few MB of JSON per request. (MLflow
+accepts up to 200,000; larger pages were no faster.)"""
+
+
+@dataclass(frozen=True)
+class RegisteredRevision:
+    """A revision as the registry knows it."""
+
+    id: RevisionId
+    policy: PolicyRecord
+    artifact_uri: str
+    stage: Stage
+    aliases: tuple[str, ...]
+    tags: Mapping[str, str]
+    description: str = ""
+    """The model version's description: its own text, then its history table (`history`)."""
+
+    @classmethod
+    def from_tags(
+        cls,
+        id: RevisionId,
+        artifact_uri: str,
+        tags: Mapping[str, str],
+        aliases: tuple[str, ...] = (),
+        description: str = "",
+        policy: PolicyRecord | None = None,
+    ) -> Self:
+        """The revision its model-version tags describe: its stage, and its policy record
+        unless `policy` gives it (the catalog index keeps the record apart from the tags)."""
+        return cls(
+            id=id,
+            policy=PolicyRecord.from_tags(tags) if policy is None else policy,
+            artifact_uri=artifact_uri,
+            stage=Stage(tags.get(STAGE_TAG, Stage.REGISTERED.value)),
+            aliases=aliases,
+            tags=dict(tags),
+            description=description,
+        )
+
+    @classmethod
+    def from_version(cls, version: ModelVersion, aliases: tuple[str, ...]) -> Self:
+        return cls.from_tags(
+            RevisionId(version.name, int(version.version)),
+            version.source,
+            version.tags or {},
+            aliases,
+            version.description or "",
+        )
+
+    def check_promotable(self) -> None:
+        """ConfigurationError if it already is what `production` serves: a promote or
+        rollback to it would change nothing. Checked by the CLI before anything starts, and by
+        the flows (a UI run starts none of the CLI's checks)."""
+        if self.stage is Stage.ACTIVE and PRODUCTION in self.aliases:
+            raise ConfigurationError(
+                f"{self.id} is already {self.id.adapter}@{PRODUCTION}; if workers cannot load "
+                f"it (a damaged artifact), repair it: mint repair --adapter {self.id.adapter} "
+                f"--revision {self.id.number}"
+            )
+
+
+class Revisions(Runs):
+    """Registering, resolving and listing revisions."""
+
+    def register(
+        self,
+        policy: PolicyRecord,
+        artifact_uri: str,
+        serving_base_digest: str,
+        run_id: str | None = None,
+    ) -> RegisteredRevision:
+        """Create the next revision of `policy.adapter`, linked to its training run `run_id`
+        (`start_training_run`; a run is made for an imported adapter). Nothing is written
+        unless the policy's base matches the serving base and, if the adapter exists, the
+        adapter's base."""
+        if policy.base_digest != serving_base_digest:
+            raise BaseMismatchError(
+                f"adapter {policy.adapter!r} was trained on base {policy.base_digest} but the "
+                f"serving base is {serving_base_digest}; retrain it on the serving base"
+            )
+        existing = self._model_or_none(policy.adapter)
+        if existing is not None:
+            adapter_base = existing.tags.get(BASE_DIGEST_TAG)
+            if adapter_base and adapter_base != policy.base_digest:
+                raise BaseMismatchError(
+                    f"adapter {policy.adapter!r} is registered on base {adapter_base}; this "
+                    f"revision was trained on {policy.base_digest}"
+                )
+        with self._failing(f"register {policy.adapter!r}"):
+            run_id = self._log_release_run(policy, run_id)
+            if existing is None:
+                # MLflow keeps registered-model tag values in String(5000), which PostgreSQL
+                # enforces: MinT's are a word and the serving base's sha256 digest, and history
+                # goes to model-version tags (Text).
+                self._client.create_registered_model(
+                    policy.adapter,
+                    tags={KIND_TAG: ADAPTER_KIND, BASE_DIGEST_TAG: policy.base_digest},
+                    description=f"MinT adapter over base {policy.base_model_id}",
+                )
+            version = self._client.create_model_version(
+                policy.adapter,
+                source=artifact_uri,
+                run_id=run_id,
+                tags={**policy.to_tags(), STAGE_TAG: Stage.REGISTERED.value},
+                description=version_description(
+                    f"trained on {policy.dataset or 'data from elsewhere (imported)'}, "
+                    f"content {policy.content_digest}",
+                    [],
+                    [],
+                ),
+            )
+            # The revision's number exists only now: the run is named after it, so the
+            # experiment's runs list reads `upper-bot:r2`, not one name for every revision.
+            revision = str(RevisionId(policy.adapter, int(version.version)))
+            self._client.set_tag(run_id, RUN_NAME_TAG, revision)
+            self._client.set_tag(run_id, REVISION_RUN_TAG, revision)
+        return RegisteredRevision.from_version(version, aliases=())
+
+    def resolve(self, ref: RevisionRef) -> RegisteredRevision:
+        """The revision `ref` names now. NotFoundError names the adapter, alias or revision."""
+        with self._failing(f"resolve {ref}"):
+            try:
+                if ref.revision is not None:
+                    version = self._client.get_model_version(ref.adapter, str(ref.revision))
+                else:
+                    version = self._client.get_model_version_by_alias(ref.adapter, str(ref.alias))
+            except MlflowException as e:
+                # One request when it exists; when not, a second says what is missing: the
+                # adapter, or the revision or alias of a registered one.
+                self._model(ref.adapter)
+                if missing(e) or "not found" in str(e).lower():
+                    raise NotFoundError(f"{ref} does not exist in the registry") from None
+                raise
+        return RegisteredRevision.from_version(version, aliases=tuple(version.aliases or ()))
+
+    def get(self, revision: RevisionId) -> RegisteredRevision:
+        return self.resolve(RevisionRef(revision.adapter, revision=revision.number))
+
+    def set_revision_tag(self, revision: RevisionId, key: str, value: str) -> None:
+        with self._failing(f"tag {revision} with {key}"):
+            self._client.set_model_version_tag(revision.adapter, str(revision.number), key, value)
+
+    def has_adapter(self, adapter: str) -> bool:
+        return self._model_or_none(adapter) is not None
+
+    def adapters(self) -> list[str]:
+        models = self._client.search_registered_models(
+            filter_string=f"tags.`{KIND_TAG}` = '{ADAPTER_KIND}'"
+        )
+        return sorted(model.name for model in models)
+
+    def revisions(self, adapter: str) -> list[RegisteredRevision]:
+        """Every revision of `adapter`, oldest first, with its aliases."""
+        model = self._model(adapter)
+        aliases: dict[str, list[str]] = {}
+        for alias, version in (model.aliases or {}).items():
+            aliases.setdefault(str(version), []).append(alias)
+        versions = self._client.search_model_versions(f"name = '{adapter}'")
+        revisions = [
+            RegisteredRevision.from_version(v, tuple(sorted(aliases.get(str(v.version), []))))
+            for v in versions
+        ]
+        return sorted(revisions, key=lambda r: r.id.number)
+
+    def all_revisions(self, page_size: int = VERSIONS_PAGE) -> Iterator[list[RegisteredRevision]]:
+        """Every revision of every adapter, a page at a time, in name and number order: what a
+        catalog is built from. Versions that carry no policy record (models that are not MinT
+        adapters) are left out. A revision registered while this runs may be missed: a catalog
+        asks for one it lacks when it is named. RegistryError if MLflow cannot answer."""
+        page_token = None
+        while True:
+            with self._failing("list every revision"):
+                page = self._client.search_model_versions(
+                    max_results=page_size,
+                    order_by=["name ASC", "version_number ASC"],
+                    page_token=page_token,
+                )
+            revisions = []
+            for version in page:
+                if (version.tags or {}).get(TAG_PREFIX + "content_digest") is None:
+                    continue
+                aliases = tuple(sorted(version.aliases or ()))
+                try:
+                    revisions.append(RegisteredRevision.from_version(version, aliases))
+                except ConfigurationError as e:  # asked for by name, it fails there, as today
+                    log.warning(
+                        "left %s:r%s out of the catalog: %s", version.name, version.version, e
+                    )
+            yield revisions
+            page_token = page.token
+            if not page_token:
+                return

@@ -1,0 +1,94 @@
+"""A revision's stage in the release pipeline, and its history: each move is checked against
+the stage table (`mint_core.states`) and appended to the revision's stage history tag, and the
+version's description table is written again from its tags (`mint_core.history`).
+
+The operations take a revision by id (read here) or as a record already read, and return the
+record as written: a caller walking a revision through several steps reads it once."""
+
+import json
+from dataclasses import replace
+
+from mint_core.history import version_description
+from mint_core.registry._mlflow import FAILURE_TAG, REASON_CHARS, STAGE_HISTORY_TAG, STAGE_TAG, now
+from mint_core.registry.moves import done_moves, records_in
+from mint_core.registry.revisions import RegisteredRevision, Revisions
+from mint_core.revisions import RevisionId
+from mint_core.states import Stage, transition
+
+FAILURE_CHARS = 4000
+"""A failure's reason is cut to this in its stage history and its failure tag."""
+
+
+class Stages(Revisions):
+    """Stages and stage histories of revisions."""
+
+    def _record(self, revision: RevisionId | RegisteredRevision) -> RegisteredRevision:
+        return revision if isinstance(revision, RegisteredRevision) else self.get(revision)
+
+    def set_stage(
+        self,
+        revision: RevisionId | RegisteredRevision,
+        stage: Stage,
+        actor: str = "mint",
+        reason: str = "",
+    ) -> RegisteredRevision:
+        """Move a revision's recorded stage, refusing moves the stage table forbids, and append
+        the move to the revision's stage history (shown by the MLflow UI as a tag). The
+        revision as it is now recorded."""
+        registered = self._record(revision)
+        transition(registered.stage, stage)
+        self._client.set_model_version_tag(
+            registered.id.adapter, str(registered.id.number), STAGE_TAG, stage.value
+        )
+        written = self._append_stage_history(registered, stage, actor, reason)
+        return replace(written, stage=stage, tags={**written.tags, STAGE_TAG: stage.value})
+
+    def note_stage(self, revision: RevisionId, actor: str, reason: str, approver: str = "") -> None:
+        """Add a note to a revision's stage history, its stage staying as it is (from = to):
+        what happened to it, such as a repair, that moved no stage. `approver`: the note is
+        that person's approval of its roll-out."""
+        registered = self.get(revision)
+        self._append_stage_history(registered, registered.stage, actor, reason, approver)
+
+    def stage_history(self, revision: RevisionId) -> list[dict[str, str]]:
+        return json.loads(self.get(revision).tags.get(STAGE_HISTORY_TAG, "[]"))
+
+    def mark_failed(self, revision: RevisionId, reason: str, actor: str = "mint") -> None:
+        """Record that a pipeline step failed for `revision`, and why."""
+        self.set_stage(revision, Stage.FAILED, actor, reason[:FAILURE_CHARS])
+        self._client.set_model_version_tag(
+            revision.adapter, str(revision.number), FAILURE_TAG, reason[:FAILURE_CHARS]
+        )
+
+    def _append_stage_history(
+        self,
+        registered: RegisteredRevision,
+        stage: Stage,
+        actor: str,
+        reason: str,
+        approver: str = "",
+    ) -> RegisteredRevision:
+        history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
+        history.append(
+            {"at": now(), "from": registered.stage.value, "to": stage.value, "actor": actor,
+             "reason": reason[:REASON_CHARS]} | ({"approver": approver} if approver else {})
+        )  # fmt: skip
+        value = json.dumps(history)
+        self._client.set_model_version_tag(
+            registered.id.adapter, str(registered.id.number), STAGE_HISTORY_TAG, value
+        )
+        return self._describe_version(
+            replace(registered, tags={**registered.tags, STAGE_HISTORY_TAG: value})
+        )
+
+    def _describe_version(self, registered: RegisteredRevision) -> RegisteredRevision:
+        """Write the version's history table (`mint_core.history`) from its tags: its stage
+        history and the alias moves recorded on it. Called wherever those tags are written;
+        the revision with that description."""
+        moves = done_moves(records_in(registered.tags))
+        history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
+        description = version_description(registered.description, history, moves)
+        self._client.update_model_version(
+            registered.id.adapter, str(registered.id.number), description=description
+        )
+        return replace(registered, description=description)

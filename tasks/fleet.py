@@ -1,0 +1,155 @@
+"""The steps that put a registered revision in front of users, on the workers that serve its
+base: admit, prewarm (wait until each reports it ready), activate.
+
+Which workers those are (`Fleet`) takes a registry read and every worker's `/health`: it is
+worked out once per roll-out, by the admit step (with its retries), which returns it, and
+passed to each later step. A step called without one (a test, a benchmark) works it out.
+"""
+
+import logging
+from dataclasses import dataclass
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from control.worker_client import WorkerClient
+from mint_core.config import READY_TIMEOUT_S, MintConfig
+from mint_core.errors import NotReadyError, ServiceError
+from mint_core.registry import Registry, check_activatable
+from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId
+from mint_core.states import Stage
+from tasks.policies import transient
+from tasks.runs import run_log
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The workers that serve one base: only they admit, prewarm and activate its revisions,
+    and only they are waited for."""
+
+    base_digest: str
+    workers: tuple[WorkerClient, ...]
+
+
+def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
+    """The workers in `config` that serve `revision`'s base; a worker names its base in
+    `/health`. ServiceError if one does not answer (it might serve that base: nothing is
+    guessed), NotReadyError if none serves the base."""
+    policy = Registry(config.tracking_uri).get(revision).policy
+    workers = [WorkerClient(url, config.worker_api_key) for url in config.worker_urls]
+    serving = [w for w in workers if w.health()["base_digest"] == policy.base_digest]
+    if not serving:
+        raise NotReadyError(
+            f"no worker in MINT_WORKER_URLS ({', '.join(config.worker_urls)}) serves the base of "
+            f"{revision}, {policy.base_model_id} ({policy.base_digest}): start one with "
+            "MINT_BASE_MODEL set to that base and add its URL"
+        )
+    return Fleet(policy.base_digest, tuple(serving))
+
+
+def fleet_for(config: MintConfig, revision: RevisionId, fleet: Fleet | None = None) -> Fleet:
+    """`fleet` when the caller resolved it already, else `revision`'s, resolved now."""
+    return resolve_fleet(config, revision) if fleet is None else fleet
+
+
+@task(
+    name="admit",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
+def admit_revision(
+    config: MintConfig, revision: RevisionId, rollback: bool = False, fleet: Fleet | None = None
+) -> Fleet:
+    """Make `revision` the adapter's `candidate` (workers that restart take it in again) and
+    queue it on every worker of its base; a rollback goes to the front of their queues. The
+    fleet that took it in (`fleet`, else resolved here): the roll-out's later steps use it."""
+    fleet = fleet_for(config, revision, fleet)
+    registry = Registry(config.tracking_uri)
+    registry.point_alias(revision, CANDIDATE)
+    for worker in fleet.workers:
+        worker.admit(revision, "rollback" if rollback else "normal")
+    registry.set_stage(revision, Stage.ADMITTED)
+    return fleet
+
+
+@task(
+    name="readmit",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
+def readmit_revision(config: MintConfig, revision: RevisionId, fleet: Fleet | None = None) -> Fleet:
+    """Queue `revision` again on every worker of its base, ahead of anything else: one that
+    failed it takes it again, one that has it ready keeps it. Its stage and aliases stay as
+    they are. The fleet that took it in, as `admit_revision`."""
+    fleet = fleet_for(config, revision, fleet)
+    for worker in fleet.workers:
+        worker.admit(revision, "rollback")
+    return fleet
+
+
+@task(name="prewarm", cache_policy=NO_CACHE)
+def prewarm_revision(
+    config: MintConfig,
+    revision: RevisionId,
+    timeout_s: float = READY_TIMEOUT_S,
+    fleet: Fleet | None = None,
+) -> None:
+    registry = Registry(config.tracking_uri)
+    registry.set_stage(revision, Stage.PREWARMING)
+    wait_fleet_ready(config, revision, timeout_s, fleet)
+    registry.set_stage(revision, Stage.READY)
+
+
+def wait_fleet_ready(
+    config: MintConfig, revision: RevisionId, timeout_s: float, fleet: Fleet | None = None
+) -> None:
+    """Return once every worker of `revision`'s base reports it ready; NotReadyError naming
+    each worker that failed it, never admitted it, or ran out of time."""
+    problems = []
+    for worker in fleet_for(config, revision, fleet).workers:
+        try:
+            worker.wait_ready(revision, timeout_s)
+        except NotReadyError as e:
+            problems.append(str(e))
+    if problems:
+        raise NotReadyError(f"{revision} is not ready on the fleet: {'; '.join(problems)}")
+
+
+@task(name="activate", cache_policy=NO_CACHE)
+def activate_revision(
+    config: MintConfig,
+    revision: RevisionId,
+    alias: str = PRODUCTION,
+    actor: str = "mint",
+    reason: str = "release",
+    timeout_s: float = READY_TIMEOUT_S,
+    approver: str = "",
+    fleet: Fleet | None = None,
+) -> None:
+    """Move `alias` to `revision` once every worker of its base reports it ready (waiting up to
+    `timeout_s`); if one fails it or time runs out, the alias stays where it was. Then nudge
+    the workers, so they switch new requests at once instead of at their next sync. `approver`
+    (who approved this roll-out, if its gates asked) is recorded on the move."""
+    registry = Registry(config.tracking_uri)
+    check_activatable(registry.get(revision))
+    try:
+        wait_fleet_ready(config, revision, timeout_s, fleet)
+    except NotReadyError as e:
+        raise NotReadyError(f"not moving {revision.adapter}@{alias} to {revision}: {e}") from e
+    # Read again after the wait (minutes, perhaps): the activation writes on from this record.
+    registered = registry.get(revision)
+    check_activatable(registered)
+    previous = registry.activate(registered, alias, actor, reason, approver)
+    before = "none" if previous is None else f"r{previous}"
+    run_log().info("%s@%s %s → r%d (%s)", revision.adapter, alias, before, revision.number, reason)
+    for url in config.worker_urls:  # every base's: a worker that does not serve it syncs fast
+        try:
+            WorkerClient(url, config.worker_api_key).sync()
+        except ServiceError as e:  # it catches up at its next sync all the same
+            log.warning("could not nudge worker %s to sync: %s", url, e)

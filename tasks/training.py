@@ -1,0 +1,143 @@
+"""The steps that make an adapter: read the data, train (recorded in an MLflow run), or check
+one trained elsewhere."""
+
+import logging
+import time
+import uuid
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from tqdm.auto import tqdm
+
+from mint_core.artifact_store import read_data
+from mint_core.config import MintConfig
+from mint_core.model.base import load_base
+from mint_core.model.datasets import Dataset, load_datasets
+from mint_core.model.imports import ImportedAdapter, inspect_import
+from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
+from mint_core.registry import DatasetLog, Registry
+from tasks.policies import ONCE_PER_RUN, transient
+from tasks.runs import run_log
+
+
+@task(
+    name="load-data",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=1,
+    retry_condition_fn=transient,
+)
+def load_data(
+    config: MintConfig, data: str, eval_data: str | None, eval_fraction: float, seed: int
+) -> tuple[Dataset, Dataset]:
+    """(training rows, held-out rows), each file read and checked whole: `eval_data` when
+    given, else a seeded `eval_fraction` of `data`'s rows."""
+    return load_datasets(partial(read_data, config), data, eval_data, eval_fraction, seed)
+
+
+@task(name="train", cache_policy=ONCE_PER_RUN, persist_result=True)
+def train_adapter(
+    config: MintConfig,
+    adapter: str,
+    data: Dataset,
+    held_out: Dataset,
+    training: TrainingConfig,
+) -> TrainedAdapter:
+    """Train in this process, inside an MLflow run that records the hyperparameters, the
+    dataset, the loss of every step and the evaluation metrics."""
+    registry = Registry(config.tracking_uri)
+    local = None if data.source.startswith("s3://") else Path(data.source)
+    run_facts = {
+        "base_model": config.base.name or "(embedded default)",
+        "train_rows": str(len(data.rows)),
+        "eval_rows": str(len(held_out.rows)),
+        "eval_data": held_out.describe(path=True) if held_out.held_out else held_out.source,
+    }
+    run_id = registry.start_training_run(
+        adapter, run_facts, DatasetLog(data.source, data.digest, len(data.rows), local)
+    )
+    # The hyperparameters are logged once the base is loaded, with the targets as trained (its
+    # family's default resolved); as asked, if training fails before.
+    logged: list[TrainingConfig] = []
+
+    def started(resolved: TrainingConfig) -> None:
+        registry.log_params(run_id, resolved.params())
+        logged.append(resolved)
+
+    out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
+    with _TrainingProgress(registry, run_id, run_log()) as progress:
+        try:
+            trained = train_lora(
+                config.base, config.home, data, held_out, out_dir, training, progress.step, started
+            )
+        except BaseException:
+            progress.flush()
+            if not logged:
+                registry.log_params(run_id, training.params())
+            registry.finish_training_run(run_id, {}, 0, failed=True)
+            raise
+    registry.finish_training_run(run_id, trained.eval_metrics, trained.steps)
+    return replace(trained, run_id=run_id)
+
+
+class _TrainingProgress:
+    """Each step's loss to the MLflow run (a few steps per request), to a progress bar on a
+    terminal, and (step, loss, ETA) to the run's log about ten times per training."""
+
+    LOG_EVERY = 20
+    LOG_LINES = 10
+
+    def __init__(
+        self,
+        registry: Registry,
+        run_id: str,
+        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        self._registry = registry
+        self._run_id = run_id
+        self._log = log
+        self._pending: list[tuple[int, float]] = []
+        self._bar: tqdm | None = None
+        self._started = time.monotonic()
+
+    def __enter__(self) -> "_TrainingProgress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.flush()
+        if self._bar is not None:
+            self._bar.close()
+
+    def step(self, step: int, total: int, loss: float) -> None:
+        if self._bar is None:
+            # disable=None: a bar on a terminal, nothing in logs.
+            self._bar = tqdm(total=total, desc="train", unit="step", disable=None)
+        self._bar.update(1)
+        self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        self._pending.append((step, loss))
+        if len(self._pending) >= self.LOG_EVERY or step == total:
+            self.flush()
+        if step % max(1, total // self.LOG_LINES) == 0 or step == total:
+            elapsed = time.monotonic() - self._started
+            eta = elapsed / step * (total - step)
+            self._log.info(
+                "training step %d/%d: loss %.4f, %.0f s elapsed, ETA %.0f s",
+                step,
+                total,
+                loss,
+                elapsed,
+                eta,
+            )
+
+    def flush(self) -> None:
+        if self._pending:
+            self._registry.log_losses(self._run_id, "train_loss", self._pending)
+            self._pending = []
+
+
+@task(name="check-import", cache_policy=NO_CACHE)
+def check_import(config: MintConfig, adapter_dir: Path, same_base_as: str = "") -> ImportedAdapter:
+    return inspect_import(adapter_dir, load_base(config.base, config.home), same_base_as)
