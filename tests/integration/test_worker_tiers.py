@@ -25,7 +25,8 @@ from mint_core.states import Readiness
 from serving.backends.embedded import EmbeddedBackend
 from serving.engine.engine import AdapterWeights, TorchEngine
 from serving.engine.sampling import SamplingParams
-from serving.worker.worker import ReadinessEntry, Worker, prewarm
+from serving.worker import prewarm
+from serving.worker.worker import ReadinessEntry, Worker
 from tests.integration.helpers import register_random_adapter
 
 pytestmark = pytest.mark.slow

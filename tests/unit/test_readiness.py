@@ -15,9 +15,10 @@ from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
+from serving.worker import readiness
 from serving.worker.metrics import WorkerMetrics
 from serving.worker.readiness import ReadinessTable
-from serving.worker.worker import Worker, readiness
+from serving.worker.worker import Worker
 from tests.helpers import make_policy
 
 R1, R2 = RevisionId("support-bot", 1), RevisionId("support-bot", 2)
