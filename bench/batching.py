@@ -33,7 +33,7 @@ from mint_core.model.generate import greedy_generate, seeded
 from mint_core.model.text import TextCodec
 from mint_core.model.tiny import TinySpec, byte_tokenizer
 from mint_core.model.toy import held_out_words
-from mint_core.residency import Residency
+from mint_core.planning.residency import Residency
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import Scheduler

@@ -47,11 +47,11 @@ import psutil
 from mlflow.tracking import MlflowClient
 
 from control.services import ManagedProcess, start_mlflow
-from mint_core import catalog_snapshot
-from mint_core.artifact_store import LocalArtifactStore
-from mint_core.catalog import Catalog
-from mint_core.catalog_index import CatalogIndex, check
-from mint_core.digests import sha256_json
+from mint_core.artifacts.digests import sha256_json
+from mint_core.artifacts.stores import LocalArtifactStore
+from mint_core.catalog import snapshot as catalog_snapshot
+from mint_core.catalog.catalog import Catalog
+from mint_core.catalog.index import CatalogIndex, check
 from mint_core.registry import KIND_TAG, STAGE_TAG, AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import (
     CANDIDATE,

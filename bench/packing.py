@@ -27,9 +27,15 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mint_core.freezing import PEFT_WEIGHTS
+from mint_core.artifacts.freezing import PEFT_WEIGHTS
+from mint_core.artifacts.packing import (
+    DEFAULT_SHARD_BYTES,
+    PackedIndex,
+    load,
+    pack_tensors,
+    read_into,
+)
 from mint_core.moe_reference import QWEN3_30B_A3B, moe_adapter_config, moe_lora_tensors
-from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, load, pack_tensors, read_into
 
 RESULTS = Path(__file__).resolve().parent / "results" / "packing.json"
 

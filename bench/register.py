@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from control.services import start_mlflow
-from mint_core.digests import sha256_json
+from mint_core.artifacts.digests import sha256_json
 from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord
 

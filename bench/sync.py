@@ -65,13 +65,13 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 from bench.packing import evict
 from control.services import ManagedProcess, start_mlflow, stop_all
 from control.worker_client import WorkerClient
-from mint_core.artifact_store import open_store
+from mint_core.artifacts.freezing import freeze
+from mint_core.artifacts.packing import pack
+from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
-from mint_core.freezing import freeze
 from mint_core.model.base import DEFAULT_TARGETS, BaseSource, identity, weights_digest
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import SPECIAL_TOKENS, byte_tokenizer, save_base_folder
-from mint_core.packing import pack
 from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord, RevisionId
 from serving.worker.server import start_worker

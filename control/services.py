@@ -241,8 +241,9 @@ def start_mlflow(
     ]  # fmt: skip
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     if store is not None:
-        # mint-local:// sources resolve under the server's MINT_HOME (mint_core.mlflow_artifacts);
-        # MLflow reads s3:// ones itself, from the endpoint it is given.
+        # mint-local:// sources resolve under the server's MINT_HOME
+        # (mint_core.artifacts.mlflow_repository); MLflow reads s3:// ones itself, from the
+        # endpoint it is given.
         env["MINT_HOME"] = str(store.home)
         if store.s3_endpoint_url:
             env["MLFLOW_S3_ENDPOINT_URL"] = store.s3_endpoint_url

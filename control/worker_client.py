@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from mint_core.canary import RevisionOutcomes
 from mint_core.config import MAX_PROMPTS, READY_TIMEOUT_S
 from mint_core.errors import ConfigurationError, NotReadyError, ServiceError
+from mint_core.planning.canary_judge import RevisionOutcomes
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
 
@@ -94,7 +94,8 @@ class WorkerClient:
 
     def outcomes(self, since: float = 0.0) -> dict[str, RevisionOutcomes]:
         """Per revision, what happened to the requests this worker answered at or after `since`
-        (Unix time): what a canary is watched by (`mint_core.canary.merge` adds up workers)."""
+        (Unix time): what a canary is watched by (`mint_core.planning.canary_judge.merge` adds
+        up workers)."""
         path = "/admin/outcomes"
         payload = self._call("GET", path, _ADMIN_KEY_HINT, params={"since": since}).json()
         return {

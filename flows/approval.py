@@ -17,8 +17,8 @@ from pydantic import Field
 
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
-from mint_core.evaluation import Evaluation
 from mint_core.gates import Gates
+from mint_core.planning.evaluation import Evaluation
 from mint_core.registry import APPROVAL_RUN_TAG, RegisteredRevision, Registry
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
 from tasks.runs import label_run, run_log, summarize

@@ -15,9 +15,9 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.approval import await_approval
-from mint_core.canary import RevisionOutcomes, judge, merge
 from mint_core.config import CANARY_MIN_REQUESTS, CANARY_PERCENT, CANARY_WINDOW_S, MintConfig
 from mint_core.errors import ConfigurationError, MintError, NotFoundError, RejectedError
+from mint_core.planning.canary_judge import RevisionOutcomes, judge, merge
 from mint_core.registry import Registry, check_canary_percent
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
 from tasks.pipeline import (

@@ -1,5 +1,5 @@
 """Catalog snapshot: the whole registry as one index file in the artifact store, which workers
-start from instead of reading every revision from MLflow (`mint_core.catalog_snapshot`). Run it
+start from instead of reading every revision from MLflow (`mint_core.catalog.snapshot`). Run it
 on a schedule, or after many releases; a worker syncs on from whichever snapshot it started
 from, so an old one costs only a longer first sync."""
 

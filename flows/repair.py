@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from mint_core.catalog import DESIRED_ALIASES
+from mint_core.catalog.catalog import DESIRED_ALIASES
 from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, check_adapter_name

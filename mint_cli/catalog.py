@@ -23,8 +23,8 @@ def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_pull(args: argparse.Namespace, config: MintConfig) -> None:
-    from mint_core.artifact_store import open_store
-    from mint_core.pulling import pull
+    from mint_core.artifacts.pulling import pull
+    from mint_core.artifacts.stores import open_store
     from mint_core.registry import Registry
 
     pulled = pull(Registry(config.tracking_uri), open_store(config), args.ref, args.to, args.base)
@@ -37,8 +37,8 @@ def cmd_pull(args: argparse.Namespace, config: MintConfig) -> None:
 
 def cmd_catalog_snapshot(args: argparse.Namespace, config: MintConfig) -> None:
     # Not through the Prefect task: that module imports torch, which this needs not.
-    from mint_core.artifact_store import open_store
-    from mint_core.catalog import build_snapshot
+    from mint_core.artifacts.stores import open_store
+    from mint_core.catalog.catalog import build_snapshot
     from mint_core.registry import Registry
 
     snapshot = build_snapshot(

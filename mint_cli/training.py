@@ -36,7 +36,7 @@ def check_release(args: argparse.Namespace, config: MintConfig) -> None:
     def read(location: str) -> bytes:
         if not location.startswith("s3://"):
             return Path(location).read_bytes()  # a path argparse found to be a file
-        from mint_core.artifact_store import read_data  # boto3 and torch: only for S3
+        from mint_core.artifacts.stores import read_data  # boto3 and torch: only for S3
 
         return read_data(config, location)
 

@@ -46,8 +46,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from control.services import LOOPBACK, ManagedProcess, free_port, start_process
-from mint_core.artifact_store import open_store
-from mint_core.catalog import Catalog
+from mint_core.artifacts.stores import open_store
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import GATEWAY_PORT, MintConfig
 from mint_core.errors import (
     ConfigurationError,

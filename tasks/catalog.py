@@ -3,9 +3,9 @@
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mint_core.artifact_store import open_store
-from mint_core.catalog import build_snapshot
-from mint_core.catalog_snapshot import Snapshot
+from mint_core.artifacts.stores import open_store
+from mint_core.catalog.catalog import build_snapshot
+from mint_core.catalog.snapshot import Snapshot
 from mint_core.config import MintConfig
 from mint_core.registry import Registry
 from tasks.policies import transient

@@ -1,14 +1,17 @@
 """The evaluation gate as a step: the candidate and `production` scored on the same rows,
-through a worker of their base (`mint_core.evaluation` chooses the rows and judges)."""
+through a worker of their base (`mint_core.planning.evaluation` chooses the rows and judges)."""
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from mint_core.artifact_store import open_store, read_data
+from mint_core.artifacts.stores import open_store, read_data
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, RejectedError
-from mint_core.evaluation import (
+from mint_core.gates import Gates
+from mint_core.model.datasets import located, parse_jsonl
+from mint_core.model.training import EVAL_GENERATION_ROWS
+from mint_core.planning.evaluation import (
     EVAL_ROWS_TAG,
     Evaluation,
     Generate,
@@ -18,9 +21,6 @@ from mint_core.evaluation import (
     exact_match,
     load_rows,
 )
-from mint_core.gates import Gates
-from mint_core.model.datasets import located, parse_jsonl
-from mint_core.model.training import EVAL_GENERATION_ROWS
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from tasks.fleet import Fleet, fleet_for

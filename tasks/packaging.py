@@ -10,17 +10,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from mint_core.access import EVERYONE
-from mint_core.artifact_store import open_store
+from mint_core.artifacts.freezing import FrozenAdapter, freeze
+from mint_core.artifacts.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
+from mint_core.artifacts.reexport import check_repacked, frozen_files
+from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError
-from mint_core.evaluation import EVAL_ROWS_TAG, store_rows
-from mint_core.freezing import FrozenAdapter, freeze
 from mint_core.model.base import identity
 from mint_core.model.datasets import Dataset
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter
-from mint_core.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
-from mint_core.reexport import check_repacked, frozen_files
+from mint_core.planning.evaluation import EVAL_ROWS_TAG, store_rows
 from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from tasks.policies import ONCE_PER_RUN, transient
@@ -114,7 +114,8 @@ def ensure_exported(
     config: MintConfig, revision: RevisionId, shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> bool:
     """Make sure the revision's artifact is intact in the store, exporting it again from its
-    frozen files if it is missing or damaged there (`mint_core.reexport`); whether it had to.
+    frozen files if it is missing or damaged there (`mint_core.artifacts.reexport`); whether it had
+    to.
     Never retrains: with the frozen files gone it fails clearly."""
     registered = Registry(config.tracking_uri).get(revision)
     store = open_store(config)

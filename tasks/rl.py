@@ -14,9 +14,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from control.worker_client import WorkerClient
-from mint_core.artifact_store import open_store
+from mint_core.artifacts.digests import sha256_bytes
+from mint_core.artifacts.packing import unpack
+from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
-from mint_core.digests import sha256_bytes
 from mint_core.errors import BaseMismatchError, IntegrityError
 from mint_core.model.base import load_base
 from mint_core.model.rl import (
@@ -31,7 +32,6 @@ from mint_core.model.rl import (
 from mint_core.model.text import TextCodec
 from mint_core.model.toy import Example
 from mint_core.model.training import TrainedAdapter, TrainingConfig
-from mint_core.packing import unpack
 from mint_core.registry import DatasetLog, RegisteredRevision, Registry
 
 

@@ -12,7 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from tqdm.auto import tqdm
 
-from mint_core.artifact_store import read_data
+from mint_core.artifacts.stores import read_data
 from mint_core.config import MintConfig
 from mint_core.model.base import load_base
 from mint_core.model.datasets import Dataset, load_datasets

@@ -21,7 +21,7 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from mint_core.folders import publish_folder
+from mint_core.artifacts.folders import publish_folder
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec, ensure_tiny, save_base_folder

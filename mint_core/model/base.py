@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mint_core.digests import sha256_file, sha256_json
+from mint_core.artifacts.digests import sha256_file, sha256_json
 from mint_core.errors import ConfigurationError
 from mint_core.model.text import TextCodec
 from mint_core.model.tiny import TinySpec, ensure_tiny

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mint_core.digests import sha256_bytes
+from mint_core.artifacts.digests import sha256_bytes
 from mint_core.errors import DatasetError
 from mint_core.model.text import Message, TextCodec
 

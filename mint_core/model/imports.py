@@ -19,11 +19,11 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import safe_open
 
+from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS, check_finite
+from mint_core.artifacts.packing import check_keys
 from mint_core.errors import BaseMismatchError, ConfigurationError
-from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, check_finite
 from mint_core.model.base import BaseModel, BaseText, servable_modules
 from mint_core.model.experts import ExpertTarget, expert_lora_targets, expert_rank
-from mint_core.packing import check_keys
 from mint_core.revisions import POLICY_FILE, PolicyRecord
 
 _PREFIX = "base_model.model."

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mint_core.artifacts.folders import publish_folder
 from mint_core.errors import ConfigurationError
-from mint_core.folders import publish_folder
 from mint_core.model.toy import Task, training_stream
 
 if TYPE_CHECKING:

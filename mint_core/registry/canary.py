@@ -1,5 +1,6 @@
 """A canary in the registry: `adapter@canary` and, beside it, the share of `production`'s
-requests workers send to it (a registered-model tag). Judging one is `mint_core.canary`'s."""
+requests workers send to it (a registered-model tag). Judging one is
+`mint_core.planning.canary_judge`'s."""
 
 import logging
 

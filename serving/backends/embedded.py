@@ -8,9 +8,9 @@ copies the pairs into a slot), so `load` has nothing left to do.
 
 from collections.abc import Callable, Sequence
 
+from mint_core.artifacts.packing import PackedAdapter
 from mint_core.config import BackendKind
-from mint_core.packing import PackedAdapter
-from mint_core.residency import Residency
+from mint_core.planning.residency import Residency
 from serving.engine.engine import AdapterWeights, TorchEngine
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams

@@ -14,9 +14,9 @@ Keys are revision ids (`name:rN`) or `BASE`.
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from mint_core.artifacts.packing import PackedAdapter
 from mint_core.model.base import BaseText
-from mint_core.packing import PackedAdapter
-from mint_core.residency import Residency
+from mint_core.planning.residency import Residency
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
 from serving.worker.metrics import WorkerMetrics

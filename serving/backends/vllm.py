@@ -45,6 +45,8 @@ from pathlib import Path
 import httpx
 
 from control.services import LOOPBACK, ManagedProcess, free_port, responds_ok, start_process
+from mint_core.artifacts.folders import publish_folder
+from mint_core.artifacts.packing import PackedAdapter, write_peft
 from mint_core.config import BackendKind, MintConfig
 from mint_core.errors import (
     ConfigurationError,
@@ -53,10 +55,8 @@ from mint_core.errors import (
     NotReadyError,
     ServiceError,
 )
-from mint_core.folders import publish_folder
 from mint_core.model.base import BaseText
-from mint_core.packing import PackedAdapter, write_peft
-from mint_core.residency import Residency
+from mint_core.planning.residency import Residency
 from serving.engine.engine import BASE
 from serving.engine.generation import Request, check_prompt
 from serving.engine.sampling import SamplingParams

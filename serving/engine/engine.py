@@ -22,9 +22,9 @@ from peft import LoraConfig, get_peft_config
 from peft.utils.other import get_pattern_key
 from transformers.cache_utils import DynamicCache
 
+from mint_core.artifacts.freezing import check_finite
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, ServiceError
-from mint_core.freezing import check_finite
 from mint_core.model.base import BaseModel, servable_modules
 from mint_core.model.experts import ExpertTarget, expert_lora_targets, expert_stacks
 from mint_core.model.generate import Generation, greedy_generate, pad_left

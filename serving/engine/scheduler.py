@@ -42,7 +42,7 @@ from mint_core.errors import (
     ServiceError,
 )
 from mint_core.model.generate import Route, pad_left
-from mint_core.residency import Residency, SlotGrant
+from mint_core.planning.residency import Residency, SlotGrant
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.generation import Request, check_prompt
 from serving.engine.sampling import SamplingParams

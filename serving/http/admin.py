@@ -7,7 +7,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
-from mint_core.admission import Priority
+from mint_core.planning.admission import Priority
 from mint_core.revisions import RevisionId, check_adapter_name
 from serving.http.common import entry_json
 from serving.http.context import WorkerOf, admin_only

@@ -17,11 +17,11 @@ from fastapi import Depends, Header, Request
 from fastapi.responses import StreamingResponse
 
 from mint_core.access import ANONYMOUS, check_admin, principal_for
-from mint_core.admission import Priority
 from mint_core.alias_intents import HeldMove
 from mint_core.errors import AuthenticationError, MintError
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
+from mint_core.planning.admission import Priority
 from mint_core.revisions import RevisionId, RevisionRef
 from serving.engine.generation import Request as Generating
 from serving.engine.sampling import SamplingParams

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mint_core.residency import Residency
+from mint_core.planning.residency import Residency
 
 if TYPE_CHECKING:
     from serving.engine.generation import Request

@@ -6,8 +6,8 @@ the answer ends (`finished`) its latency and whether it failed on the worker's s
 recorded; the client may score it once, in [0, 1] (`score`, `POST /v1/feedback`).
 
 `summary(since)` reads the recorded events of a window: per revision, requests, errors, error
-rate, p50/p95 latency and feedback (`GET /admin/outcomes`); `mint_core.canary.merge` adds up
-several workers'.
+rate, p50/p95 latency and feedback (`GET /admin/outcomes`);
+`mint_core.planning.canary_judge.merge` adds up several workers'.
 The same totals since the worker started are in `/metrics` (this is a Prometheus collector).
 Memory is bounded whatever the traffic: the last `capacity` request ids and events, and one
 set of totals per revision served.
@@ -26,8 +26,8 @@ from typing import NamedTuple
 from prometheus_client.core import CounterMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from mint_core.canary import RevisionOutcomes
 from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundError
+from mint_core.planning.canary_judge import RevisionOutcomes
 
 CAPACITY = 100_000
 """Request ids, and events, a worker remembers: at about 200 bytes each, some 40 MB at most."""

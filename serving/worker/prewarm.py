@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from mint_core.artifact_store import ArtifactStore
-from mint_core.catalog import Catalog
+from mint_core.artifacts.packing import load as load_packed
+from mint_core.artifacts.stores import ArtifactStore
+from mint_core.catalog.catalog import Catalog
 from mint_core.errors import EngineUnavailableError, IntegrityError, MintError, NotFoundError
-from mint_core.packing import load as load_packed
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.states import Readiness
 from serving.backends.protocol import Backend

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from mint_core.access import allows
-from mint_core.admission import AdmissionQueue, Priority
 from mint_core.alias_intents import HeldMove
 from mint_core.errors import EngineUnavailableError, NotReadyError
+from mint_core.planning.admission import AdmissionQueue, Priority
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.states import Readiness, transition
 

@@ -9,8 +9,8 @@ import uvicorn
 from transformers.utils import logging as transformers_logging
 
 from control.services import LOOPBACK, ManagedProcess, free_port, start_process
-from mint_core.artifact_store import open_store
-from mint_core.catalog import Catalog
+from mint_core.artifacts.stores import open_store
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import WORKER_PORT, BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry

@@ -5,7 +5,7 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
 - **Watcher**: a thread syncs the catalog with the registry every `sync_interval_s` (and when
   nudged) and admits what the registry says this worker should hold (`Catalog.desired`). If
   MLflow is down the worker keeps serving what it has and reports itself `degraded`.
-- **Admission**: admitted revisions queue (`mint_core.admission`, rollbacks first) and K
+- **Admission**: admitted revisions queue (`mint_core.planning.admission`, rollbacks first) and K
   prewarm threads take them one at a time (`serving.worker.prewarm`), in two phases: fetch and
   verify the artifact into the host tier (`fetching`), then load it into the engine and run a
   warm-up generation (`warming`); only then is it `ready`.
@@ -59,10 +59,9 @@ from collections import deque
 from collections.abc import Sequence
 
 from mint_core.access import ANONYMOUS, allows, check_access
-from mint_core.admission import DEFAULT_CONCURRENCY, Priority
 from mint_core.alias_intents import HeldMove
-from mint_core.artifact_store import ArtifactStore
-from mint_core.catalog import Catalog
+from mint_core.artifacts.stores import ArtifactStore
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.errors import (
     BaseMismatchError,
@@ -72,6 +71,7 @@ from mint_core.errors import (
 )
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
+from mint_core.planning.admission import DEFAULT_CONCURRENCY, Priority
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness
 from serving.backends.protocol import Backend

@@ -29,14 +29,19 @@ from peft import LoraConfig
 
 from control.services import ManagedProcess
 from mint_core.access import EVERYONE
-from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore, open_store
-from mint_core.catalog import Catalog
+from mint_core.artifacts.packing import PackedIndex
+from mint_core.artifacts.stores import (
+    ArtifactStore,
+    LocalArtifactStore,
+    S3ArtifactStore,
+    open_store,
+)
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import RECIPE, Task, write_held_out_data, write_task_data
 from mint_core.model.training import TrainingConfig
-from mint_core.packing import PackedIndex
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
 from serving.backends.embedded import EmbeddedBackend

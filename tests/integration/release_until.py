@@ -17,7 +17,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
-from mint_core import artifact_store
+from mint_core.artifacts import stores as artifact_store
 from tests.integration.helpers import toy_release as release
 
 

@@ -11,7 +11,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from control.services import ManagedProcess
-from mint_core.digests import sha256_json
+from mint_core.artifacts.digests import sha256_json
 from mint_core.errors import RegistryError
 from mint_core.registry import AliasMove, Registry, _MoveRecord, _moves_made
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef

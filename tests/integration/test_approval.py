@@ -15,8 +15,8 @@ from prefect.flow_runs import resume_flow_run
 from control.services import ManagedProcess
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
+from mint_core.artifacts.digests import sha256_json
 from mint_core.config import MintConfig
-from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, RejectedError
 from mint_core.gates import Gates
 from mint_core.model.base import BaseModel

@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from control.services import ManagedProcess
-from mint_core.artifact_store import (
+from mint_core.artifacts.freezing import PEFT_WEIGHTS, freeze
+from mint_core.artifacts.packing import load, pack, verify
+from mint_core.artifacts.stores import (
     ArtifactStore,
     LocalArtifactStore,
     S3ArtifactStore,
@@ -19,13 +21,11 @@ from mint_core.artifact_store import (
 )
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
-from mint_core.freezing import PEFT_WEIGHTS, freeze
 from mint_core.model import toy
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.datasets import Dataset, parse_jsonl
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
-from mint_core.packing import load, pack, verify
 from tests.integration.helpers import corrupt_in_place, create_bucket
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)

@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 from control.services import ManagedProcess
 from control.worker_client import WorkerClient
 from mint_cli import main as mint
-from mint_core import freezing
+from mint_core.artifacts import freezing
+from mint_core.artifacts.freezing import PEFT_WEIGHTS, freeze
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError, NotReadyError
-from mint_core.freezing import PEFT_WEIGHTS, freeze
 from mint_core.model import imports
 from mint_core.model.base import BaseModel
 from mint_core.model.imports import inspect_import

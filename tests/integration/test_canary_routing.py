@@ -15,12 +15,12 @@ import pytest
 from control.services import ManagedProcess
 from control.worker_client import WorkerClient
 from flows.promote import promote
-from mint_core.canary import RevisionOutcomes, merge
-from mint_core.catalog import Catalog
+from mint_core.artifacts.digests import sha256_json
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
-from mint_core.digests import sha256_json
 from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundError
 from mint_core.model.base import BaseModel
+from mint_core.planning.canary_judge import RevisionOutcomes, merge
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANARY, PRODUCTION, RevisionId
 from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER

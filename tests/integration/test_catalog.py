@@ -16,12 +16,12 @@ import pytest
 
 import mint_cli
 from control.services import ManagedProcess
-from mint_core import catalog_snapshot
-from mint_core.artifact_store import ArtifactStore, LocalArtifactStore, S3ArtifactStore
-from mint_core.catalog import Catalog, build_snapshot
-from mint_core.catalog_index import CatalogIndex
+from mint_core.artifacts.digests import sha256_json
+from mint_core.artifacts.stores import ArtifactStore, LocalArtifactStore, S3ArtifactStore
+from mint_core.catalog import snapshot as catalog_snapshot
+from mint_core.catalog.catalog import Catalog, build_snapshot
+from mint_core.catalog.index import CatalogIndex
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS, MintConfig
-from mint_core.digests import sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
@@ -190,7 +190,7 @@ def test_a_catalog_refuses_a_snapshot_damaged_in_the_store(
     stored.write_bytes(stored.read_bytes()[:-4096])  # cut short after it was published
 
     catalog = Catalog(registry, base_digest=BASE)
-    with caplog.at_level(logging.WARNING, logger="mint_core.catalog"):
+    with caplog.at_level(logging.WARNING, logger="mint_core.catalog.catalog"):
         assert catalog.start_from_snapshot(store) is None
     assert "has digest sha256:" in caplog.text and snapshot.digest in caplog.text
     assert catalog.alias_target("forms", PRODUCTION) is None  # nothing taken from it
@@ -308,7 +308,7 @@ def test_a_killed_processs_catalog_files_are_removed_by_the_next_catalog_in_its_
 KILLED_WITH_ITS_CATALOG = """
 import os, signal, sys
 from pathlib import Path
-from mint_core.catalog import Catalog
+from mint_core.catalog.catalog import Catalog
 from mint_core.registry import Registry
 
 catalog = Catalog(Registry(sys.argv[1]), folder=Path(sys.argv[2]))

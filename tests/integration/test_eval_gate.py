@@ -11,7 +11,9 @@ from prefect.client.schemas.sorting import ArtifactSort
 from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.errors import RejectedError
-from mint_core.evaluation import (
+from mint_core.gates import Gates
+from mint_core.model.datasets import Row, parse_jsonl
+from mint_core.planning.evaluation import (
     EVAL_ROWS_TAG,
     EvalSet,
     Evaluation,
@@ -19,8 +21,6 @@ from mint_core.evaluation import (
     exact_match,
     to_jsonl,
 )
-from mint_core.gates import Gates
-from mint_core.model.datasets import Row, parse_jsonl
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.states import Stage

@@ -18,7 +18,7 @@ import pytest
 
 from control.services import ManagedProcess, start_mlflow, stop_all
 from control.worker_client import WorkerClient
-from mint_core.artifact_store import LocalArtifactStore
+from mint_core.artifacts.stores import LocalArtifactStore
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, NotReadyError
 from mint_core.model.base import BaseModel

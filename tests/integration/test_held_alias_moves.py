@@ -15,9 +15,9 @@ from mlflow.tracking import MlflowClient
 from control.services import ManagedProcess
 from mint_cli import main as mint
 from mint_core.alias_intents import AliasIntent, HeldMove, sanctioned
-from mint_core.catalog import Catalog
+from mint_core.artifacts.digests import sha256_json
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
-from mint_core.digests import sha256_json
 from mint_core.errors import NotFoundError
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry

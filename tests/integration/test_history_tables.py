@@ -14,8 +14,8 @@ from mlflow.tracking import MlflowClient
 from control.services import ManagedProcess
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote, rollback
+from mint_core.artifacts.digests import sha256_json
 from mint_core.config import MintConfig
-from mint_core.digests import sha256_json
 from mint_core.gates import Gates
 from mint_core.history import (
     ADAPTER_HEADER,

@@ -17,9 +17,9 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from control.worker_client import WorkerClient
 from mint_cli import main as mint
+from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS
 from mint_core.config import MintConfig
 from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError
-from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import greedy_generate
 from mint_core.model.imports import inspect_import

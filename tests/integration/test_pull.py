@@ -11,17 +11,17 @@ from peft import AutoPeftModelForCausalLM, LoraConfig
 from control.services import ManagedProcess
 from control.worker_client import WorkerClient
 from mint_cli import main as mint
-from mint_core.artifact_store import LocalArtifactStore, open_store
+from mint_core.artifacts.freezing import freeze
+from mint_core.artifacts.packing import pack
+from mint_core.artifacts.pulling import pull
+from mint_core.artifacts.stores import LocalArtifactStore, open_store
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError
-from mint_core.freezing import freeze
 from mint_core.model.base import BaseModel
 from mint_core.model.generate import greedy_generate
 from mint_core.model.tiny import TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.model.training import save_peft
-from mint_core.packing import pack
-from mint_core.pulling import pull
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from tests.helpers import make_policy, random_lora, tiny_base

@@ -22,8 +22,8 @@ from transformers import PreTrainedModel
 
 from control.services import ManagedProcess
 from control.worker_client import WorkerClient
-from mint_core.artifact_store import open_store
-from mint_core.catalog import Catalog
+from mint_core.artifacts.stores import open_store
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseModel
@@ -31,8 +31,8 @@ from mint_core.model.generate import Generation, Route, seeded
 from mint_core.model.routing import flip_rate, moe_gates, recording_routes, replaying_routes
 from mint_core.model.tiny import TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
+from mint_core.planning.residency import Residency
 from mint_core.registry import Registry
-from mint_core.residency import Residency
 from serving.backends.embedded import EmbeddedBackend
 from serving.backends.vllm import VllmBackend
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine

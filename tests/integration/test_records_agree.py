@@ -13,13 +13,13 @@ from mlflow.tracking import MlflowClient
 from control.services import ManagedProcess
 from mint_cli.rollout import GATE_OPTIONS, cmd_gates
 from mint_core.config import MintConfig
-from mint_core.evaluation import EvalSet, Evaluation, SetScore
 from mint_core.gates import Gates
 from mint_core.model import toy
 from mint_core.model.base import BaseSource, default_targets, load_base
 from mint_core.model.datasets import Dataset, parse_jsonl
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.training import TrainingConfig, train_lora
+from mint_core.planning.evaluation import EvalSet, Evaluation, SetScore
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
 from tasks.pipeline import load_data, train_adapter

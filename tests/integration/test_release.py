@@ -13,8 +13,8 @@ from mlflow.tracking import MlflowClient
 from control.services import ManagedProcess
 from control.status import format_table, status_rows
 from control.worker_client import WorkerClient
+from mint_core.artifacts.digests import sha256_file
 from mint_core.config import MintConfig
-from mint_core.digests import sha256_file
 from mint_core.errors import BaseMismatchError, DatasetError, NotFoundError, TransitionError
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for

@@ -12,10 +12,10 @@ import torch
 from control.worker_client import WorkerClient
 from flows.promote import promote
 from flows.repair import RepairReport, repair
-from mint_core.artifact_store import LocalArtifactStore, open_store
+from mint_core.artifacts.packing import load, verify
+from mint_core.artifacts.stores import LocalArtifactStore, open_store
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
-from mint_core.packing import load, verify
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Readiness, Stage

@@ -23,10 +23,10 @@ from fastapi.testclient import TestClient
 from transformers import LlamaForCausalLM
 
 from control.services import ManagedProcess
-from mint_core.artifact_store import open_store
-from mint_core.catalog import Catalog
+from mint_core.artifacts.folders import publish_folder
+from mint_core.artifacts.stores import open_store
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
-from mint_core.folders import publish_folder
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import EOS, IM_END, TinySpec, byte_tokenizer, save_base_folder

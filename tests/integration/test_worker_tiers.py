@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from control.services import start_mlflow
-from mint_core.artifact_store import open_store
-from mint_core.catalog import Catalog
+from mint_core.artifacts.stores import open_store
+from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel, load_base
 from mint_core.registry import Registry

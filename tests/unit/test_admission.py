@@ -2,8 +2,8 @@
 
 import pytest
 
-from mint_core.admission import AdmissionQueue, Priority
 from mint_core.errors import ConfigurationError
+from mint_core.planning.admission import AdmissionQueue, Priority
 
 
 def test_at_most_k_prewarm_and_the_rest_wait_in_order() -> None:

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mint_core.freezing import freeze
+from mint_core.artifacts.freezing import freeze
+from mint_core.artifacts.packing import load, pack
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.datasets import parse_jsonl
 from mint_core.model.tiny import ensure_tiny
 from mint_core.model.toy import Task, write_held_out_data, write_task_data
 from mint_core.model.training import TrainingConfig, train_lora
-from mint_core.packing import load, pack
 from serving.engine.engine import TorchEngine
 from tests.helpers import ENGINE_PROMPTS, ENGINE_SPEC, config_of, random_adapter, weights_of
 

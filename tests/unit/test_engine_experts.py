@@ -12,12 +12,12 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from mint_core.artifacts.packing import load, pack_tensors
 from mint_core.errors import IntegrityError
 from mint_core.model.base import BaseModel
 from mint_core.model.experts import experts_modules
 from mint_core.model.generate import pad_left
 from mint_core.model.tiny import TinySpec
-from mint_core.packing import load, pack_tensors
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine, positions
 from serving.engine.lora import SlotLoraExperts
 from tests.helpers import ENGINE_PROMPTS as PROMPTS

@@ -9,8 +9,8 @@ import pytest
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file
 
+from mint_core.artifacts.freezing import PEFT_WEIGHTS
 from mint_core.errors import ConfigurationError
-from mint_core.freezing import PEFT_WEIGHTS
 from mint_core.model.base import (
     BaseModel,
     BaseSource,

@@ -7,8 +7,8 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-from mint_core.artifact_store import LocalArtifactStore
-from mint_core.mlflow_artifacts import MintLocalArtifactRepository
+from mint_core.artifacts.mlflow_repository import MintLocalArtifactRepository
+from mint_core.artifacts.stores import LocalArtifactStore
 
 DIGEST = "sha256:" + "ab" * 32
 

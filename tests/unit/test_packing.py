@@ -11,8 +11,18 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS, freeze
+from mint_core.artifacts.packing import (
+    load,
+    map_file,
+    pack,
+    pack_tensors,
+    read_adapter,
+    read_into,
+    unpack,
+    verify,
+)
 from mint_core.errors import ConfigurationError, IntegrityError
-from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, freeze
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.datasets import parse_jsonl
 from mint_core.model.tiny import TinySpec, ensure_tiny
@@ -25,16 +35,6 @@ from mint_core.model.toy import (
 )
 from mint_core.model.training import TrainingConfig, train_lora
 from mint_core.moe_reference import MoeLoraShape, moe_adapter_config, moe_lora_tensors
-from mint_core.packing import (
-    load,
-    map_file,
-    pack,
-    pack_tensors,
-    read_adapter,
-    read_into,
-    unpack,
-    verify,
-)
 from serving.engine.engine import TorchEngine
 from tests.helpers import random_lora
 

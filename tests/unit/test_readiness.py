@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from mint_core.admission import Priority
 from mint_core.errors import EngineUnavailableError
-from mint_core.residency import Residency
+from mint_core.planning.admission import Priority
+from mint_core.planning.residency import Residency
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
 from serving.engine.generation import Request

@@ -3,7 +3,14 @@
 import pytest
 
 from mint_core.errors import ConfigurationError, NotReadyError
-from mint_core.residency import HostEntry, Residency, SlotEntry, SlotGrant, Tier, TierCounters
+from mint_core.planning.residency import (
+    HostEntry,
+    Residency,
+    SlotEntry,
+    SlotGrant,
+    Tier,
+    TierCounters,
+)
 
 MB = 1 << 20
 

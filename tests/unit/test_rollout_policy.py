@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from mint_core.artifact_store import LocalArtifactStore
+from mint_core.artifacts.freezing import FrozenAdapter
+from mint_core.artifacts.packing import PackedIndex
+from mint_core.artifacts.reexport import check_repacked, frozen_files
+from mint_core.artifacts.stores import LocalArtifactStore
 from mint_core.errors import IntegrityError, NotFoundError
-from mint_core.evaluation import EvalSet, Rows, choose_eval_sets, load_rows, store_rows
-from mint_core.freezing import FrozenAdapter
 from mint_core.gates import Gates
 from mint_core.model.datasets import Row
-from mint_core.packing import PackedIndex
-from mint_core.reexport import check_repacked, frozen_files
+from mint_core.planning.evaluation import EvalSet, Rows, choose_eval_sets, load_rows, store_rows
 from mint_core.registry import AliasMove, MoveRecord, RegisteredRevision
 from mint_core.registry.moves import done_moves, records_in
 from mint_core.revisions import PRODUCTION, RevisionId

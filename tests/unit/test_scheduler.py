@@ -13,7 +13,7 @@ import pytest
 from mint_core.errors import ConfigurationError, MintError
 from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.tiny import EOS, IM_END
-from mint_core.residency import Residency, Tier
+from mint_core.planning.residency import Residency, Tier
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.generation import Request, TokenEvent
 from serving.engine.sampling import SamplingParams

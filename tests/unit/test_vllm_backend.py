@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mint_core.artifacts.packing import FusedExperts, PackedAdapter, PackedIndex, StoredTensor
 from mint_core.config import BackendKind, MintConfig
 from mint_core.errors import (
     ConfigurationError,
@@ -18,7 +19,6 @@ from mint_core.errors import (
     ServiceError,
 )
 from mint_core.model.base import BaseIdentity, BaseText
-from mint_core.packing import FusedExperts, PackedAdapter, PackedIndex, StoredTensor
 from serving.backends.vllm import (
     VllmBackend,
     VllmServer,

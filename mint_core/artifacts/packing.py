@@ -23,10 +23,8 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
-from mint_core.errors import ConfigurationError, IntegrityError
-from mint_core.freezing import PEFT_CONFIG, PEFT_WEIGHTS, FrozenAdapter
-from mint_core.model.experts import expert_rank, expert_stacks, fused_expert_parameter
-from mint_core.packed_index import (
+from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS, FrozenAdapter
+from mint_core.artifacts.packed_index import (
     CORRUPT_ADVICE,
     EXPERT_SLOT,
     INDEX,
@@ -42,6 +40,8 @@ from mint_core.packed_index import (
     sha256_of,
     verify,
 )
+from mint_core.errors import ConfigurationError, IntegrityError
+from mint_core.model.experts import expert_rank, expert_stacks, fused_expert_parameter
 
 __all__ = [
     "DEFAULT_SHARD_BYTES",
@@ -61,7 +61,8 @@ __all__ = [
     "verify",
     "write_peft",
 ]
-"""The index's names are here too (from `mint_core.packed_index`): one import for packing."""
+"""The index's names are here too (from `mint_core.artifacts.packed_index`): one import for
+packing."""
 
 DEFAULT_SHARD_BYTES = 32 << 20
 

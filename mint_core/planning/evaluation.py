@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mint_core.digests import sha256_bytes
+from mint_core.artifacts.digests import sha256_bytes
 from mint_core.errors import NotFoundError
 from mint_core.gates import Gates
 from mint_core.model.datasets import Row, parse_jsonl
@@ -24,7 +24,7 @@ from mint_core.model.text import Message
 from mint_core.revisions import RevisionId
 
 if TYPE_CHECKING:  # boto3, for a type only
-    from mint_core.artifact_store import ArtifactStore
+    from mint_core.artifacts.stores import ArtifactStore
 
 EVAL_ROWS_TAG = "mint.eval_data"
 """Model-version tag: the artifact-store name of the held-out rows a trained revision was

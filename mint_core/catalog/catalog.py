@@ -27,11 +27,11 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-from mint_core import catalog_snapshot
 from mint_core.alias_intents import HeldMove
-from mint_core.artifact_store import ArtifactStore
-from mint_core.catalog_index import CatalogIndex
-from mint_core.catalog_snapshot import Snapshot
+from mint_core.artifacts.stores import ArtifactStore
+from mint_core.catalog import snapshot as catalog_snapshot
+from mint_core.catalog.index import CatalogIndex
+from mint_core.catalog.snapshot import Snapshot
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS
 from mint_core.errors import IntegrityError, NotFoundError, RegistryError, ServiceError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry

@@ -19,10 +19,10 @@ from urllib.parse import urlparse
 import boto3
 from botocore.exceptions import BotoCoreError, ClientError
 
+from mint_core.artifacts.folders import publish_folder
+from mint_core.artifacts.packed_index import INDEX, PackedIndex, verify
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError, ServiceError
-from mint_core.folders import publish_folder
-from mint_core.packed_index import INDEX, PackedIndex, verify
 
 
 class ArtifactStore(Protocol):

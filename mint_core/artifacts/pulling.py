@@ -12,11 +12,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mint_core.artifact_store import ArtifactStore
+from mint_core.artifacts.folders import publish_folder
+from mint_core.artifacts.freezing import PEFT_CONFIG
+from mint_core.artifacts.packing import load, verify, write_peft
+from mint_core.artifacts.stores import ArtifactStore
 from mint_core.errors import ConfigurationError, IntegrityError
-from mint_core.folders import publish_folder
-from mint_core.freezing import PEFT_CONFIG
-from mint_core.packing import load, verify, write_peft
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 

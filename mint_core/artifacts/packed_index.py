@@ -1,6 +1,6 @@
 """A packed adapter's index (`index.json`) and its verification, without loading any tensor
 library: what the artifact stores, the catalog and the gateway need of the packed format.
-`mint_core.packing` writes and loads the tensors themselves. The format is specified in
+`mint_core.artifacts.packing` writes and loads the tensors themselves. The format is specified in
 docs/packed-format.md.
 """
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import orjson
 
-from mint_core.digests import sha256_json
+from mint_core.artifacts.digests import sha256_json
 from mint_core.errors import ConfigurationError, IntegrityError
 
 if TYPE_CHECKING:

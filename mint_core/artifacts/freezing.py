@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mint_core.digests import sha256_file, sha256_json
+from mint_core.artifacts.digests import sha256_file, sha256_json
+from mint_core.artifacts.folders import publish_folder
 from mint_core.errors import ConfigurationError, IntegrityError
-from mint_core.folders import publish_folder
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"

@@ -22,10 +22,10 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from mint_core.artifact_store import ArtifactStore
-from mint_core.catalog_index import check
+from mint_core.artifacts.digests import sha256_file
+from mint_core.artifacts.stores import ArtifactStore
+from mint_core.catalog.index import check
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS
-from mint_core.digests import sha256_file
 from mint_core.errors import ConfigurationError, IntegrityError
 
 FOLDER = "catalog"

@@ -29,7 +29,7 @@ class MintLocalArtifactRepository(LocalArtifactRepository):
     ) -> None:
         # Here, not at the top: MLflow imports every artifact-repository plugin when it is
         # itself imported (`mint status` too), and the store loads torch through packing.
-        from mint_core.artifact_store import LocalArtifactStore
+        from mint_core.artifacts.stores import LocalArtifactStore
 
         # The server's environment is its edge: MINT_HOME names the store it reads. Only that:
         # the rest of MinT's configuration is not the server's (its MLFLOW_TRACKING_URI is its
