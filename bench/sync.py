@@ -34,17 +34,13 @@ Prints the figures and writes bench/results/sync.json.
 
 import argparse
 import copy
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -57,13 +53,13 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import httpx
-import psutil
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from bench.packing import evict
-from control.services import ManagedProcess, start_mlflow, stop_all
+from bench import harness
+from bench.harness import Clock
+from control.services import ManagedProcess, start_mlflow
 from control.worker_client import WorkerClient
 from mint_core.artifact_store import open_store
 from mint_core.config import MintConfig
@@ -76,7 +72,6 @@ from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord, RevisionId
 from serving.worker.server import start_worker
 
-RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
 QWEN3_0_6B_LAYERS = 28
 RANK, ALPHA = 16, 32
 PROMPT = "sync="
@@ -127,25 +122,6 @@ def finished_training(base: PreTrainedModel, seed: int, folder: Path) -> PeftMod
     model.peft_config["default"].base_model_name_or_path = folder.name
     model.save_pretrained(folder, save_embedding_layers=False)
     return model.eval()
-
-
-class Clock:
-    """Seconds per stage, in order, from one start."""
-
-    def __init__(self) -> None:
-        self.stages: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        yield
-        now = time.perf_counter()
-        self.stages[name] = now - self._last
-        self._last = now
-
-    @property
-    def total(self) -> float:
-        return sum(self.stages.values())
 
 
 def answer(url: str, adapter_id: str | None, new_tokens: int = 1) -> tuple[list[int], str]:
@@ -239,7 +215,7 @@ def read_speed(folder: Path, cold: bool) -> float:
     paths = sorted(path for path in folder.rglob("*") if path.is_file())
     if cold:
         os.sync()
-        evict(paths)
+        harness.evict(paths)
     buffer = bytearray(64 << 20)
     total = 0
     start = time.perf_counter()
@@ -250,43 +226,134 @@ def read_speed(folder: Path, cold: bool) -> float:
     return total / (time.perf_counter() - start)
 
 
-def median_stages(clocks: list[Clock]) -> dict[str, float]:
-    return {name: statistics.median(c.stages[name] for c in clocks) for name in clocks[0].stages}
+@dataclass
+class SideBySide:
+    """The runs of the adapter path and the full path (`full`: "merged" or "full", as the
+    benchmark names it), each run a fresh adapter, the paths alternating which goes first."""
+
+    full: str
+    clocks: dict[str, list[Clock]]
+    bytes: dict[str, int]
+    peft_bytes: int
+    answers: list[dict[str, Any]]
+    full_dir: Path
+    """The last run's full folder, kept to measure the disk on."""
+
+    def seconds(self) -> dict[str, float]:
+        return {
+            path: statistics.median(c.total for c in clocks) for path, clocks in self.clocks.items()
+        }
+
+    def stages(self) -> dict[str, dict[str, float]]:
+        return {path: harness.median_stages(clocks) for path, clocks in self.clocks.items()}
+
+    def samples(self) -> dict[str, Any]:
+        return {
+            "samples_s": {path: [c.total for c in clocks] for path, clocks in self.clocks.items()},
+            "stages_s": self.stages(),
+            "stage_samples_s": {
+                path: [c.stages for c in clocks] for path, clocks in self.clocks.items()
+            },
+        }
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.partition(":")[2].strip()
-            break
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "load_average_1m_at_end": os.getloadavg()[0],
-    }
+@dataclass(frozen=True)
+class Served:
+    """MLflow and a worker serving the base, up before any clock starts."""
+
+    config: MintConfig
+    worker: ManagedProcess
+    base_tokens: list[int]
+    """The base's own answer, which every adapter must change."""
+    start_s: float
+    load_at_start: float
+
+
+def serve_base(work: Path, folder: Path, dtype: str, services: list[ManagedProcess]) -> Served:
+    """A real `mlflow server` and a worker serving the base in `folder`."""
+    mlflow = start_mlflow(work / "registry")
+    services.append(mlflow)
+    config = MintConfig(
+        home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder), dtype)
+    )
+    start = time.perf_counter()
+    worker = start_worker(config)
+    services.append(worker)
+    start_s = time.perf_counter() - start
+    config = replace(config, worker_urls=(worker.url,))
+    base_tokens, _ = answer(worker.url, None, CHECK_TOKENS)
+    print(f"worker serving the base up in {start_s:.1f} s", flush=True)
+    return Served(config, worker, base_tokens, start_s, os.getloadavg()[0])
+
+
+def side_by_side(
+    served: Served,
+    work: Path,
+    services: list[ManagedProcess],
+    runs: int,
+    full: str,
+    trained: Callable[[int, Path], PeftModel],
+    name: str,
+) -> SideBySide:
+    """`runs` runs of both paths, each from `trained(seed, folder)`'s adapter (registered as
+    `name`-N); `full` names the path that ships the merged weights."""
+    clocks: dict[str, list[Clock]] = {"adapter": [], full: []}
+    nbytes = {"adapter": 0, full: 0}
+    answers: list[dict[str, Any]] = []
+    peft_bytes = 0
+    full_dir = work
+    for number in range(runs):
+        adapter_dir = work / "adapters" / f"{name}-{number}"
+        full_dir = work / f"{full}-{number}"
+        peft_model = trained(number + 1, adapter_dir)
+        peft_bytes = folder_bytes(adapter_dir)
+        tokens: dict[str, list[int]] = {}
+        for path in harness.alternating(number, ("adapter", full)):
+            if path == "adapter":
+                clock, tokens[path], nbytes[path] = adapter_path(
+                    served.config, served.worker, adapter_dir, f"{name}-{number}"
+                )
+            else:
+                clock, tokens[path] = merged_path(served.config, peft_model, full_dir, services)
+                nbytes[path] = folder_bytes(full_dir)
+            clocks[path].append(clock)
+        del peft_model
+        answers.append({"run": number} | tokens)
+        print(f"  run {number}: adapter {clocks['adapter'][-1].total:6.2f} s   "
+              f"{full} {clocks[full][-1].total:6.2f} s   same answer: "
+              f"{tokens['adapter'] == tokens[full]}", flush=True)  # fmt: skip
+        if served.base_tokens in tokens.values():
+            raise SystemExit(
+                f"run {number}: an answer {tokens} equals the base's {served.base_tokens}: the "
+                "adapter changed nothing, so the figures would not show it was applied (raise "
+                "B_STD)"
+            )
+        if number + 1 < runs:
+            shutil.rmtree(full_dir)  # the last one stays, to measure the disk on
+    return SideBySide(full, clocks, nbytes, peft_bytes, answers, full_dir)
+
+
+def print_paths(side: SideBySide, cold: float) -> dict[str, float]:
+    """Each path's median seconds, bytes and stages, and how far above its floor (its bytes
+    read once at the disk's `cold` speed) it is; the floors."""
+    seconds, stages = side.seconds(), side.stages()
+    floor = {path: side.bytes[path] / cold for path in side.clocks}
+    for path in side.clocks:
+        parts = "  ".join(f"{name} {s:.2f}" for name, s in stages[path].items())
+        print(f"  {path:<8} {seconds[path]:7.2f} s  {side.bytes[path] / 1e6:9.1f} MB   ({parts})")
+        print(f"  {'':<8} floor at the disk's cold read speed: {floor[path]:.3f} s "
+              f"({seconds[path] / floor[path]:.0f}x above it)")  # fmt: skip
+    return floor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "sync")
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B_LAYERS)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--runs", type=int, default=5, help="runs of each path (medians)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-
-    work = Path(tempfile.mkdtemp(prefix="mint-bench-sync-"))
-    services: list[ManagedProcess] = []
-    try:
+    with harness.scratch("sync") as (work, services):
         run(args, work, services)
-    finally:
-        stop_all(services)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) -> None:
@@ -300,91 +367,39 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
     if args.layers != QWEN3_0_6B_LAYERS:
         print(f"NOTE: {args.layers} layers, not Qwen3-0.6B's {QWEN3_0_6B_LAYERS}")
 
-    mlflow = start_mlflow(work / "registry")
-    services.append(mlflow)
-    config = MintConfig(
-        home=work / "home",
-        tracking_uri=mlflow.url,
-        base=BaseSource(str(base_folder), args.dtype),
+    served = serve_base(work, base_folder, args.dtype, services)
+    side = side_by_side(
+        served,
+        work,
+        services,
+        args.runs,
+        "merged",
+        lambda seed, folder: finished_training(base, seed, folder),
+        "sync",
     )
-    start = time.perf_counter()
-    worker = start_worker(config)
-    services.append(worker)
-    base_worker_start_s = time.perf_counter() - start
-    config = replace(config, worker_urls=(worker.url,))
-    base_tokens, _ = answer(worker.url, None, CHECK_TOKENS)
-    print(f"worker serving the base up in {base_worker_start_s:.1f} s", flush=True)
-    load_at_start = os.getloadavg()[0]
 
-    adapter_clocks: list[Clock] = []
-    merged_clocks: list[Clock] = []
-    answers: list[dict[str, Any]] = []
-    adapter_bytes = merged_bytes = peft_bytes = 0
-    for number in range(args.runs):
-        adapter_dir = work / "adapters" / f"run-{number}"
-        merged_dir = work / f"merged-{number}"
-        peft_model = finished_training(base, seed=number + 1, folder=adapter_dir)
-        peft_bytes = folder_bytes(adapter_dir)
-        tokens: dict[str, list[int]] = {}
-        for path in ("adapter", "merged") if number % 2 == 0 else ("merged", "adapter"):
-            if path == "adapter":
-                clock, tokens[path], adapter_bytes = adapter_path(
-                    config, worker, adapter_dir, f"sync-{number}"
-                )
-                adapter_clocks.append(clock)
-            else:
-                clock, tokens[path] = merged_path(config, peft_model, merged_dir, services)
-                merged_bytes = folder_bytes(merged_dir)
-                merged_clocks.append(clock)
-        del peft_model
-        answers.append({"run": number} | tokens)
-        print(f"  run {number}: adapter {adapter_clocks[-1].total:6.2f} s   "
-              f"merged {merged_clocks[-1].total:6.2f} s   same answer: "
-              f"{tokens['adapter'] == tokens['merged']}", flush=True)  # fmt: skip
-        if base_tokens in tokens.values():
-            raise SystemExit(
-                f"run {number}: an answer {tokens} equals the base's {base_tokens}: the adapter "
-                "changed nothing, so the figures would not show it was applied (raise B_STD)"
-            )
-        if number + 1 < args.runs:
-            shutil.rmtree(merged_dir)  # the last one stays, to measure the disk on
-
-    cold, warm = read_speed(merged_dir, cold=True), read_speed(merged_dir, cold=False)
+    cold, warm = read_speed(side.full_dir, cold=True), read_speed(side.full_dir, cold=False)
     start = time.perf_counter()  # what the merged worker's start spent naming its new base
-    weights_digest(merged_dir, work / "digest-probe.json")
+    weights_digest(side.full_dir, work / "digest-probe.json")
     merged_digest_s = time.perf_counter() - start
-    adapter_s = statistics.median(c.total for c in adapter_clocks)
-    merged_s = statistics.median(c.total for c in merged_clocks)
-    stages = {"adapter": median_stages(adapter_clocks), "merged": median_stages(merged_clocks)}
+    seconds, nbytes = side.seconds(), side.bytes
     print(f"\nfrom training finished to a running worker answering ({args.runs} runs, medians):")
-    for path, seconds, nbytes in (("adapter", adapter_s, adapter_bytes),
-                                  ("merged", merged_s, merged_bytes)):  # fmt: skip
-        parts = "  ".join(f"{name} {s:.2f}" for name, s in stages[path].items())
-        print(f"  {path:<8} {seconds:7.2f} s  {nbytes / 1e6:9.1f} MB   ({parts})")
-        print(f"  {'':<8} floor at the disk's cold read speed: {nbytes / cold:.3f} s "
-              f"({seconds / (nbytes / cold):.0f}x above it)")  # fmt: skip
-    print(f"  speedup {merged_s / adapter_s:.1f}x; bytes {merged_bytes / adapter_bytes:.1f}x "
-          f"fewer; disk read {cold / 1e9:.2f} GB/s cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
+    floor = print_paths(side, cold)
+    print(f"  speedup {seconds['merged'] / seconds['adapter']:.1f}x; bytes "
+          f"{nbytes['merged'] / nbytes['adapter']:.1f}x fewer; disk read {cold / 1e9:.2f} GB/s "
+          f"cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
     print(f"  of the merged start, hashing the new base's weights: {merged_digest_s:.2f} s")
 
     result = {
-        "adapter_s": adapter_s,
-        "merged_s": merged_s,
-        "speedup": merged_s / adapter_s,
-        "adapter_bytes": adapter_bytes,
-        "merged_bytes": merged_bytes,
-        "bytes_ratio": merged_bytes / adapter_bytes,
-        "peft_adapter_bytes": peft_bytes,
+        "adapter_s": seconds["adapter"],
+        "merged_s": seconds["merged"],
+        "speedup": seconds["merged"] / seconds["adapter"],
+        "adapter_bytes": nbytes["adapter"],
+        "merged_bytes": nbytes["merged"],
+        "bytes_ratio": nbytes["merged"] / nbytes["adapter"],
+        "peft_adapter_bytes": side.peft_bytes,
         "runs": args.runs,
-        "samples_s": {
-            "adapter": [c.total for c in adapter_clocks],
-            "merged": [c.total for c in merged_clocks],
-        },
-        "stages_s": stages,
-        "stage_samples_s": {
-            "adapter": [c.stages for c in adapter_clocks],
-            "merged": [c.stages for c in merged_clocks],
-        },
+        **side.samples(),
         "model": {
             "shape": "Qwen3-0.6B",
             "layers": args.layers,
@@ -395,17 +410,15 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
             "tokenizer_vocab": len(SPECIAL_TOKENS) + 256,
         },
         "adapter": {"rank": RANK, "alpha": ALPHA, "target_modules": list(DEFAULT_TARGETS)},
-        "base_worker_start_s": base_worker_start_s,
+        "base_worker_start_s": served.start_s,
         "merged_digest_s": merged_digest_s,
         "disk_read_bytes_per_s": {"cold": cold, "warm": warm},
-        "floor_s": {"adapter": adapter_bytes / cold, "merged": merged_bytes / cold},
-        "base_tokens": base_tokens,
-        "answers": answers,
-        "machine": machine() | {"load_average_1m_at_start": load_at_start},
+        "floor_s": floor,
+        "base_tokens": served.base_tokens,
+        "answers": side.answers,
+        "machine": harness.machine() | {"load_average_1m_at_start": served.load_at_start},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":
