@@ -89,6 +89,13 @@ def median_stages(clocks: Sequence[Clock]) -> dict[str, float]:
     return {name: statistics.median(c.stages[name] for c in clocks) for name in clocks[0].stages}
 
 
+def seconds(run: Callable[[], object]) -> float:
+    """How long one run of `run` took."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
 def repeated(
     run: Callable[[], object], runs: int, before: Callable[[], None] | None = None
 ) -> list[float]:
@@ -97,9 +104,7 @@ def repeated(
     for _ in range(runs):
         if before is not None:
             before()
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
+        times.append(seconds(run))
     return times
 
 
@@ -109,7 +114,7 @@ def interleaved(cases: Mapping[str, Callable[[], object]], runs: int) -> dict[st
     samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(runs):
         for name, run in cases.items():
-            samples[name] += repeated(run, 1)
+            samples[name].append(seconds(run))
     return samples
 
 
