@@ -27,6 +27,7 @@ import os
 import sys
 import time
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -34,16 +35,23 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/sync.py
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from bench import harness
-from bench.sync import B_STD, folder_bytes, print_paths, read_speed, serve_base, side_by_side
+from bench.sync import (
+    finished,
+    folder_bytes,
+    path_options,
+    qwen3_family,
+    serve_base,
+    side_by_side,
+)
 from bench.synthetic import ATTENTION_PROJECTIONS, QWEN3_30B_A3B, MoeLoraShape
 from control.services import ManagedProcess
 from mint_core.model.experts import EXPERT_PARAMETERS
 from mint_core.model.generate import seeded
-from mint_core.model.tiny import byte_tokenizer, save_base_folder
+from mint_core.model.tiny import save_base_folder
 
 REFERENCE_SPEEDUP = 2.85
 """The reference's adapter sync over full-weight sync on a 30B MoE."""
@@ -57,7 +65,6 @@ EXPERT_TARGETS = [f"mlp.experts.{parameter}" for parameter in EXPERT_PARAMETERS]
 
 def moe_config(shape: MoeLoraShape, vocab: int) -> Qwen3MoeConfig:
     """Qwen3-30B-A3B's config.json with `shape`'s layers and experts and `vocab` tokens."""
-    tokenizer = byte_tokenizer()
     return Qwen3MoeConfig(
         vocab_size=vocab,
         hidden_size=shape.hidden,
@@ -69,13 +76,8 @@ def moe_config(shape: MoeLoraShape, vocab: int) -> Qwen3MoeConfig:
         num_attention_heads=shape.query_heads,
         num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim,
-        max_position_embeddings=40_960,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **qwen3_family(),
     )
 
 
@@ -97,21 +99,14 @@ def load(folder: Path, dtype: torch.dtype) -> Qwen3MoeForCausalLM:
 def finished_step(
     base_folder: Path, dtype: torch.dtype, rank: int, seed: int, folder: Path
 ) -> PeftModel:
-    """What an RL step leaves: the PeftModel in memory and its PEFT adapter folder on disk."""
+    """What an RL step leaves: a LoRA of `rank` on attention and on every expert."""
     lora = LoraConfig(
         r=rank,
         lora_alpha=2 * rank,
         target_modules=list(ATTENTION_PROJECTIONS),
         target_parameters=EXPERT_TARGETS,
     )
-    with seeded(seed):
-        model = get_peft_model(load(base_folder, dtype), lora)
-        for name, parameter in model.named_parameters():
-            if "lora_B" in name:
-                parameter.data.normal_(0.0, B_STD)
-    model.peft_config["default"].base_model_name_or_path = base_folder.name
-    model.save_pretrained(folder, save_embedding_layers=False)
-    return model.eval()
+    return finished(lambda: load(base_folder, dtype), lora, seed, folder, base_folder.name)
 
 
 def main() -> None:
@@ -123,8 +118,7 @@ def main() -> None:
         "--vocab", type=int, default=VOCAB, help="smaller only for smoke runs: Qwen3's is "
         f"{VOCAB:,} (the byte tokenizer uses its first 261)",
     )  # fmt: skip
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--runs", type=int, default=3, help="runs of each path (medians)")
+    path_options(parser, runs=3)
     args = parser.parse_args()
     with harness.scratch("rl-sync") as (work, services):
         run(args, work, services)
@@ -142,36 +136,17 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
           f"(built in {time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
 
     served = serve_base(work, base_folder, args.dtype, services)
-    side = side_by_side(
-        served,
-        work,
-        services,
-        args.runs,
-        "full",
-        lambda seed, folder: finished_step(base_folder, dtype, args.rank, seed, folder),
-        "rl",
-    )
+    trained = partial(finished_step, base_folder, dtype, args.rank)
+    side = side_by_side(served, work, services, args.runs, "full", trained, "rl")
 
-    cold, warm = read_speed(side.full_dir, cold=True), read_speed(side.full_dir, cold=False)
-    seconds, nbytes = side.seconds(), side.bytes
-    speedup = seconds["full"] / seconds["adapter"]
+    cold, warm = side.disk_speeds()
     print(f"\none RL sync, from the step's weights to the sampling worker answering with them "
           f"({args.runs} runs, medians):")  # fmt: skip
-    floor = print_paths(side, cold)
-    print(f"  speedup {speedup:.2f}x (reference: {REFERENCE_SPEEDUP}x on a 30B MoE); bytes "
-          f"{nbytes['full'] / nbytes['adapter']:.1f}x fewer; disk read {cold / 1e9:.2f} GB/s "
-          f"cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
+    side.report(cold, warm, f" (reference: {REFERENCE_SPEEDUP}x on a 30B MoE)")
 
-    result = {
-        "adapter_s": seconds["adapter"],
-        "full_s": seconds["full"],
-        "speedup": speedup,
+    result = side.figures(served, cold, warm)
+    result |= {
         "reference_speedup": REFERENCE_SPEEDUP,
-        "adapter_bytes": nbytes["adapter"],
-        "full_bytes": nbytes["full"],
-        "bytes_ratio": nbytes["full"] / nbytes["adapter"],
-        "runs": args.runs,
-        **side.samples(),
         "shape": dataclasses.asdict(shape)
         | {
             "dtype": args.dtype,
@@ -188,13 +163,7 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
             "target_modules": list(ATTENTION_PROJECTIONS),
             "target_parameters": EXPERT_TARGETS,
         },
-        "base_worker_start_s": served.start_s,
-        "disk_read_bytes_per_s": {"cold": cold, "warm": warm},
-        "floor_s": floor,
-        "over_floor": {path: seconds[path] / floor[path] for path in floor},
-        "base_tokens": served.base_tokens,
-        "answers": side.answers,
-        "machine": harness.machine() | {"load_average_1m_at_start": served.load_at_start},
+        "over_floor": {path: result[f"{path}_s"] / result["floor_s"][path] for path in side.bytes},
     }
     harness.write(args.out, result)
 

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -83,9 +84,22 @@ B_STD = 0.02
 scale of the base's own initialisation, so every answer changes."""
 
 
+def qwen3_family() -> dict[str, Any]:
+    """What Qwen3's config.json files share (context, RoPE, norm), with the byte tokenizer's
+    special token ids."""
+    tokenizer = byte_tokenizer()
+    return {
+        "max_position_embeddings": 40_960,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def qwen3_0_6b(layers: int) -> Qwen3Config:
     """Qwen3-0.6B's shape (its config.json), with `layers` decoder layers."""
-    tokenizer = byte_tokenizer()
     return Qwen3Config(
         vocab_size=151_936,
         hidden_size=1024,
@@ -94,13 +108,8 @@ def qwen3_0_6b(layers: int) -> Qwen3Config:
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
-        max_position_embeddings=40_960,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **qwen3_family(),
     )
 
 
@@ -111,17 +120,31 @@ def build_base(layers: int, dtype: torch.dtype, folder: Path) -> PreTrainedModel
     return model
 
 
-def finished_training(base: PreTrainedModel, seed: int, folder: Path) -> PeftModel:
-    """What training leaves: the PeftModel in memory and its PEFT adapter folder on disk."""
-    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(DEFAULT_TARGETS))
+def finished(
+    base: Callable[[], PreTrainedModel], lora: LoraConfig, seed: int, folder: Path, base_name: str
+) -> PeftModel:
+    """What training leaves: `lora` on the model `base()` makes, with random non-zero B, as the
+    PeftModel in memory and its PEFT adapter folder (naming `base_name`) on disk."""
     with seeded(seed):
-        model = get_peft_model(copy.deepcopy(base), lora)
+        model = get_peft_model(base(), lora)
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.data.normal_(0.0, B_STD)
-    model.peft_config["default"].base_model_name_or_path = folder.name
+    model.peft_config["default"].base_model_name_or_path = base_name
     model.save_pretrained(folder, save_embedding_layers=False)
     return model.eval()
+
+
+def finished_training(base: PreTrainedModel, seed: int, folder: Path) -> PeftModel:
+    """A rank-16 LoRA on every projection of (a copy of) `base`."""
+    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(DEFAULT_TARGETS))
+    return finished(lambda: copy.deepcopy(base), lora, seed, folder, folder.name)
+
+
+def path_options(parser: argparse.ArgumentParser, runs: int) -> None:
+    """The options both sync benchmarks take: the base's dtype and how many runs."""
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--runs", type=int, default=runs, help="runs of each path (medians)")
 
 
 def answer(url: str, adapter_id: str | None, new_tokens: int = 1) -> tuple[list[int], str]:
@@ -247,14 +270,47 @@ class SideBySide:
     def stages(self) -> dict[str, dict[str, float]]:
         return {path: harness.median_stages(clocks) for path, clocks in self.clocks.items()}
 
-    def samples(self) -> dict[str, Any]:
+    def disk_speeds(self) -> tuple[float, float]:
+        """Bytes per second reading the last full folder, cold and warm."""
+        return read_speed(self.full_dir, cold=True), read_speed(self.full_dir, cold=False)
+
+    def figures(self, served: "Served", cold: float, warm: float) -> dict[str, Any]:
+        """The figures both paths give, named after them, with every sample."""
+        full, seconds, nbytes = self.full, self.seconds(), self.bytes
         return {
+            "adapter_s": seconds["adapter"],
+            f"{full}_s": seconds[full],
+            "speedup": seconds[full] / seconds["adapter"],
+            "adapter_bytes": nbytes["adapter"],
+            f"{full}_bytes": nbytes[full],
+            "bytes_ratio": nbytes[full] / nbytes["adapter"],
+            "runs": len(self.answers),
             "samples_s": {path: [c.total for c in clocks] for path, clocks in self.clocks.items()},
             "stages_s": self.stages(),
             "stage_samples_s": {
                 path: [c.stages for c in clocks] for path, clocks in self.clocks.items()
             },
+            "base_worker_start_s": served.start_s,
+            "disk_read_bytes_per_s": {"cold": cold, "warm": warm},
+            "floor_s": {path: nbytes[path] / cold for path in nbytes},
+            "base_tokens": served.base_tokens,
+            "answers": self.answers,
+            "machine": harness.machine() | {"load_average_1m_at_start": served.load_at_start},
         }
+
+    def report(self, cold: float, warm: float, note: str = "") -> None:
+        """Print each path's median seconds, bytes and stages, how far above its floor (its
+        bytes read once at the disk's `cold` speed) it is, and the speedup (with `note`)."""
+        seconds, stages, nbytes, full = self.seconds(), self.stages(), self.bytes, self.full
+        for path in self.clocks:
+            floor = nbytes[path] / cold
+            parts = "  ".join(f"{name} {s:.2f}" for name, s in stages[path].items())
+            print(f"  {path:<8} {seconds[path]:7.2f} s  {nbytes[path] / 1e6:9.1f} MB   ({parts})")
+            print(f"  {'':<8} floor at the disk's cold read speed: {floor:.3f} s "
+                  f"({seconds[path] / floor:.0f}x above it)")  # fmt: skip
+        print(f"  speedup {seconds[full] / seconds['adapter']:.2f}x{note}; bytes "
+              f"{nbytes[full] / nbytes['adapter']:.1f}x fewer; disk read {cold / 1e9:.2f} GB/s "
+              f"cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -333,24 +389,10 @@ def side_by_side(
     return SideBySide(full, clocks, nbytes, peft_bytes, answers, full_dir)
 
 
-def print_paths(side: SideBySide, cold: float) -> dict[str, float]:
-    """Each path's median seconds, bytes and stages, and how far above its floor (its bytes
-    read once at the disk's `cold` speed) it is; the floors."""
-    seconds, stages = side.seconds(), side.stages()
-    floor = {path: side.bytes[path] / cold for path in side.clocks}
-    for path in side.clocks:
-        parts = "  ".join(f"{name} {s:.2f}" for name, s in stages[path].items())
-        print(f"  {path:<8} {seconds[path]:7.2f} s  {side.bytes[path] / 1e6:9.1f} MB   ({parts})")
-        print(f"  {'':<8} floor at the disk's cold read speed: {floor[path]:.3f} s "
-              f"({seconds[path] / floor[path]:.0f}x above it)")  # fmt: skip
-    return floor
-
-
 def main() -> None:
     parser = harness.command_line(__doc__, "sync")
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B_LAYERS)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--runs", type=int, default=5, help="runs of each path (medians)")
+    path_options(parser, runs=5)
     args = parser.parse_args()
     with harness.scratch("sync") as (work, services):
         run(args, work, services)
@@ -368,38 +410,19 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
         print(f"NOTE: {args.layers} layers, not Qwen3-0.6B's {QWEN3_0_6B_LAYERS}")
 
     served = serve_base(work, base_folder, args.dtype, services)
-    side = side_by_side(
-        served,
-        work,
-        services,
-        args.runs,
-        "merged",
-        lambda seed, folder: finished_training(base, seed, folder),
-        "sync",
-    )
+    trained = partial(finished_training, base)
+    side = side_by_side(served, work, services, args.runs, "merged", trained, "sync")
 
-    cold, warm = read_speed(side.full_dir, cold=True), read_speed(side.full_dir, cold=False)
+    cold, warm = side.disk_speeds()
     start = time.perf_counter()  # what the merged worker's start spent naming its new base
     weights_digest(side.full_dir, work / "digest-probe.json")
     merged_digest_s = time.perf_counter() - start
-    seconds, nbytes = side.seconds(), side.bytes
     print(f"\nfrom training finished to a running worker answering ({args.runs} runs, medians):")
-    floor = print_paths(side, cold)
-    print(f"  speedup {seconds['merged'] / seconds['adapter']:.1f}x; bytes "
-          f"{nbytes['merged'] / nbytes['adapter']:.1f}x fewer; disk read {cold / 1e9:.2f} GB/s "
-          f"cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
+    side.report(cold, warm)
     print(f"  of the merged start, hashing the new base's weights: {merged_digest_s:.2f} s")
 
-    result = {
-        "adapter_s": seconds["adapter"],
-        "merged_s": seconds["merged"],
-        "speedup": seconds["merged"] / seconds["adapter"],
-        "adapter_bytes": nbytes["adapter"],
-        "merged_bytes": nbytes["merged"],
-        "bytes_ratio": nbytes["merged"] / nbytes["adapter"],
+    result = side.figures(served, cold, warm) | {
         "peft_adapter_bytes": side.peft_bytes,
-        "runs": args.runs,
-        **side.samples(),
         "model": {
             "shape": "Qwen3-0.6B",
             "layers": args.layers,
@@ -410,13 +433,7 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
             "tokenizer_vocab": len(SPECIAL_TOKENS) + 256,
         },
         "adapter": {"rank": RANK, "alpha": ALPHA, "target_modules": list(DEFAULT_TARGETS)},
-        "base_worker_start_s": served.start_s,
         "merged_digest_s": merged_digest_s,
-        "disk_read_bytes_per_s": {"cold": cold, "warm": warm},
-        "floor_s": floor,
-        "base_tokens": served.base_tokens,
-        "answers": side.answers,
-        "machine": harness.machine() | {"load_average_1m_at_start": served.load_at_start},
     }
     harness.write(args.out, result)
 
