@@ -124,10 +124,6 @@ def alternating(number: int, cases: Sequence[str]) -> Sequence[str]:
     return cases if number % 2 == 0 else cases[::-1]
 
 
-def medians(samples: Mapping[str, Sequence[float]]) -> dict[str, float]:
-    return {name: statistics.median(times) for name, times in samples.items()}
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """The sample at rank `q` (nearest rank over the sorted samples)."""
     ordered = sorted(values)
