@@ -23,7 +23,6 @@ counts that, `p95_ratio_fair` (measured / fair) isolates admission and prewarm.
 
 import argparse
 import dataclasses
-import json
 import multiprocessing
 import os
 import statistics
@@ -43,7 +42,9 @@ import httpx
 import psutil
 from peft import LoraConfig, get_peft_model
 
-from control.services import start_mlflow, stop_all
+from bench import harness
+from bench.harness import percentile
+from control.services import start_mlflow
 from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseSource, load_base
@@ -65,7 +66,6 @@ from tasks.pipeline import (
     wait_fleet_ready,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results" / "admission.json"
 PROMPT = "admission="
 OTHER_BASE = TinySpec(seed=1, pretrain_steps=0)
 """The base of the fair baseline's adapters: same shape as the served one, other weights, so
@@ -132,11 +132,6 @@ def not_ready(http: httpx.Client, body: dict[str, object]) -> float:
     response = http.post("/generate", json=body)
     assert response.status_code == 503, response.text
     return (time.monotonic() - started) * 1000
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def tenant_load(
@@ -207,30 +202,25 @@ class Tenants:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "admission")
     parser.add_argument("--tenants", type=int, default=8)
     parser.add_argument("--new", type=int, default=32, help="adapters promoted under load")
     parser.add_argument("--window", type=float, default=20.0, help="baseline seconds")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--home", type=Path, default=Path(".mint"), help="base model cache")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="mint-bench-admission-"))
-    mlflow = start_mlflow(work / "registry")
-    config = MintConfig(
-        home=args.home.absolute(), tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5
-    )
-    load_base(config.base, config.home)  # pretrained once, before any worker starts
-    worker = start_worker(config)
-    config = dataclasses.replace(config, worker_urls=(worker.url,))
-    services = [worker, mlflow]
-    try:
+    with harness.scratch("admission") as (work, services):
+        mlflow = start_mlflow(work / "registry")
+        services.append(mlflow)
+        config = MintConfig(
+            home=args.home.absolute(), tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5
+        )
+        load_base(config.base, config.home)  # pretrained once, before any worker starts
+        worker = start_worker(config)
+        services.append(worker)
+        config = dataclasses.replace(config, worker_urls=(worker.url,))
         run(args, config, work, {"worker": worker.process.pid, "mlflow": mlflow.process.pid})
-    finally:
-        stop_all(services)
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -348,9 +338,7 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
         print(f"  {key:<22} {value:.4g}" if isinstance(value, float) else f"  {key:<22} {value}")
     if load.errors:
         print("tenant errors:", *load.errors[:5], sep="\n  ")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":

@@ -16,9 +16,7 @@ alone's, minus one. Writes bench/results/backends.json.
     .venv/bin/python bench/backends.py --rounds 1 --window 3  # a smoke run
 """
 
-import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -38,7 +36,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import httpx
 import psutil
 
-from control.services import ManagedProcess, start_mlflow, stop_all
+from bench import harness
+from control.services import ManagedProcess, start_mlflow
 from mint_core.config import BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
@@ -48,7 +47,6 @@ from serving.worker.server import start_worker
 from tasks.pipeline import wait_fleet_ready
 from tests.integration.helpers import register_random_adapter
 
-RESULTS = Path(__file__).resolve().parent / "results" / "backends.json"
 PROMPT = "benchmark the backends="
 MINT_EXTRA: dict[str, object] = {"return_token_ids": True}
 START_TIMEOUT_S = 900
@@ -104,12 +102,11 @@ def closed_loop(target: Target, new_tokens: int, window_s: float) -> dict[str, f
     elapsed = time.monotonic() - started
     if errors:
         raise RuntimeError(f"{target.name}: {len(errors)} errors, first: {errors[0]}")
-    ordered = sorted(latencies)
     return {
         "tok_s": tokens / elapsed,
         "requests": len(latencies),
-        "p50_ms": 1000 * statistics.median(ordered),
-        "p95_ms": 1000 * ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))],
+        "p50_ms": 1000 * statistics.median(latencies),
+        "p95_ms": 1000 * harness.percentile(latencies, 0.95),
     }
 
 
@@ -126,6 +123,39 @@ def same_work(target: Target, new_tokens: int) -> list[list[int]]:
     return answers
 
 
+def production_adapters(
+    config: MintConfig, count: int, services: list[ManagedProcess]
+) -> tuple[MintConfig, list[RevisionId], dict[str, Path]]:
+    """A real `mlflow server` (in `services`) holding `count` random rank-8 LoRAs of the base,
+    registered as bench-N@production: the configuration that follows it, the revisions, and
+    each revision's PEFT folder."""
+    mlflow = start_mlflow(config.home / "registry")
+    services.append(mlflow)
+    config = dataclasses.replace(config, tracking_uri=mlflow.url)
+    base = load_base(config.base, config.home)
+    registry = Registry(config.tracking_uri)
+    revisions: list[RevisionId] = []
+    folders: dict[str, Path] = {}
+    for n in range(count):
+        folder = config.home / "adapters" / f"bench-{n}"
+        # Rank 8 for all: seeds 7, 15, ... (rank = 1 + seed % 8).
+        revision = register_random_adapter(config, base, f"bench-{n}", folder, 8 * n + 7)
+        registry.point_alias(revision, PRODUCTION)
+        revisions.append(revision)
+        folders[str(revision)] = folder
+    return config, revisions, folders
+
+
+def wait_ready(
+    config: MintConfig, workers: list[ManagedProcess], revisions: list[RevisionId]
+) -> MintConfig:
+    """The fleet of `workers`, once each serves every revision."""
+    fleet = dataclasses.replace(config, worker_urls=tuple(w.url for w in workers))
+    for revision in revisions:
+        wait_fleet_ready(fleet, revision, timeout_s=600)
+    return fleet
+
+
 def bare_vllm(config: MintConfig, folders: dict[str, Path]) -> tuple[ManagedProcess, VllmServer]:
     """vLLM started as the worker starts it, with the adapters loaded: no MinT in front."""
     server = VllmServer(VllmSettings.from_config(config), load_text(config.base, config.home))
@@ -139,37 +169,18 @@ def bare_vllm(config: MintConfig, folders: dict[str, Path]) -> tuple[ManagedProc
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.command_line(__doc__, "backends")
     parser.add_argument("--adapters", type=int, default=16, help="adapters = clients")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--window", type=float, default=10.0, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, default=5, help="rounds over the three targets")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="mint-bench-backends-"))
-    mlflow = start_mlflow(home / "registry")
-    services: list[ManagedProcess] = [mlflow]
-    try:
+    with harness.scratch("backends") as (home, services):
         config = MintConfig(
-            home=home,
-            tracking_uri=mlflow.url,
-            max_lora_rank=8,
-            device_slots=args.adapters,
-            max_batch=args.adapters,
+            home=home, max_lora_rank=8, device_slots=args.adapters, max_batch=args.adapters
         )
-        base = load_base(config.base, home)
-        registry = Registry(config.tracking_uri)
-        revisions: list[RevisionId] = []
-        folders: dict[str, Path] = {}
-        for n in range(args.adapters):
-            folder = home / "adapters" / f"bench-{n}"
-            # Rank 8 for all: seeds 7, 15, ... (rank = 1 + seed % 8).
-            revision = register_random_adapter(config, base, f"bench-{n}", folder, 8 * n + 7)
-            registry.point_alias(revision, PRODUCTION)
-            revisions.append(revision)
-            folders[str(revision)] = folder
-        del base
+        config, revisions, folders = production_adapters(config, args.adapters, services)
         kinds = (BackendKind.EMBEDDED, BackendKind.VLLM)
         with ThreadPoolExecutor(len(kinds)) as pool:
             started = {
@@ -183,9 +194,7 @@ def main() -> None:
             services.append(vllm_process)
             workers = {kind: future.result() for kind, future in started.items()}
             services += workers.values()
-        fleet = dataclasses.replace(config, worker_urls=tuple(w.url for w in workers.values()))
-        for revision in revisions:
-            wait_fleet_ready(fleet, revision, timeout_s=600)
+        wait_ready(config, list(workers.values()), revisions)
 
         codec = load_text(config.base, home).codec
         names = [f"{r.adapter}@production" for r in revisions]
@@ -245,8 +254,6 @@ def main() -> None:
                     f"p50 {result['p50_ms']:7.1f} ms  p95 {result['p95_ms']:7.1f} ms  "
                     f"({result['requests']} requests)"
                 )
-    finally:
-        stop_all(services)
 
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in rounds[name])
@@ -282,9 +289,7 @@ def main() -> None:
         f"{100 * summary['gateway_p50_overhead']:+.1f}%; the gateway (the vLLM worker's own "
         f"process) spent {summary['gateway_cpu_ms_per_request']:.1f} ms of CPU per request"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    harness.write(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -13,12 +13,9 @@ runs), checks (b), (c) and (d) give the same tokens, and writes bench/results/ba
     .venv/bin/python bench/batching.py --scale 0.25  # a smoke run
 """
 
-import argparse
 import copy
-import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import harness
 from mint_core.model.base import DEFAULT_TARGETS, BaseIdentity, BaseModel, BaseText
 from mint_core.model.generate import greedy_generate, seeded
 from mint_core.model.text import TextCodec
@@ -38,8 +36,6 @@ from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.worker.metrics import WorkerMetrics
-
-RESULTS = Path(__file__).resolve().parent / "results" / "batching.json"
 
 
 def build_base(scale: float) -> tuple[BaseModel, TinySpec]:
@@ -76,16 +72,13 @@ def adapter_states(base: BaseModel, lora: LoraConfig, count: int) -> list[dict[s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "batching")
     parser.add_argument("--scale", type=float, default=1.0, help="scale the model width")
     parser.add_argument("--adapters", type=int, default=64)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=8, help="per request")
     parser.add_argument("--new-tokens", type=int, default=48, help="per request (EOS masked)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
@@ -152,12 +145,7 @@ def main() -> None:
         "peft_mixed": peft_mixed,
     }
     outputs = {name: run() for name, run in modes.items()}  # warm-up, and answers to compare
-    samples: dict[str, list[float]] = {name: [] for name in modes}
-    for _ in range(args.runs):
-        for name, run in modes.items():  # interleaved, so drift hits every mode alike
-            start = time.perf_counter()
-            run()
-            samples[name].append(time.perf_counter() - start)
+    samples = harness.interleaved(modes, args.runs)
     tokens = len(prompts) * args.new_tokens
     assert all(len(t) == args.new_tokens for t in outputs["mixed"])
     same = {name: outputs[name] == outputs["mixed"] for name in ("peft_switching", "peft_mixed")}
@@ -187,9 +175,7 @@ def main() -> None:
         "same_tokens": same,
         **ratios,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write(args.out, result)
     scheduler.stop()
 
 

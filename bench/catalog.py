@@ -25,14 +25,11 @@ Prints the figures and writes bench/results/catalog.json.
 """
 
 import argparse
-import json
 import logging
 import os
 import random
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -46,6 +43,7 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 import psutil
 from mlflow.tracking import MlflowClient
 
+from bench import harness
 from control.services import ManagedProcess, start_mlflow
 from mint_core.artifacts.digests import sha256_json
 from mint_core.artifacts.stores import LocalArtifactStore
@@ -63,7 +61,6 @@ from mint_core.revisions import (
 )
 from mint_core.states import Stage
 
-RESULTS = Path(__file__).resolve().parent / "results" / "catalog.json"
 SYNC_INTERVAL_S = 1.0
 """A worker's default (serving.worker.worker.DEFAULT_SYNC_INTERVAL_S)."""
 THREADS = 8
@@ -128,15 +125,6 @@ def build_synthetic(path: Path, adapters: int, revisions: int, bases: int) -> di
     index.seal()
     index.close()
     return {"build_s": time.perf_counter() - start, "bytes": path.stat().st_size}
-
-
-def evict(path: Path) -> None:
-    """Drop the file's pages from the page cache (bench.packing.evict, without its torch)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def rss() -> int:
@@ -257,9 +245,7 @@ def alias_moves(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "catalog")
     parser.add_argument("--adapters", type=int, default=100_000, help="adapters in the index")
     parser.add_argument("--revisions", type=int, default=10, help="revisions per adapter")
     parser.add_argument("--bases", type=int, default=50, help="bases the adapters are on")
@@ -267,16 +253,12 @@ def main() -> None:
     parser.add_argument("--mlflow-adapters", type=int, default=1000)
     parser.add_argument("--mlflow-revisions", type=int, default=10, help="versions per adapter")
     parser.add_argument("--moves", type=int, default=10, help="alias moves timed")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    work = Path(tempfile.mkdtemp(prefix="mint-bench-catalog-"))
-    mlflow = start_mlflow(work / "registry")
-    try:
+    with harness.scratch("catalog") as (work, services):
+        mlflow = start_mlflow(work / "registry")
+        services.append(mlflow)
         run(args, work, mlflow)
-    finally:
-        mlflow.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
@@ -308,7 +290,7 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
           f"{built['bytes'] / 1e6:.0f} MB, built in {built['build_s']:.0f} s, checked and "
           f"published in {publish_s:.1f} s", flush=True)  # fmt: skip
 
-    evict(store.root / snapshot.name)
+    harness.evict([store.root / snapshot.name])
     before = rss()
     start = time.perf_counter()
     catalog = Catalog(registry, base_digest=base_digest(0), folder=work)
@@ -429,9 +411,7 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
             "load_average_1m_at_end": os.getloadavg()[0],
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":

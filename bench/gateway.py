@@ -20,63 +20,47 @@ Reports medians over rounds; writes bench/results/gateway.json.
     .venv/bin/python bench/gateway.py --rounds 1 --window 2  # a smoke run
 """
 
-import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import psutil
 
-from bench.backends import MINT_EXTRA, Target, closed_loop, same_work
-from control.services import ManagedProcess, start_mlflow, stop_all
+from bench import harness
+from bench.backends import (
+    MINT_EXTRA,
+    Target,
+    closed_loop,
+    production_adapters,
+    same_work,
+    wait_ready,
+)
 from mint_core.config import MintConfig
-from mint_core.model.base import load_base
-from mint_core.registry import Registry
-from mint_core.revisions import PRODUCTION, RevisionId
 from serving.gateway import start_gateway
 from serving.worker.server import start_worker
-from tasks.pipeline import wait_fleet_ready
-from tests.integration.helpers import register_random_adapter
 
-RESULTS = Path(__file__).resolve().parent / "results" / "gateway.json"
 PROMPT = "benchmark the gateway="
 LOADS = {"latency": (1, 4), "throughput": (8, 32)}
 """Load name -> (clients, new tokens per request)."""
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.command_line(__doc__, "gateway")
     parser.add_argument("--window", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args()
     adapters = max(clients for clients, _ in LOADS.values())
 
-    home = Path(tempfile.mkdtemp(prefix="mint-bench-gateway-"))
-    mlflow = start_mlflow(home / "registry")
-    services: list[ManagedProcess] = [mlflow]
-    try:
-        config = MintConfig(home=home, tracking_uri=mlflow.url, device_slots=adapters)
-        base = load_base(config.base, home)
-        registry = Registry(config.tracking_uri)
-        revisions: list[RevisionId] = []
-        for n in range(adapters):
-            folder = home / "adapters" / f"bench-{n}"
-            revision = register_random_adapter(config, base, f"bench-{n}", folder, 8 * n + 7)
-            registry.point_alias(revision, PRODUCTION)
-            revisions.append(revision)
-        del base
+    with harness.scratch("gateway") as (home, services):
+        config = MintConfig(home=home, device_slots=adapters)
+        config, revisions, _ = production_adapters(config, adapters, services)
         workers = [start_worker(config), start_worker(config)]
         services += workers
-        fleet = dataclasses.replace(config, worker_urls=tuple(w.url for w in workers))
-        for revision in revisions:
-            wait_fleet_ready(fleet, revision, timeout_s=600)
+        fleet = wait_ready(config, workers, revisions)
         gateway = start_gateway(fleet)
         services.append(gateway)
 
@@ -111,8 +95,6 @@ def main() -> None:
                         f"p50 {result['p50_ms']:7.2f} ms  p95 {result['p95_ms']:7.2f} ms  "
                         f"({result['requests']} requests)"
                     )
-    finally:
-        stop_all(services)
 
     def paired(load: str, key: str) -> list[tuple[float, float]]:
         return [
@@ -144,9 +126,7 @@ def main() -> None:
         f"workers / one worker direct: {summary['throughput_ratio']:.2f}x; it spends "
         f"{summary['gateway_cpu_ms_per_request']:.2f} ms of CPU per request"
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(summary, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    harness.write(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,9 @@ written to bench/results/packing.json.
 """
 
 import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,6 +23,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import harness
+from bench.synthetic import QWEN3_30B_A3B, moe_adapter_config, moe_lora_tensors
 from mint_core.artifacts.freezing import PEFT_WEIGHTS
 from mint_core.artifacts.packing import (
     DEFAULT_SHARD_BYTES,
@@ -35,19 +33,6 @@ from mint_core.artifacts.packing import (
     pack_tensors,
     read_into,
 )
-from mint_core.moe_reference import QWEN3_30B_A3B, moe_adapter_config, moe_lora_tensors
-
-RESULTS = Path(__file__).resolve().parent / "results" / "packing.json"
-
-
-def evict(paths: list[Path]) -> None:
-    """Drop the files' pages from the page cache, so the next read comes from the disk."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def load_files(paths: list[Path]) -> dict[str, torch.Tensor]:
@@ -73,30 +58,23 @@ def raw_read(folder: Path, index: PackedIndex, threads: int) -> int:
 
 def measure(run: Callable[[], object], files: list[Path], runs: int, cold: bool) -> list[float]:
     run()  # warms the page cache (and the code paths) before warm runs
-    times = []
-    for _ in range(runs):
-        if cold:
-            evict(files)
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return times
+    return harness.repeated(run, runs, before=(lambda: harness.evict(files)) if cold else None)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "packing")
     parser.add_argument("--scale", type=float, default=1.0, help="scale layers and experts")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per layout and mode")
     parser.add_argument("--shard-mb", type=int, default=DEFAULT_SHARD_BYTES >> 20)
     parser.add_argument("--workdir", type=Path, default=None, help="where to write the layouts")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    with harness.scratch("packing", args.workdir) as (workdir, _):
+        run(args, workdir)
 
+
+def run(args: argparse.Namespace, workdir: Path) -> None:
     shape = QWEN3_30B_A3B if args.scale == 1.0 else QWEN3_30B_A3B.scaled(args.scale)
     threads = os.cpu_count() or 1
-    workdir = Path(tempfile.mkdtemp(prefix="mint-packing-", dir=args.workdir))
     print(f"reference adapter: {shape.layers} layers x {shape.experts} experts, rank {shape.rank}, "
           f"{shape.tensor_count} tensors; writing layouts under {workdir}")  # fmt: skip
     tensors = moe_lora_tensors(shape)
@@ -127,8 +105,8 @@ def main() -> None:
     medians: dict[str, float] = {}
     samples: dict[str, list[float]] = {}
     for mode in ("warm", "cold"):
-        for name, (run, paths) in cases.items():
-            times = measure(run, paths, args.runs, cold=mode == "cold")
+        for name, (load_case, paths) in cases.items():
+            times = measure(load_case, paths, args.runs, cold=mode == "cold")
             samples[f"{name}_{mode}"] = times
             medians[f"{name}_{mode}"] = statistics.median(times)
             print(f"  {name:<7} {mode}: median {medians[f'{name}_{mode}'] * 1e3:8.1f} ms "
@@ -157,10 +135,7 @@ def main() -> None:
         "samples_s": samples,
         **ratios,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
-    shutil.rmtree(workdir, ignore_errors=True)
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":

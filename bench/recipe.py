@@ -23,7 +23,6 @@ single figure to bench/results/recipe.json.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -36,13 +35,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import harness
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.datasets import Dataset, parse_jsonl
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.toy import RECIPE, Task, write_held_out_data, write_task_data
 from mint_core.model.training import TrainingConfig, exact_match, train_lora
 
-RESULTS = Path(__file__).resolve().parent / "results" / "recipe.json"
 ADAPTER_TASKS = (Task.UPPER, Task.REVERSE)
 
 ROWS = 12_800
@@ -149,25 +148,12 @@ def summarize(bases: list[Row], adapters: list[Row]) -> dict[str, dict[str, dict
     return summary
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "recipe")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--base-seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     parser.add_argument("--tasks", type=Task.parse, nargs="+", default=list(ADAPTER_TASKS))
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -194,7 +180,7 @@ def main() -> None:
             + "".join(f"{c['min']:8.3f}{c['median']:8.3f}{c['max']:8.3f}" for c in cells)
         )
     result = {
-        "machine": {"cpu": cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "machine": {"cpu": harness.cpu_name(), "cpus": os.cpu_count(), "torch": torch.__version__},
         "recipe": RECIPE | {"rows": ROWS},
         "threads": args.threads,
         "base_seeds": args.base_seeds,
@@ -203,9 +189,7 @@ def main() -> None:
         "bases": bases,
         "adapters": adapters,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":

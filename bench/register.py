@@ -6,27 +6,23 @@ system's 1.66 s. Writes bench/results/register.json.
     .venv/bin/python bench/register.py --revisions 5    # a smoke run
 """
 
-import argparse
-import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
-import time
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+from bench import harness
 from control.services import start_mlflow
 from mint_core.artifacts.digests import sha256_json
 from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord
 
 REFERENCE_S = 1.66
-RESULTS = Path(__file__).resolve().parent / "results" / "register.json"
 BASE_DIGEST = sha256_json("bench-base")
 
 
@@ -50,17 +46,14 @@ def policy(adapter: str, number: int) -> PolicyRecord:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "register")
     parser.add_argument("--revisions", type=int, default=60, help="revisions to register")
     parser.add_argument("--adapters", type=int, default=6, help="adapters they are spread over")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
-    home = Path(tempfile.mkdtemp(prefix="mint-register-"))
-    server = start_mlflow(home)
-    try:
+    with harness.scratch("register") as (home, services):
+        server = start_mlflow(home)
+        services.append(server)
         registry = Registry(server.url)
         registry.register(policy("warm-up", 1), "mint-local://sha256/" + "0" * 64, BASE_DIGEST)
         times = []
@@ -68,12 +61,7 @@ def main() -> None:
             adapter = f"bench-{n % args.adapters}"
             record = policy(adapter, n // args.adapters + 1)
             uri = "mint-local://sha256/" + record.content_digest.removeprefix("sha256:")
-            start = time.perf_counter()
-            registry.register(record, uri, BASE_DIGEST)
-            times.append(time.perf_counter() - start)
-    finally:
-        server.stop()
-        shutil.rmtree(home, ignore_errors=True)
+            times.append(harness.seconds(partial(registry.register, record, uri, BASE_DIGEST)))
 
     p50 = statistics.median(times)
     p95 = statistics.quantiles(times, n=20)[-1] if len(times) >= 2 else times[0]
@@ -89,9 +77,7 @@ def main() -> None:
         "reference_over_p50": REFERENCE_S / p50,
         "samples_s": times,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ whose batch reached 60%. Written to bench/results/rl.json.
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import sys
@@ -42,7 +41,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from mlflow import MlflowClient
 
-from control.services import start_mlflow, start_prefect, stop_all
+from bench import harness
+from control.services import start_mlflow, start_prefect
 from control.worker_client import WorkerClient
 from flows.release import release
 from flows.rl import RL_ALIAS, rl
@@ -54,7 +54,6 @@ from mint_core.model.toy import Task, write_jsonl
 from serving.worker.server import start_worker
 from tasks.rl import WorkerSampler
 
-RESULTS = Path(__file__).resolve().parent / "results" / "rl.json"
 BASE = TinySpec(hidden_size=64, num_layers=2, intermediate_size=64, num_experts=8)
 """2 layers of 8 experts (top 2), echo-pretrained in ~15 s on one thread."""
 TARGET = 0.6
@@ -130,7 +129,7 @@ def _mean(values: list[float]) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = harness.command_line(__doc__, "rl")
     parser.add_argument("--task", default=Task.REVERSE.value)
     parser.add_argument("--max-chars", type=int, default=4, help="longest word")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
@@ -143,43 +142,36 @@ def main() -> None:
     parser.add_argument("--eval-samples", type=int, default=8)
     parser.add_argument("--tail", type=int, default=10, help="steps averaged for a figure")
     parser.add_argument("--home", type=Path, default=Path.home() / ".cache" / "mint-bench")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
 
     started = time.perf_counter()
     folder = ensure_tiny(BASE, args.home / "base")
     base_seconds = time.perf_counter() - started
-    work = Path(tempfile.mkdtemp(prefix="mint-bench-rl-"))
-    # A Prefect server of its own: the ephemeral one Prefect starts on demand gives up after
-    # 20 s on a loaded machine.
-    prefect = start_prefect(work / "prefect")
-    os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
-    mlflow = start_mlflow(work / "registry")
-    config = MintConfig(
-        home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder)),
-        sync_interval_s=0.5,
-    )  # fmt: skip
-    worker = start_worker(config)
-    config = dataclasses.replace(config, worker_urls=(worker.url,))
-    os.environ.update(config.to_env())  # the flows read their configuration from it
-    try:
+    with harness.scratch("rl") as (work, services):
+        # A Prefect server of its own: the ephemeral one Prefect starts on demand gives up after
+        # 20 s on a loaded machine.
+        prefect = start_prefect(work / "prefect")
+        services.append(prefect)
+        os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
+        mlflow = start_mlflow(work / "registry")
+        services.append(mlflow)
+        config = MintConfig(
+            home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder)),
+            sync_interval_s=0.5,
+        )  # fmt: skip
+        worker = start_worker(config)
+        services.append(worker)
+        config = dataclasses.replace(config, worker_urls=(worker.url,))
+        os.environ.update(config.to_env())  # the flows read their configuration from it
         runs = [run(args, config, seed, work) for seed in args.seeds]
-    finally:
-        stop_all([worker, mlflow, prefect])
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "base": dataclasses.asdict(BASE) | {"build_seconds": base_seconds},
-                "settings": settings,
-                "machine": platform.processor() or platform.machine(),
-                "runs": runs,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
+    result = {
+        "base": dataclasses.asdict(BASE) | {"build_seconds": base_seconds},
+        "settings": settings,
+        "machine": platform.processor() or platform.machine(),
+        "runs": runs,
+    }
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":

@@ -34,18 +34,15 @@ Prints the figures and writes bench/results/sync.json.
 
 import argparse
 import copy
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +54,13 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import httpx
-import psutil
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from bench.packing import evict
-from control.services import ManagedProcess, start_mlflow, stop_all
+from bench import harness
+from bench.harness import Clock
+from control.services import ManagedProcess, start_mlflow
 from control.worker_client import WorkerClient
 from mint_core.artifacts.freezing import freeze
 from mint_core.artifacts.packing import pack
@@ -76,7 +73,6 @@ from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord, RevisionId
 from serving.worker.server import start_worker
 
-RESULTS = Path(__file__).resolve().parent / "results" / "sync.json"
 QWEN3_0_6B_LAYERS = 28
 RANK, ALPHA = 16, 32
 PROMPT = "sync="
@@ -88,9 +84,22 @@ B_STD = 0.02
 scale of the base's own initialisation, so every answer changes."""
 
 
+def qwen3_family() -> dict[str, Any]:
+    """What Qwen3's config.json files share (context, RoPE, norm), with the byte tokenizer's
+    special token ids."""
+    tokenizer = byte_tokenizer()
+    return {
+        "max_position_embeddings": 40_960,
+        "rope_theta": 1_000_000.0,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def qwen3_0_6b(layers: int) -> Qwen3Config:
     """Qwen3-0.6B's shape (its config.json), with `layers` decoder layers."""
-    tokenizer = byte_tokenizer()
     return Qwen3Config(
         vocab_size=151_936,
         hidden_size=1024,
@@ -99,13 +108,8 @@ def qwen3_0_6b(layers: int) -> Qwen3Config:
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
-        max_position_embeddings=40_960,
-        rope_theta=1_000_000.0,
-        rms_norm_eps=1e-6,
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **qwen3_family(),
     )
 
 
@@ -116,36 +120,31 @@ def build_base(layers: int, dtype: torch.dtype, folder: Path) -> PreTrainedModel
     return model
 
 
-def finished_training(base: PreTrainedModel, seed: int, folder: Path) -> PeftModel:
-    """What training leaves: the PeftModel in memory and its PEFT adapter folder on disk."""
-    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(DEFAULT_TARGETS))
+def finished(
+    base: Callable[[], PreTrainedModel], lora: LoraConfig, seed: int, folder: Path, base_name: str
+) -> PeftModel:
+    """What training leaves: `lora` on the model `base()` makes, with random non-zero B, as the
+    PeftModel in memory and its PEFT adapter folder (naming `base_name`) on disk."""
     with seeded(seed):
-        model = get_peft_model(copy.deepcopy(base), lora)
+        model = get_peft_model(base(), lora)
         for name, parameter in model.named_parameters():
             if "lora_B" in name:
                 parameter.data.normal_(0.0, B_STD)
-    model.peft_config["default"].base_model_name_or_path = folder.name
+    model.peft_config["default"].base_model_name_or_path = base_name
     model.save_pretrained(folder, save_embedding_layers=False)
     return model.eval()
 
 
-class Clock:
-    """Seconds per stage, in order, from one start."""
+def finished_training(base: PreTrainedModel, seed: int, folder: Path) -> PeftModel:
+    """A rank-16 LoRA on every projection of (a copy of) `base`."""
+    lora = LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=list(DEFAULT_TARGETS))
+    return finished(lambda: copy.deepcopy(base), lora, seed, folder, folder.name)
 
-    def __init__(self) -> None:
-        self.stages: dict[str, float] = {}
-        self._last = time.perf_counter()
 
-    @contextmanager
-    def stage(self, name: str) -> Iterator[None]:
-        yield
-        now = time.perf_counter()
-        self.stages[name] = now - self._last
-        self._last = now
-
-    @property
-    def total(self) -> float:
-        return sum(self.stages.values())
+def path_options(parser: argparse.ArgumentParser, runs: int) -> None:
+    """The options both sync benchmarks take: the base's dtype and how many runs."""
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--runs", type=int, default=runs, help="runs of each path (medians)")
 
 
 def answer(url: str, adapter_id: str | None, new_tokens: int = 1) -> tuple[list[int], str]:
@@ -239,7 +238,7 @@ def read_speed(folder: Path, cold: bool) -> float:
     paths = sorted(path for path in folder.rglob("*") if path.is_file())
     if cold:
         os.sync()
-        evict(paths)
+        harness.evict(paths)
     buffer = bytearray(64 << 20)
     total = 0
     start = time.perf_counter()
@@ -250,43 +249,153 @@ def read_speed(folder: Path, cold: bool) -> float:
     return total / (time.perf_counter() - start)
 
 
-def median_stages(clocks: list[Clock]) -> dict[str, float]:
-    return {name: statistics.median(c.stages[name] for c in clocks) for name in clocks[0].stages}
+@dataclass
+class SideBySide:
+    """The runs of the adapter path and the full path (`full`: "merged" or "full", as the
+    benchmark names it), each run a fresh adapter, the paths alternating which goes first."""
+
+    full: str
+    clocks: dict[str, list[Clock]]
+    bytes: dict[str, int]
+    peft_bytes: int
+    answers: list[dict[str, Any]]
+    full_dir: Path
+    """The last run's full folder, kept to measure the disk on."""
+
+    def seconds(self) -> dict[str, float]:
+        return {
+            path: statistics.median(c.total for c in clocks) for path, clocks in self.clocks.items()
+        }
+
+    def stages(self) -> dict[str, dict[str, float]]:
+        return {path: harness.median_stages(clocks) for path, clocks in self.clocks.items()}
+
+    def disk_speeds(self) -> tuple[float, float]:
+        """Bytes per second reading the last full folder, cold and warm."""
+        return read_speed(self.full_dir, cold=True), read_speed(self.full_dir, cold=False)
+
+    def figures(self, served: "Served", cold: float, warm: float) -> dict[str, Any]:
+        """The figures both paths give, named after them, with every sample."""
+        full, seconds, nbytes = self.full, self.seconds(), self.bytes
+        return {
+            "adapter_s": seconds["adapter"],
+            f"{full}_s": seconds[full],
+            "speedup": seconds[full] / seconds["adapter"],
+            "adapter_bytes": nbytes["adapter"],
+            f"{full}_bytes": nbytes[full],
+            "bytes_ratio": nbytes[full] / nbytes["adapter"],
+            "runs": len(self.answers),
+            "samples_s": {path: [c.total for c in clocks] for path, clocks in self.clocks.items()},
+            "stages_s": self.stages(),
+            "stage_samples_s": {
+                path: [c.stages for c in clocks] for path, clocks in self.clocks.items()
+            },
+            "base_worker_start_s": served.start_s,
+            "disk_read_bytes_per_s": {"cold": cold, "warm": warm},
+            "floor_s": {path: nbytes[path] / cold for path in nbytes},
+            "base_tokens": served.base_tokens,
+            "answers": self.answers,
+            "machine": harness.machine() | {"load_average_1m_at_start": served.load_at_start},
+        }
+
+    def report(self, cold: float, warm: float, note: str = "") -> None:
+        """Print each path's median seconds, bytes and stages, how far above its floor (its
+        bytes read once at the disk's `cold` speed) it is, and the speedup (with `note`)."""
+        seconds, stages, nbytes, full = self.seconds(), self.stages(), self.bytes, self.full
+        for path in self.clocks:
+            floor = nbytes[path] / cold
+            parts = "  ".join(f"{name} {s:.2f}" for name, s in stages[path].items())
+            print(f"  {path:<8} {seconds[path]:7.2f} s  {nbytes[path] / 1e6:9.1f} MB   ({parts})")
+            print(f"  {'':<8} floor at the disk's cold read speed: {floor:.3f} s "
+                  f"({seconds[path] / floor:.0f}x above it)")  # fmt: skip
+        print(f"  speedup {seconds[full] / seconds['adapter']:.2f}x{note}; bytes "
+              f"{nbytes[full] / nbytes['adapter']:.1f}x fewer; disk read {cold / 1e9:.2f} GB/s "
+              f"cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
 
 
-def machine() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.partition(":")[2].strip()
-            break
-    return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
-        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "load_average_1m_at_end": os.getloadavg()[0],
-    }
+@dataclass(frozen=True)
+class Served:
+    """MLflow and a worker serving the base, up before any clock starts."""
+
+    config: MintConfig
+    worker: ManagedProcess
+    base_tokens: list[int]
+    """The base's own answer, which every adapter must change."""
+    start_s: float
+    load_at_start: float
+
+
+def serve_base(work: Path, folder: Path, dtype: str, services: list[ManagedProcess]) -> Served:
+    """A real `mlflow server` and a worker serving the base in `folder`."""
+    mlflow = start_mlflow(work / "registry")
+    services.append(mlflow)
+    config = MintConfig(
+        home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder), dtype)
+    )
+    start = time.perf_counter()
+    worker = start_worker(config)
+    services.append(worker)
+    start_s = time.perf_counter() - start
+    config = replace(config, worker_urls=(worker.url,))
+    base_tokens, _ = answer(worker.url, None, CHECK_TOKENS)
+    print(f"worker serving the base up in {start_s:.1f} s", flush=True)
+    return Served(config, worker, base_tokens, start_s, os.getloadavg()[0])
+
+
+def side_by_side(
+    served: Served,
+    work: Path,
+    services: list[ManagedProcess],
+    runs: int,
+    full: str,
+    trained: Callable[[int, Path], PeftModel],
+    name: str,
+) -> SideBySide:
+    """`runs` runs of both paths, each from `trained(seed, folder)`'s adapter (registered as
+    `name`-N); `full` names the path that ships the merged weights."""
+    clocks: dict[str, list[Clock]] = {"adapter": [], full: []}
+    nbytes = {"adapter": 0, full: 0}
+    answers: list[dict[str, Any]] = []
+    peft_bytes = 0
+    full_dir = work
+    for number in range(runs):
+        adapter_dir = work / "adapters" / f"{name}-{number}"
+        full_dir = work / f"{full}-{number}"
+        peft_model = trained(number + 1, adapter_dir)
+        peft_bytes = folder_bytes(adapter_dir)
+        tokens: dict[str, list[int]] = {}
+        for path in harness.alternating(number, ("adapter", full)):
+            if path == "adapter":
+                clock, tokens[path], nbytes[path] = adapter_path(
+                    served.config, served.worker, adapter_dir, f"{name}-{number}"
+                )
+            else:
+                clock, tokens[path] = merged_path(served.config, peft_model, full_dir, services)
+                nbytes[path] = folder_bytes(full_dir)
+            clocks[path].append(clock)
+        del peft_model
+        answers.append({"run": number} | tokens)
+        print(f"  run {number}: adapter {clocks['adapter'][-1].total:6.2f} s   "
+              f"{full} {clocks[full][-1].total:6.2f} s   same answer: "
+              f"{tokens['adapter'] == tokens[full]}", flush=True)  # fmt: skip
+        if served.base_tokens in tokens.values():
+            raise SystemExit(
+                f"run {number}: an answer {tokens} equals the base's {served.base_tokens}: the "
+                "adapter changed nothing, so the figures would not show it was applied (raise "
+                "B_STD)"
+            )
+        if number + 1 < runs:
+            shutil.rmtree(full_dir)  # the last one stays, to measure the disk on
+    return SideBySide(full, clocks, nbytes, peft_bytes, answers, full_dir)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
+    parser = harness.command_line(__doc__, "sync")
     parser.add_argument("--layers", type=int, default=QWEN3_0_6B_LAYERS)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--runs", type=int, default=5, help="runs of each path (medians)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    path_options(parser, runs=5)
     args = parser.parse_args()
-
-    work = Path(tempfile.mkdtemp(prefix="mint-bench-sync-"))
-    services: list[ManagedProcess] = []
-    try:
+    with harness.scratch("sync") as (work, services):
         run(args, work, services)
-    finally:
-        stop_all(services)
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) -> None:
@@ -300,91 +409,20 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
     if args.layers != QWEN3_0_6B_LAYERS:
         print(f"NOTE: {args.layers} layers, not Qwen3-0.6B's {QWEN3_0_6B_LAYERS}")
 
-    mlflow = start_mlflow(work / "registry")
-    services.append(mlflow)
-    config = MintConfig(
-        home=work / "home",
-        tracking_uri=mlflow.url,
-        base=BaseSource(str(base_folder), args.dtype),
-    )
-    start = time.perf_counter()
-    worker = start_worker(config)
-    services.append(worker)
-    base_worker_start_s = time.perf_counter() - start
-    config = replace(config, worker_urls=(worker.url,))
-    base_tokens, _ = answer(worker.url, None, CHECK_TOKENS)
-    print(f"worker serving the base up in {base_worker_start_s:.1f} s", flush=True)
-    load_at_start = os.getloadavg()[0]
+    served = serve_base(work, base_folder, args.dtype, services)
+    trained = partial(finished_training, base)
+    side = side_by_side(served, work, services, args.runs, "merged", trained, "sync")
 
-    adapter_clocks: list[Clock] = []
-    merged_clocks: list[Clock] = []
-    answers: list[dict[str, Any]] = []
-    adapter_bytes = merged_bytes = peft_bytes = 0
-    for number in range(args.runs):
-        adapter_dir = work / "adapters" / f"run-{number}"
-        merged_dir = work / f"merged-{number}"
-        peft_model = finished_training(base, seed=number + 1, folder=adapter_dir)
-        peft_bytes = folder_bytes(adapter_dir)
-        tokens: dict[str, list[int]] = {}
-        for path in ("adapter", "merged") if number % 2 == 0 else ("merged", "adapter"):
-            if path == "adapter":
-                clock, tokens[path], adapter_bytes = adapter_path(
-                    config, worker, adapter_dir, f"sync-{number}"
-                )
-                adapter_clocks.append(clock)
-            else:
-                clock, tokens[path] = merged_path(config, peft_model, merged_dir, services)
-                merged_bytes = folder_bytes(merged_dir)
-                merged_clocks.append(clock)
-        del peft_model
-        answers.append({"run": number} | tokens)
-        print(f"  run {number}: adapter {adapter_clocks[-1].total:6.2f} s   "
-              f"merged {merged_clocks[-1].total:6.2f} s   same answer: "
-              f"{tokens['adapter'] == tokens['merged']}", flush=True)  # fmt: skip
-        if base_tokens in tokens.values():
-            raise SystemExit(
-                f"run {number}: an answer {tokens} equals the base's {base_tokens}: the adapter "
-                "changed nothing, so the figures would not show it was applied (raise B_STD)"
-            )
-        if number + 1 < args.runs:
-            shutil.rmtree(merged_dir)  # the last one stays, to measure the disk on
-
-    cold, warm = read_speed(merged_dir, cold=True), read_speed(merged_dir, cold=False)
+    cold, warm = side.disk_speeds()
     start = time.perf_counter()  # what the merged worker's start spent naming its new base
-    weights_digest(merged_dir, work / "digest-probe.json")
+    weights_digest(side.full_dir, work / "digest-probe.json")
     merged_digest_s = time.perf_counter() - start
-    adapter_s = statistics.median(c.total for c in adapter_clocks)
-    merged_s = statistics.median(c.total for c in merged_clocks)
-    stages = {"adapter": median_stages(adapter_clocks), "merged": median_stages(merged_clocks)}
     print(f"\nfrom training finished to a running worker answering ({args.runs} runs, medians):")
-    for path, seconds, nbytes in (("adapter", adapter_s, adapter_bytes),
-                                  ("merged", merged_s, merged_bytes)):  # fmt: skip
-        parts = "  ".join(f"{name} {s:.2f}" for name, s in stages[path].items())
-        print(f"  {path:<8} {seconds:7.2f} s  {nbytes / 1e6:9.1f} MB   ({parts})")
-        print(f"  {'':<8} floor at the disk's cold read speed: {nbytes / cold:.3f} s "
-              f"({seconds / (nbytes / cold):.0f}x above it)")  # fmt: skip
-    print(f"  speedup {merged_s / adapter_s:.1f}x; bytes {merged_bytes / adapter_bytes:.1f}x "
-          f"fewer; disk read {cold / 1e9:.2f} GB/s cold, {warm / 1e9:.2f} GB/s warm")  # fmt: skip
+    side.report(cold, warm)
     print(f"  of the merged start, hashing the new base's weights: {merged_digest_s:.2f} s")
 
-    result = {
-        "adapter_s": adapter_s,
-        "merged_s": merged_s,
-        "speedup": merged_s / adapter_s,
-        "adapter_bytes": adapter_bytes,
-        "merged_bytes": merged_bytes,
-        "bytes_ratio": merged_bytes / adapter_bytes,
-        "peft_adapter_bytes": peft_bytes,
-        "runs": args.runs,
-        "samples_s": {
-            "adapter": [c.total for c in adapter_clocks],
-            "merged": [c.total for c in merged_clocks],
-        },
-        "stages_s": stages,
-        "stage_samples_s": {
-            "adapter": [c.stages for c in adapter_clocks],
-            "merged": [c.stages for c in merged_clocks],
-        },
+    result = side.figures(served, cold, warm) | {
+        "peft_adapter_bytes": side.peft_bytes,
         "model": {
             "shape": "Qwen3-0.6B",
             "layers": args.layers,
@@ -395,17 +433,9 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
             "tokenizer_vocab": len(SPECIAL_TOKENS) + 256,
         },
         "adapter": {"rank": RANK, "alpha": ALPHA, "target_modules": list(DEFAULT_TARGETS)},
-        "base_worker_start_s": base_worker_start_s,
         "merged_digest_s": merged_digest_s,
-        "disk_read_bytes_per_s": {"cold": cold, "warm": warm},
-        "floor_s": {"adapter": adapter_bytes / cold, "merged": merged_bytes / cold},
-        "base_tokens": base_tokens,
-        "answers": answers,
-        "machine": machine() | {"load_average_1m_at_start": load_at_start},
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.out}")
+    harness.write(args.out, result)
 
 
 if __name__ == "__main__":

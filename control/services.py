@@ -282,6 +282,31 @@ def start_mlflow(
     return server
 
 
+def start_mint(
+    command: str,
+    name: str,
+    log: str,
+    config: "MintConfig",
+    port: int | None = None,
+    timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
+) -> ManagedProcess:
+    """`mint <command>` listening on loopback (on `port`, else a free one) in a child process
+    with `config`'s environment plus `env`; returns once its `/health` answers. `name` says
+    what it is in messages; it logs to logs/<log>-<port>.log under `config`'s state dir."""
+    port = port or free_port()
+    argv = [sys.executable, "-m", "mint_cli", command, "--host", LOOPBACK, "--port", str(port)]
+    return start_process(
+        name,
+        argv,
+        f"http://{LOOPBACK}:{port}",
+        "/health",
+        config.home / "logs" / f"{log}-{port}.log",
+        config.to_env() | dict(env or {}),
+        timeout_s,
+    )
+
+
 def start_s3(home: Path, port: int | None = None) -> ManagedProcess:
     """An S3 API (moto's server) on loopback, for tests and local runs of the S3 store. It keeps
     objects in memory: what it holds is gone when it stops."""

@@ -9,8 +9,10 @@ flow runs start as its subprocesses, with its environment (MinT's configuration 
 """
 
 import sys
+from typing import Any
 
 import prefect
+from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
@@ -62,50 +64,29 @@ def _guided(deployment: RunnerDeployment) -> RunnerDeployment:
     return deployment
 
 
+_SERVED: tuple[tuple[Flow[..., Any], str, str], ...] = (
+    (release, "release", "Train and release a new revision."),
+    (promote, "promote", "Serve an existing revision as production."),
+    (rollback, "rollback", "Return production to its previous revision (or the one named)."),
+    (
+        canary,
+        "canary",
+        "Give a revision a share of production's requests, then promote it or roll it back on "
+        "the figures.",
+    ),
+    (retrain, "retrain", "Retrain an adapter on its data file as it is now."),
+    (repair, "repair", "Export a revision again from its frozen files and re-admit it."),
+    (approve, "approve", "Approve or reject a roll-out paused for approval."),
+    (rl, "rl", "GRPO on a LoRA, sampling from the worker serving its rl alias."),
+    (catalog_snapshot, "catalog-snapshot", "Publish the catalog snapshot workers start from."),
+)
+"""Each flow served, by deployment name, with the description the Prefect UI shows."""
+
+
 def _deployments(config: MintConfig) -> list[RunnerDeployment]:
     deployments = [
-        release.to_deployment(
-            name="release", description="Train and release a new revision.", **_BY_MODULE
-        ),
-        promote.to_deployment(
-            name="promote", description="Serve an existing revision as production.", **_BY_MODULE
-        ),
-        rollback.to_deployment(
-            name="rollback",
-            description="Return production to its previous revision (or the one named).",
-            **_BY_MODULE,
-        ),
-        canary.to_deployment(
-            name="canary",
-            description="Give a revision a share of production's requests, then promote it or "
-            "roll it back on the figures.",
-            **_BY_MODULE,
-        ),
-        retrain.to_deployment(
-            name="retrain",
-            description="Retrain an adapter on its data file as it is now.",
-            **_BY_MODULE,
-        ),
-        repair.to_deployment(
-            name="repair",
-            description="Export a revision again from its frozen files and re-admit it.",
-            **_BY_MODULE,
-        ),
-        approve.to_deployment(
-            name="approve",
-            description="Approve or reject a roll-out paused for approval.",
-            **_BY_MODULE,
-        ),
-        rl.to_deployment(
-            name="rl",
-            description="GRPO on a LoRA, sampling from the worker serving its rl alias.",
-            **_BY_MODULE,
-        ),
-        catalog_snapshot.to_deployment(
-            name="catalog-snapshot",
-            description="Publish the catalog snapshot workers start from.",
-            **_BY_MODULE,
-        ),
+        flow.to_deployment(name=name, description=description, **_BY_MODULE)
+        for flow, name, description in _SERVED
     ]
     for schedule in config.retrain:
         check_adapter_name(schedule.adapter)

@@ -130,6 +130,19 @@ REGISTRY_DB = checked(check_registry_db, "backend store URI")
 
 # Option groups several commands take.
 
+Option = Callable[[argparse.ArgumentParser], None]
+"""Adds an option (or argument) to a command."""
+
+
+def option(*flags: str, **settings: Any) -> Option:
+    """An option several commands take, declared once: argparse's `add_argument(*flags,
+    **settings)` for each command it is given to."""
+
+    def add(command: argparse.ArgumentParser) -> None:
+        command.add_argument(*flags, **settings)
+
+    return add
+
 
 def adapter_option(command: argparse.ArgumentParser, help: str | None = None) -> None:
     """`--adapter NAME`, required (commands that name the adapter as their first argument
@@ -137,50 +150,38 @@ def adapter_option(command: argparse.ArgumentParser, help: str | None = None) ->
     command.add_argument("--adapter", type=ADAPTER, required=True, help=help)
 
 
-def adapter_argument(command: argparse.ArgumentParser) -> None:
-    command.add_argument("adapter", type=ADAPTER)
-
-
-def revision_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument("--revision", type=REVISION, required=True, help="N or rN")
-
-
 def actor_option(command: argparse.ArgumentParser) -> None:
     # The user, not the flows' default (`mint`, for callers in code): a person is recorded.
+    # Looked up when a command is built, not at import.
     command.add_argument("--actor", default=getpass.getuser(), help="who does it (recorded)")
 
 
-def principal_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--principal",
-        type=PRINCIPAL,
-        action="append",
-        help="who may use it (repeat; default everyone)",
-    )
-
-
-def base_model_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--base-model",
-        default=None,
-        help="the base to train on or check against (a model folder or hub id; default "
-        "MINT_BASE_MODEL): the workers serving it take the revision",
-    )
+adapter_argument = option("adapter", type=ADAPTER)
+revision_option = option("--revision", type=REVISION, required=True, help="N or rN")
+principal_option = option(
+    "--principal",
+    type=PRINCIPAL,
+    action="append",
+    help="who may use it (repeat; default everyone)",
+)
+base_model_option = option(
+    "--base-model",
+    default=None,
+    help="the base to train on or check against (a model folder or hub id; default "
+    "MINT_BASE_MODEL): the workers serving it take the revision",
+)
+backend_store_option = option(
+    "--backend-store-uri",
+    type=REGISTRY_DB,
+    help="MLflow's database: postgresql://user:password@host:port/database or "
+    "sqlite:///path (default: MINT_REGISTRY_DB, else sqlite under MINT_HOME)",
+)
 
 
 def address_options(command: argparse.ArgumentParser, port: int) -> None:
     """`--host` and `--port` of a service that listens."""
     command.add_argument("--host", default=LOOPBACK)
     command.add_argument("--port", type=PORT, default=port)
-
-
-def backend_store_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--backend-store-uri",
-        type=REGISTRY_DB,
-        help="MLflow's database: postgresql://user:password@host:port/database or "
-        "sqlite:///path (default: MINT_REGISTRY_DB, else sqlite under MINT_HOME)",
-    )
 
 
 class FlowOptions:

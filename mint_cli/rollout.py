@@ -21,6 +21,7 @@ from mint_cli.options import (
     adapter_argument,
     adapter_option,
     given,
+    option,
     real,
     revision_option,
     whole,
@@ -136,10 +137,9 @@ def _fleet_command(
     command.set_defaults(run=run, needs=(REGISTRY, WORKERS))
 
 
-def _to_revision_option(command: argparse.ArgumentParser) -> None:
-    command.add_argument(
-        "--to-revision", type=REVISION, default=None, help="N of rN (default: previous)"
-    )
+_to_revision_option = option(
+    "--to-revision", type=REVISION, default=None, help="N of rN (default: previous)"
+)
 
 
 def add_commands(commands: Commands) -> None:

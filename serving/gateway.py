@@ -31,7 +31,6 @@ balancer.
 
 import asyncio
 import logging
-import sys
 import threading
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
@@ -45,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from control.services import LOOPBACK, ManagedProcess, free_port, start_process
+from control.services import LOOPBACK, ManagedProcess, start_mint
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import GATEWAY_PORT, MintConfig
@@ -470,14 +469,4 @@ def start_gateway(
     config: MintConfig, port: int | None = None, timeout_s: float = 120.0
 ) -> ManagedProcess:
     """A gateway in a child process on loopback; returns once `/health` answers."""
-    port = port or free_port()
-    argv = [sys.executable, "-m", "mint_cli", "gateway", "--host", LOOPBACK, "--port", str(port)]
-    return start_process(
-        "gateway",
-        argv,
-        f"http://{LOOPBACK}:{port}",
-        "/health",
-        config.home / "logs" / f"gateway-{port}.log",
-        config.to_env(),
-        timeout_s,
-    )
+    return start_mint("gateway", "gateway", "gateway", config, port, timeout_s)

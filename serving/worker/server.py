@@ -2,13 +2,12 @@
 
 import logging
 import os
-import sys
 from collections.abc import Mapping
 
 import uvicorn
 from transformers.utils import logging as transformers_logging
 
-from control.services import LOOPBACK, ManagedProcess, free_port, start_process
+from control.services import LOOPBACK, ManagedProcess, start_mint
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import WORKER_PORT, BackendKind, MintConfig
@@ -82,16 +81,6 @@ def start_worker(
 ) -> ManagedProcess:
     """A worker in a child process on loopback; returns once `/health` answers (base loaded).
     `env`: more of its environment (e.g. the registry account it reads with)."""
-    port = port or free_port()
     # MINT_API_KEYS_FILE would add keys to the ones `config` already holds.
-    env = config.to_env() | {"MINT_API_KEYS_FILE": ""} | dict(env or {})
-    argv = [sys.executable, "-m", "mint_cli", "serve", "--host", LOOPBACK, "--port", str(port)]
-    return start_process(
-        "serving worker",
-        argv,
-        f"http://{LOOPBACK}:{port}",
-        "/health",
-        config.home / "logs" / f"worker-{port}.log",
-        env,
-        timeout_s,
-    )
+    env = {"MINT_API_KEYS_FILE": ""} | dict(env or {})
+    return start_mint("serve", "serving worker", "worker", config, port, timeout_s, env)

@@ -52,6 +52,12 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 _reports = pytest.StashKey[dict[str, pytest.TestReport]]()
 
 
+def _held(process: ManagedProcess) -> Iterator[ManagedProcess]:
+    """A session fixture's body for a process it started: the process, stopped at teardown."""
+    yield process
+    process.stop()
+
+
 @pytest.fixture(scope="session")
 def base(mint_home: Path) -> BaseModel:
     """The serving base (the embedded default), built and pretrained once per session (about
@@ -62,9 +68,7 @@ def base(mint_home: Path) -> BaseModel:
 @pytest.fixture(scope="session")
 def mlflow_server(mint_home: Path) -> Iterator[ManagedProcess]:
     # The session's artifact store is under mint_home: the UI's model-version pages read it.
-    server = start_mlflow(mint_home / "registry", store=MintConfig(home=mint_home))
-    yield server
-    server.stop()
+    yield from _held(start_mlflow(mint_home / "registry", store=MintConfig(home=mint_home)))
 
 
 @pytest.fixture(scope="session")
@@ -122,9 +126,7 @@ def client(worker: ManagedProcess) -> Iterator[WorkerClient]:
 @pytest.fixture(scope="session")
 def s3_server(mint_home: Path) -> Iterator[ManagedProcess]:
     """moto's S3 server on loopback: a real S3 API over HTTP, not an in-process mock."""
-    server = start_s3(mint_home)
-    yield server
-    server.stop()
+    yield from _held(start_s3(mint_home))
 
 
 @pytest.fixture(scope="session")
@@ -136,9 +138,7 @@ def s3_worker(
     s3_config = dataclasses.replace(
         config, artifact_store="s3", s3_bucket="mint-fleet", s3_endpoint_url=s3_server.url
     )
-    process = start_worker(s3_config)
-    yield process
-    process.stop()
+    yield from _held(start_worker(s3_config))
 
 
 @pytest.fixture(scope="session")
@@ -161,9 +161,7 @@ def postgres(session_dir: Path) -> Iterator["PostgresServer"]:
 def postgres_mlflow(mint_home: Path, postgres: "PostgresServer") -> Iterator[ManagedProcess]:
     """An MLflow server whose backend store is a database of the session's PostgreSQL."""
     uri = postgres_database(postgres, "lifecycle")
-    server = start_mlflow(mint_home / "registry-postgres", backend_store_uri=uri)
-    yield server
-    server.stop()
+    yield from _held(start_mlflow(mint_home / "registry-postgres", backend_store_uri=uri))
 
 
 @pytest.fixture(scope="session")
@@ -171,9 +169,7 @@ def postgres_worker(
     config: MintConfig, postgres_mlflow: ManagedProcess, worker: ManagedProcess
 ) -> Iterator[ManagedProcess]:
     """A worker that follows the MLflow server on PostgreSQL; same base and local store."""
-    process = start_worker(dataclasses.replace(config, tracking_uri=postgres_mlflow.url))
-    yield process
-    process.stop()
+    yield from _held(start_worker(dataclasses.replace(config, tracking_uri=postgres_mlflow.url)))
 
 
 @pytest.fixture(params=["local", "s3", "postgres"])

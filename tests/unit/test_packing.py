@@ -11,6 +11,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from bench.synthetic import MoeLoraShape, moe_adapter_config, moe_lora_tensors
 from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS, freeze
 from mint_core.artifacts.packing import (
     load,
@@ -34,7 +35,6 @@ from mint_core.model.toy import (
     write_task_data,
 )
 from mint_core.model.training import TrainingConfig, train_lora
-from mint_core.moe_reference import MoeLoraShape, moe_adapter_config, moe_lora_tensors
 from serving.engine.engine import TorchEngine
 from tests.helpers import random_lora
 

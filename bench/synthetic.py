@@ -1,6 +1,7 @@
-"""Synthetic LoRA adapters in the shape of a mixture-of-experts model, for packing tests and
-the packing benchmark. The reference shape is a Qwen3-30B-A3B-like model: a rank-1 bf16 LoRA on
-q/k/v/o and on every expert's gate/up/down projection is 37,248 tensors, about 110 MB."""
+"""Synthetic LoRA adapters in the shape of a mixture-of-experts model, for the packing and
+RL sync benchmarks and the packing tests (not domain code: nothing in MinT makes them). The
+reference shape is a Qwen3-30B-A3B-like model: a rank-1 bf16 LoRA on q/k/v/o and on every
+expert's gate/up/down projection is 37,248 tensors, about 110 MB."""
 
 import dataclasses
 from dataclasses import dataclass

@@ -1,0 +1,154 @@
+"""What every benchmark shares: its command line, a scratch folder whose services stop on the
+way out, clocks for timing cases side by side, the figures taken from the samples, the machine
+it ran on, and writing the results.
+
+A benchmark measures its comparison in one run, the cases taking turns where they can (this
+machine is noisy: ratios and medians, never single timings), prints its figures and writes them
+with every sample to bench/results/<name>.json (`--out` elsewhere).
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from control.services import ManagedProcess, stop_all
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def command_line(doc: str | None, name: str) -> argparse.ArgumentParser:
+    """The benchmark's parser: its docstring as help, and `--out`, by default
+    bench/results/`name`.json."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / f"{name}.json", help="where the JSON goes"
+    )
+    return parser
+
+
+def write(out: Path, result: Mapping[str, Any]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+@contextmanager
+def scratch(name: str, parent: Path | None = None) -> Iterator[tuple[Path, list[ManagedProcess]]]:
+    """A temporary folder and a list for the services started for the run: on the way out,
+    whatever happened, the services are stopped and the folder removed."""
+    work = Path(tempfile.mkdtemp(prefix=f"mint-bench-{name}-", dir=parent))
+    services: list[ManagedProcess] = []
+    try:
+        yield work, services
+    finally:
+        stop_all(services)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+class Clock:
+    """Seconds per stage, in order, from one start."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        yield
+        now = time.perf_counter()
+        self.stages[name] = now - self._last
+        self._last = now
+
+    @property
+    def total(self) -> float:
+        return sum(self.stages.values())
+
+
+def evict(paths: Iterable[Path]) -> None:
+    """Drop the files' pages from the page cache, so that the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def median_stages(clocks: Sequence[Clock]) -> dict[str, float]:
+    return {name: statistics.median(c.stages[name] for c in clocks) for name in clocks[0].stages}
+
+
+def seconds(run: Callable[[], object]) -> float:
+    """How long one run of `run` took."""
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def repeated(
+    run: Callable[[], object], runs: int, before: Callable[[], None] | None = None
+) -> list[float]:
+    """Seconds of each of `runs` runs of `run`; `before` (outside the clock) precedes each."""
+    times = []
+    for _ in range(runs):
+        if before is not None:
+            before()
+        times.append(seconds(run))
+    return times
+
+
+def interleaved(cases: Mapping[str, Callable[[], object]], runs: int) -> dict[str, list[float]]:
+    """Seconds of each run of each case, `runs` rounds in which the cases take turns, so that
+    drift hits every case alike."""
+    samples: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(runs):
+        for name, run in cases.items():
+            samples[name].append(seconds(run))
+    return samples
+
+
+def alternating(number: int, cases: Sequence[str]) -> Sequence[str]:
+    """The order of the cases in run `number`: reversed every other run, so neither always
+    goes first."""
+    return cases if number % 2 == 0 else cases[::-1]
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The sample at rank `q` (nearest rank over the sorted samples)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict[str, Any]:
+    """The machine a run measured, its load at the end included."""
+    import torch  # only here: the benchmarks that need no torch do not load it
+
+    return {
+        "cpu": cpu_name(),
+        "cpus": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1m_at_end": os.getloadavg()[0],
+    }
