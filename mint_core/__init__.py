@@ -5,15 +5,17 @@ A revision's life, one module per step:
 1. `model`: the base is the user's Hugging Face model folder (`model.base`); a PEFT LoRA is
    trained on it from the user's JSONL rows (`model.datasets`, `model.training`), or
    `model.imports` checks one trained elsewhere against it, tensor by tensor.
-2. `freezing`: its files are copied read-only under their digest; the bytes never change again.
-3. `packing`: its tensors go into safetensors shards plus an index with per-shard digests.
-4. `artifact_store`: the packed artifact is exported, content-addressed (a local folder or S3).
+2. `artifacts.freezing`: its files are copied read-only under their digest; the bytes never
+   change again.
+3. `artifacts.packing`: its tensors go into safetensors shards plus an index with per-shard
+   digests.
+4. `artifacts.stores`: the packed artifact is exported, content-addressed (a local folder or S3).
 5. `registry`: an MLflow model version (= revision `rN`) records the policy record
    (`revisions.PolicyRecord`) as tags and as a JSON artifact; no user can reach it yet.
-6. Workers follow the registry through a `catalog`, admit it (`admission`: K at a time,
-   rollbacks first), prewarm it into their `residency` tiers (host cache, then a device slot)
-   and report it ready (`states.Readiness`); once all do, the `production` alias moves to it
-   and users get it. `states.Stage` tracks each step.
+6. Workers follow the registry through a `catalog`, admit it (`planning.admission`: K at a
+   time, rollbacks first), prewarm it into their `planning.residency` tiers (host cache, then
+   a device slot) and report it ready (`states.Readiness`); once all do, the `production`
+   alias moves to it and users get it. `states.Stage` tracks each step.
 
 The names below are imported on first use, not with the package: `mint_core.model` brings
 torch and transformers and `mint_core.registry` brings MLflow (seconds), which a command such as

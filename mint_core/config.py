@@ -395,7 +395,7 @@ class MintConfig:
         "Principals a worker with `api_keys` lets use its admin endpoints (`/admin/...`: "
         "admit, sync, events) and see every revision in `/v1/adapters/{name}` "
         "(comma-separated). A worker without keys leaves all of that open.",
-        parse=_names,
+        parse=lambda text: _names(text) or (ADMIN,),  # "," names nobody: the default
         show=",".join,
         blank_is_default=True,
     )

@@ -1,0 +1,2 @@
+"""What workers can serve: the catalog of registered revisions, its sqlite index and the
+snapshots workers start from."""

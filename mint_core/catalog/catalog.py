@@ -9,7 +9,7 @@ failed, a name the catalog has not seen is refused at once (RegistryError) inste
 asked of a registry that is known not to answer, which would hold the request for as long as
 MLflow's client retries.
 
-What the catalog holds lives in a sqlite index (`catalog_index`), not in Python objects, so a
+What the catalog holds lives in a sqlite index (`catalog.index`), not in Python objects, so a
 million revisions cost what sqlite's page cache is allowed, plus a few thousand recently used
 records. A worker starts from the snapshot the control plane publishes in the artifact store
 (`build_snapshot`, `start_from_snapshot`) and syncs on from the snapshot's cursor; without one,
@@ -101,7 +101,7 @@ class Catalog:
 
     @property
     def index_path(self) -> Path:
-        """The index file: sqlite, `catalog_index`'s layout."""
+        """The index file: sqlite, `catalog.index`'s layout."""
         return self._index.path
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ One row per adapter (its base, last-updated time and canary share), per alias, a
 (its artifact, its policy record as compact JSON, its other tags). A lookup is a primary-key
 search in a B-tree: fast at a million revisions, and the memory it takes is sqlite's page cache
 (bounded here), not an object per revision. The same file is the catalog snapshot the control plane
-publishes (`catalog_snapshot`): a worker starts from a copy of it and keeps it current.
+publishes (`catalog.snapshot`): a worker starts from a copy of it and keeps it current.
 
 Workers look revisions up from many threads: one connection, used under a lock (a lookup holds
 it for microseconds; sqlite's own cache then serves every thread).

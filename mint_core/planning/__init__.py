@@ -1,0 +1,2 @@
+"""Pure plans, tested exactly: admission order, residency tiers, evaluation sets and scores,
+canary judging."""

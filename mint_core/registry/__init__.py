@@ -41,10 +41,6 @@ from mint_core.registry.moves import AliasMove, MoveRecord, moves_made
 from mint_core.registry.revisions import VERSIONS_PAGE, RegisteredRevision
 from mint_core.registry.runs import DatasetLog
 
-# The names tests knew these by before the registry became a package.
-_MoveRecord = MoveRecord
-_moves_made = moves_made
-
 __all__ = [
     "ACTIVATABLE",
     "ACTIVATED_AT_TAG",

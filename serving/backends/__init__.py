@@ -1,0 +1,1 @@
+"""What runs the model behind a worker: the Backend protocol, the embedded engine and vLLM."""

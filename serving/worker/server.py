@@ -81,6 +81,4 @@ def start_worker(
 ) -> ManagedProcess:
     """A worker in a child process on loopback; returns once `/health` answers (base loaded).
     `env`: more of its environment (e.g. the registry account it reads with)."""
-    # MINT_API_KEYS_FILE would add keys to the ones `config` already holds.
-    env = {"MINT_API_KEYS_FILE": ""} | dict(env or {})
     return start_mint("serve", "serving worker", "worker", config, port, timeout_s, env)

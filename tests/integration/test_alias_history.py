@@ -13,7 +13,7 @@ from mlflow.tracking import MlflowClient
 from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.errors import RegistryError
-from mint_core.registry import AliasMove, Registry, _MoveRecord, _moves_made
+from mint_core.registry import AliasMove, MoveRecord, Registry, moves_made
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from tests.helpers import make_policy
 
@@ -163,8 +163,8 @@ def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
 
 
 def test_history_keeps_done_moves_and_the_intents_the_alias_followed() -> None:
-    def record(number: int, before: int | None, to: int, done: bool) -> _MoveRecord:
-        return _MoveRecord(AliasMove(number, "", PRODUCTION, before, to, "", ""), done)
+    def record(number: int, before: int | None, to: int, done: bool) -> MoveRecord:
+        return MoveRecord(AliasMove(number, "", PRODUCTION, before, to, "", ""), done)
 
     records = [
         record(1, None, 1, done=True),
@@ -176,7 +176,7 @@ def test_history_keeps_done_moves_and_the_intents_the_alias_followed() -> None:
         record(6, 5, 2, done=True),
         record(7, 2, 4, done=False),  # killed before the alias moved: it is at r2 now
     ]
-    made = _moves_made(records, {PRODUCTION: 2})
+    made = moves_made(records, {PRODUCTION: 2})
     assert [(m.number, m.from_revision, m.to_revision) for m in made] == [
         (1, None, 1),
         (2, 1, 2),
