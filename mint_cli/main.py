@@ -114,11 +114,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"mint {command}: interrupted", file=sys.stderr)
             return 130
         except Exception as e:
-            if args.service:
-                # A service's terminal is its log (a child worker's is the log file its start
-                # error quotes): the traceback goes there, with the service's own lines.
+            if args.service and not isinstance(e, MintError):
+                # A service's terminal is its log (a child worker's is the file its start error
+                # quotes): an unexpected failure's traceback goes there, beside its own lines.
                 traceback.print_exception(e, file=sys.stderr)
-                log_path = None
             print(_failure_line(command, e, log_path), file=sys.stderr)
             return 1
     return 0
