@@ -71,19 +71,32 @@ def status_rows(config: MintConfig, fleet: Health | None = None) -> list[list[st
 
 
 def worker_rows(config: MintConfig, fleet: Health | None = None) -> list[list[str]]:
-    """A header row, then one row per worker, grouped by base: base, worker, backend, status."""
+    """A header row, then one row per worker, grouped by base: base, worker, backend, its host
+    and device tiers (held/bound, hits, misses, evictions since it started), status."""
     rows = []
     for worker, health in fleet if fleet is not None else fleet_health(config):
         if health is None:
-            rows.append(["?", worker.url, "?", "unreachable"])
+            rows.append(["?", worker.url, "?", "?", "?", "unreachable"])
         else:
             status = str(health["status"])
             held = health.get("held_alias_moves")
             for move in held if isinstance(held, list) else []:
                 status += f"; HELD {_held(move)}"
-            rows.append([str(health["base_model"]), worker.url, str(health["backend"]),
-                         status])  # fmt: skip
-    return [["base", "worker", "backend", "status"], *sorted(rows)]
+            tiers = health.get("tiers")
+            host, device = (_tier(tiers.get(t)) if isinstance(tiers, dict) else "?"
+                            for t in ("host", "device"))  # fmt: skip
+            rows.append([str(health["base_model"]), worker.url, str(health["backend"]), host,
+                         device, status])  # fmt: skip
+    return [["base", "worker", "backend", "host tier", "device tier", "status"], *sorted(rows)]
+
+
+def _tier(tier: object) -> str:
+    """One residency tier as `mint status` shows it: `7/8 hits 120 misses 3 evictions 2`."""
+    if not isinstance(tier, Mapping):
+        return "?"
+    bound = tier.get("capacity")
+    held = f"{tier['revisions']}/{bound}" if bound is not None else str(tier["revisions"])
+    return f"{held} hits {tier['hits']} misses {tier['misses']} evictions {tier['evictions']}"
 
 
 def _held(move: Mapping[str, object]) -> str:

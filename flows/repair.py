@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from mint_core.catalog.catalog import DESIRED_ALIASES
+from mint_core.catalog.catalog import SERVED_ALIASES
 from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, check_adapter_name
@@ -52,13 +52,15 @@ def repair(
     label_run(check_adapter_name(adapter))
     target = RevisionId(adapter, revision)
     registry = Registry(config.tracking_uri)
-    held = [alias for alias in registry.get(target).aliases if alias in DESIRED_ALIASES]
+    held = [alias for alias in registry.get(target).aliases if alias in SERVED_ALIASES]
     exported_again = ensure_exported(config, target)
+    workers = 0
     if held:
         with rollout_lock(adapter):
             serving = readmit_revision(config, target)
             wait_fleet_ready(config, target, READY_TIMEOUT_S, serving)
-    report = RepairReport(str(target), exported_again, len(config.worker_urls) if held else 0)
+        workers = len(serving.workers)
+    report = RepairReport(str(target), exported_again, workers)
     artifact = "exported again from its frozen files" if exported_again else "artifact intact"
     fleet = f"ready again on {report.workers} workers" if held else "no worker should hold it"
     registry.note_stage(target, actor, f"{reason}: {artifact}; {fleet}")

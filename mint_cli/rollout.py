@@ -203,6 +203,11 @@ def add_commands(commands: Commands) -> None:
     )
     gates.add_argument("--canary-max-p95-ratio", type=real("p95 ratio", 1, closed_low=True))
     gates.add_argument("--canary-max-score-drop", type=real("score drop", 0, 1, closed_low=True))
+    gates.add_argument(
+        "--replicas",
+        type=whole("replicas", minimum=0),
+        help="workers that hold each revision (0: the fleet's MINT_REPLICAS)",
+    )
     gates.set_defaults(run=cmd_gates, needs=(REGISTRY,))
 
     approve = commands.add_parser(

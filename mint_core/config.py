@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from mint_core.access import ADMIN, parse_api_keys
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseSource
+from mint_core.retraining import RetrainSchedule
 from mint_core.revisions import RevisionId, RevisionRef
 
 T = TypeVar("T")
@@ -59,34 +60,6 @@ class BackendKind(StrEnum):
     """MinT's own torch engine in the worker's process."""
     VLLM = "vllm"
     """A vLLM OpenAI server the worker starts and supervises."""
-
-
-@dataclass(frozen=True)
-class RetrainSchedule:
-    """Retrain `adapter` on the data at `data` (a path or s3:// URI, read afresh at each run) on
-    a cron schedule (a Prefect deployment serves it)."""
-
-    adapter: str
-    data: str
-    cron: str
-
-    def __str__(self) -> str:
-        return f"{self.adapter}|{self.data}|{self.cron}"
-
-    @classmethod
-    def parse_all(cls, text: str) -> tuple["RetrainSchedule", ...]:
-        """`adapter|data|cron` entries separated by `;`, e.g.
-        `support-bot|s3://team/support.jsonl|0 3 * * *;faq-bot|/data/faq.jsonl|30 3 * * 1`."""
-        schedules = []
-        for entry in filter(None, (part.strip() for part in text.split(";"))):
-            parts = [part.strip() for part in entry.split("|")]
-            if len(parts) != 3 or not all(parts) or len(parts[2].split()) != 5:
-                raise ConfigurationError(
-                    f"retrain schedule {entry!r} is not 'adapter|data file|<cron with 5 "
-                    "fields>', e.g. 'support-bot|/data/support.jsonl|0 3 * * *'"
-                )
-            schedules.append(cls(*parts))
-        return tuple(schedules)
 
 
 @dataclass(frozen=True)
@@ -357,6 +330,30 @@ class MintConfig:
         parse=_whole,
         blank_is_default=True,
     )
+    replicas: int = setting(
+        "MINT_REPLICAS",
+        1,
+        "Workers of its base that hold each revision (its placement, by rendezvous hashing "
+        "over the live workers), unless the adapter's gates say otherwise (`mint gates "
+        "--replicas`); hot revisions get more.",
+        parse=_whole,
+        blank_is_default=True,
+    )
+    hot_rate: float = setting(
+        "MINT_HOT_RATE",
+        20.0,
+        "Requests per second per replica above which a revision gets another replica (the "
+        "gateway's count); it gives it up again below half that.",
+        parse=float,
+        blank_is_default=True,
+    )
+    worker_url: str = setting(
+        "MINT_WORKER_URL",
+        "",
+        "A worker's own URL as MINT_WORKER_URLS names it, for placement (unset: "
+        "http://127.0.0.1:<its port>). A worker's peers are the other URLs there.",
+        parse=lambda text: text.strip().rstrip("/"),
+    )
     catalog_snapshots: int = setting(
         "MINT_CATALOG_SNAPSHOTS",
         DEFAULT_CATALOG_SNAPSHOTS,
@@ -430,9 +427,18 @@ class MintConfig:
             "max_batch",
             "admission_k",
             "catalog_snapshots",
+            "replicas",
         ):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.hot_rate <= 0:
+            raise ConfigurationError(
+                f"{variable('hot_rate')}={self.hot_rate:g} must be positive (requests per second)"
+            )
+        if self.worker_url and not self.worker_url.startswith(("http://", "https://")):
+            raise ConfigurationError(
+                f"{variable('worker_url')}={self.worker_url!r} must start with http:// or https://"
+            )
         if not self.admin_principals:
             raise ConfigurationError(
                 "admin_principals is empty; name at least one "

@@ -7,6 +7,7 @@ until an allowed reviewer answers; the canary margins judge a candidate on live 
 """
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Self
 
@@ -40,6 +41,9 @@ class Gates:
     """... or its p95 latency is more than this many times production's ..."""
     canary_max_score_drop: float = 0.1
     """... or its mean feedback score falls below production's by more than this."""
+    replicas: int = 0
+    """Workers of its base that hold each of its revisions (its placement); 0: the fleet's
+    setting (MINT_REPLICAS). Hot revisions get more whatever this says."""
 
     def __post_init__(self) -> None:
         for name in ("max_regression", "canary_max_error_increase", "canary_max_score_drop"):
@@ -50,6 +54,10 @@ class Gates:
             raise ConfigurationError(
                 f"canary_max_p95_ratio={self.canary_max_p95_ratio} must be 1 or more (a ratio "
                 "of the candidate's p95 latency to production's)"
+            )
+        if self.replicas < 0:
+            raise ConfigurationError(
+                f"replicas={self.replicas} must be 0 (the fleet's MINT_REPLICAS) or more"
             )
         if self.approval_timeout_s < 1:
             raise ConfigurationError(
@@ -96,3 +104,15 @@ class Gates:
         """A copy with `changes` (None values left out: an option not given changes nothing)."""
         values = asdict(self) | {k: v for k, v in changes.items() if v is not None}
         return type(self)(**values)  # __post_init__ makes `approvers` a tuple
+
+
+def replicas_of(tags: Mapping[str, str]) -> int:
+    """The replicas an adapter's gates set, from its registered model's tags; 0 (the fleet's
+    setting) when it has none, or gates this MinT cannot read (`mint gates` says why)."""
+    raw = tags.get(GATES_TAG)
+    if not raw:
+        return 0
+    try:
+        return Gates.from_json(raw).replicas
+    except (ConfigurationError, ValueError, TypeError):
+        return 0

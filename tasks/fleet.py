@@ -1,9 +1,13 @@
-"""The steps that put a registered revision in front of users, on the workers that serve its
-base: admit, prewarm (wait until each reports it ready), activate.
+"""The steps that put a registered revision in front of users, on the workers that are to hold
+it: admit, prewarm (wait until each reports it ready), activate.
 
-Which workers those are (`Fleet`) takes a registry read and every worker's `/health`: it is
-worked out once per roll-out, by the admit step (with its retries), which returns it, and
-passed to each later step. A step called without one (a test, a benchmark) works it out.
+Those workers (`Fleet`) are the revision's placement over the live workers of its base
+(`mint_core.planning.placement`, the same function the workers and the gateway use), and, when
+the adapter's `production` revision is ready on other workers, those too: the alias move then
+finds the new revision ready wherever the old one served, and causes no cold misses. Working
+them out takes a registry read and every worker's `/health`: it is done once per roll-out, by
+the admit step (with its retries), which returns it, and passed to each later step. A step
+called without one (a test, a benchmark) works it out.
 """
 
 import logging
@@ -14,10 +18,11 @@ from prefect.cache_policies import NO_CACHE
 
 from control.worker_client import WorkerClient
 from mint_core.config import READY_TIMEOUT_S, MintConfig
-from mint_core.errors import NotReadyError, ServiceError
+from mint_core.errors import NotFoundError, NotReadyError, ServiceError
+from mint_core.planning.placement import place
 from mint_core.registry import Registry, check_activatable
-from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId
-from mint_core.states import Stage
+from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
+from mint_core.states import Readiness, Stage
 from tasks.policies import transient
 from tasks.runs import run_log
 
@@ -26,27 +31,47 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Fleet:
-    """The workers that serve one base: only they admit, prewarm and activate its revisions,
-    and only they are waited for."""
+    """The workers that are to hold one revision: only they admit and prewarm it, and only
+    they are waited for."""
 
     base_digest: str
     workers: tuple[WorkerClient, ...]
 
 
 def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
-    """The workers in `config` that serve `revision`'s base; a worker names its base in
-    `/health`. ServiceError if one does not answer (it might serve that base: nothing is
-    guessed), NotReadyError if none serves the base."""
-    policy = Registry(config.tracking_uri).get(revision).policy
-    workers = [WorkerClient(url, config.worker_api_key) for url in config.worker_urls]
-    serving = [w for w in workers if w.health()["base_digest"] == policy.base_digest]
-    if not serving:
+    """The workers in `config` that are to hold `revision`: its placement over the live workers
+    of its base (a worker names its base in `/health`; one that does not answer is not live),
+    and the workers where the adapter's production revision is ready. NotReadyError if no live
+    worker serves the base."""
+    registry = Registry(config.tracking_uri)
+    policy = registry.get(revision).policy
+    live = {}
+    for url in config.worker_urls:
+        worker = WorkerClient(url, config.worker_api_key)
+        try:
+            if worker.health()["base_digest"] == policy.base_digest:
+                live[worker.url] = worker
+        except ServiceError as e:
+            log.warning("leaving out worker %s, which did not answer: %s", url, e)
+    if not live:
         raise NotReadyError(
-            f"no worker in MINT_WORKER_URLS ({', '.join(config.worker_urls)}) serves the base of "
-            f"{revision}, {policy.base_model_id} ({policy.base_digest}): start one with "
-            "MINT_BASE_MODEL set to that base and add its URL"
+            f"no worker in MINT_WORKER_URLS ({', '.join(config.worker_urls)}) that answers serves "
+            f"the base of {revision}, {policy.base_model_id} ({policy.base_digest}): start one "
+            "with MINT_BASE_MODEL set to that base and add its URL"
         )
-    return Fleet(policy.base_digest, tuple(serving))
+    replicas = registry.gates(revision.adapter).replicas or config.replicas
+    targets = set(place(str(revision), list(live), replicas))
+    serving = _production(registry, revision)
+    if serving is not None and serving != revision:
+        targets |= {url for url, w in live.items() if w.readiness(serving)[0] is Readiness.READY}
+    return Fleet(policy.base_digest, tuple(live[url] for url in sorted(targets)))
+
+
+def _production(registry: Registry, revision: RevisionId) -> RevisionId | None:
+    try:
+        return registry.resolve(RevisionRef(revision.adapter, alias=PRODUCTION)).id
+    except NotFoundError:
+        return None
 
 
 def fleet_for(config: MintConfig, revision: RevisionId, fleet: Fleet | None = None) -> Fleet:
@@ -64,9 +89,10 @@ def fleet_for(config: MintConfig, revision: RevisionId, fleet: Fleet | None = No
 def admit_revision(
     config: MintConfig, revision: RevisionId, rollback: bool = False, fleet: Fleet | None = None
 ) -> Fleet:
-    """Make `revision` the adapter's `candidate` (workers that restart take it in again) and
-    queue it on every worker of its base; a rollback goes to the front of their queues. The
-    fleet that took it in (`fleet`, else resolved here): the roll-out's later steps use it."""
+    """Make `revision` the adapter's `candidate` (workers of its placement that restart take it
+    in again) and queue it on the workers that are to hold it; a rollback goes to the front of
+    their queues. The fleet that took it in (`fleet`, else resolved here): the roll-out's later
+    steps use it."""
     fleet = fleet_for(config, revision, fleet)
     registry = Registry(config.tracking_uri)
     registry.point_alias(revision, CANDIDATE)
@@ -84,8 +110,8 @@ def admit_revision(
     retry_condition_fn=transient,
 )
 def readmit_revision(config: MintConfig, revision: RevisionId, fleet: Fleet | None = None) -> Fleet:
-    """Queue `revision` again on every worker of its base, ahead of anything else: one that
-    failed it takes it again, one that has it ready keeps it. Its stage and aliases stay as
+    """Queue `revision` again on the workers that are to hold it, ahead of anything else: one
+    that failed it takes it again, one that has it ready keeps it. Its stage and aliases stay as
     they are. The fleet that took it in, as `admit_revision`."""
     fleet = fleet_for(config, revision, fleet)
     for worker in fleet.workers:
@@ -109,8 +135,8 @@ def prewarm_revision(
 def wait_fleet_ready(
     config: MintConfig, revision: RevisionId, timeout_s: float, fleet: Fleet | None = None
 ) -> None:
-    """Return once every worker of `revision`'s base reports it ready; NotReadyError naming
-    each worker that failed it, never admitted it, or ran out of time."""
+    """Return once every worker that is to hold `revision` reports it ready; NotReadyError
+    naming each worker that failed it, never admitted it, or ran out of time."""
     problems = []
     for worker in fleet_for(config, revision, fleet).workers:
         try:
@@ -132,10 +158,11 @@ def activate_revision(
     approver: str = "",
     fleet: Fleet | None = None,
 ) -> None:
-    """Move `alias` to `revision` once every worker of its base reports it ready (waiting up to
-    `timeout_s`); if one fails it or time runs out, the alias stays where it was. Then nudge
-    the workers, so they switch new requests at once instead of at their next sync. `approver`
-    (who approved this roll-out, if its gates asked) is recorded on the move."""
+    """Move `alias` to `revision` once every worker that is to hold it reports it ready
+    (waiting up to `timeout_s`); if one fails it or time runs out, the alias stays where it
+    was. Then nudge the workers, so they switch new requests at once instead of at their next
+    sync. `approver` (who approved this roll-out, if its gates asked) is recorded on the
+    move."""
     registry = Registry(config.tracking_uri)
     check_activatable(registry.get(revision))
     try:

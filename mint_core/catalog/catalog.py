@@ -25,6 +25,7 @@ import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from mint_core.alias_intents import HeldMove
@@ -39,7 +40,10 @@ from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, Revis
 
 log = logging.getLogger(__name__)
 
-DESIRED_ALIASES = (PRODUCTION, CANDIDATE, CANARY)
+ROLLOUT_ALIASES = (CANDIDATE, CANARY)
+"""Aliases on revisions being rolled out: their placement takes them in whatever else it holds."""
+SERVED_ALIASES = (PRODUCTION, *ROLLOUT_ALIASES)
+"""Aliases whose revisions the fleet serves."""
 _OVERLAP_MS = 2000
 """Each sync asks again for this much of the time before the last change it saw: two changes
 in one millisecond, or a commit that lands late, are not missed. Seeing one twice is harmless."""
@@ -52,6 +56,19 @@ it (one request per thousand adapters)."""
 RECENT_RECORDS = 4096
 """Records kept as objects, most recently used: the revisions a worker serves, without a
 lookup in the index each time."""
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """What the registry wants served on one base (`Catalog.wanted`)."""
+
+    rollout: frozenset[RevisionId]
+    """`candidate` and `canary` revisions: their placement takes them in."""
+    production: frozenset[RevisionId]
+    """`production` revisions: their placement takes them in while it has room; the rest
+    come by demand."""
+    pins: frozenset[RevisionId]
+    """Held by every worker whatever the aliases say."""
 
 
 class Catalog:
@@ -88,9 +105,11 @@ class Catalog:
         self._close = weakref.finalize(self, _close_index, self._index)
         self._recent: OrderedDict[RevisionId, RegisteredRevision] = OrderedDict()
         self._changes = 0
-        """How many times what the index holds has changed: `desired()`'s answer is kept
+        """How many times what the index holds has changed: `wanted()`'s answer is kept
         until it does (or the base is changed)."""
-        self._desired: tuple[tuple[int, str | None], frozenset[RevisionId]] | None = None
+        self._wanted: tuple[tuple[int, str | None], Wanted] | None = None
+        self._replicas: tuple[int, dict[str, int]] = (-1, {})
+        """Adapters whose gates set their replicas, as of a count of `_changes`."""
         self._lock = threading.Lock()
         self.snapshot: Snapshot | None = None
         """The snapshot this catalog started from, if any."""
@@ -160,18 +179,39 @@ class Catalog:
             )
         return self.registry
 
-    def desired(self) -> set[RevisionId]:
-        """What this worker should hold: the `production`, `candidate` and `canary` revisions
-        of every adapter on its base, and the pins. Asked every sync interval: the index is queried
-        only after a sync brought changes."""
+    def wanted(self) -> "Wanted":
+        """What the registry wants served on this worker's base: the revisions being rolled
+        out (`candidate`, `canary`), the `production` ones, and the pins. Asked every sync
+        interval: the index is queried only after a sync brought changes."""
         with self._lock:
             key = (self._changes, self.base_digest)
-            kept = self._desired[1] if self._desired and self._desired[0] == key else None
+            kept = self._wanted[1] if self._wanted and self._wanted[0] == key else None
         if kept is None:
-            kept = frozenset(self._index.named(DESIRED_ALIASES, self.base_digest))
+            kept = Wanted(
+                rollout=frozenset(self._index.named(ROLLOUT_ALIASES, self.base_digest)),
+                production=frozenset(self._index.named((PRODUCTION,), self.base_digest)),
+                pins=self.pins,
+            )
             with self._lock:
-                self._desired = (key, kept)  # if a change came meanwhile, `key` is already old
-        return set(kept | self.pins)
+                self._wanted = (key, kept)  # if a change came meanwhile, `key` is already old
+        return kept
+
+    def desired(self) -> set[RevisionId]:
+        """Every revision `wanted` names: production, candidate and canary revisions of this
+        worker's base, and the pins."""
+        wanted = self.wanted()
+        return set(wanted.rollout | wanted.production | wanted.pins)
+
+    def replicas(self, adapter: str) -> int:
+        """How many workers hold each revision of `adapter`, as its gates say; 0: the fleet's
+        setting. From memory: placement asks it for every revision at each sync."""
+        with self._lock:
+            kept = self._replicas if self._replicas[0] == self._changes else None
+        if kept is None:
+            kept = (self._changes, self._index.replicas_set())
+            with self._lock:
+                self._replicas = kept
+        return kept[1].get(adapter, 0)
 
     def alias_target(self, adapter: str, alias: str) -> int | None:
         return self._index.alias_target(adapter, alias)

@@ -28,11 +28,11 @@ from mint_core.registry import (
 )
 from mint_core.revisions import CANARY, TAG_PREFIX, PolicyRecord, RevisionId
 
-FORMAT = 3
+FORMAT = 4
 """The index's layout; a file of another format is refused (rebuild the snapshot). 2: adapters
 carry their canary share; 3: aliases are the ones the pipeline moved, and the held moves are
-kept beside them (`mint_core.alias_intents`). A worker refusing an older snapshot reads the
-registry instead."""
+kept beside them (`mint_core.alias_intents`); 4: adapters carry their replicas. A worker
+refusing an older snapshot reads the registry instead."""
 CACHE_KIB = 16 << 10
 """sqlite's page cache per index: what its memory is bounded by, whatever it indexes."""
 _POLICY_TAGS = frozenset(TAG_PREFIX + spec.name for spec in fields(PolicyRecord))
@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS adapters (
     name TEXT PRIMARY KEY,
     base TEXT NOT NULL,
     updated_ms INTEGER NOT NULL,
-    canary_percent REAL
+    canary_percent REAL,
+    replicas INTEGER NOT NULL
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS adapters_by_base ON adapters (base);
 CREATE TABLE IF NOT EXISTS aliases (
@@ -158,8 +159,11 @@ class CatalogIndex:
         with self._lock, self._db:
             self._db.execute("BEGIN")
             self._db.executemany(
-                "INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?)",
-                [(a.adapter, a.base_digest, a.updated_ms, a.canary_percent) for a in adapters],
+                "INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?, ?)",
+                [
+                    (a.adapter, a.base_digest, a.updated_ms, a.canary_percent, a.replicas)
+                    for a in adapters
+                ],
             )
             self._db.executemany(
                 "DELETE FROM aliases WHERE adapter = ?", [(a.adapter,) for a in adapters]
@@ -218,6 +222,15 @@ class CatalogIndex:
             else:
                 rows = self._db.execute(query + " WHERE adapter = ?", (adapter,)).fetchall()
         return [HeldMove(*row) for row in rows]
+
+    def replicas_set(self) -> dict[str, int]:
+        """Adapter -> how many workers hold each of its revisions, for the adapters whose gates
+        set it (the others follow the fleet's setting)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT name, replicas FROM adapters WHERE replicas > 0"
+            ).fetchall()
+        return dict(rows)
 
     def canary(self, adapter: str) -> tuple[int, float] | None:
         """The revision number `adapter@canary` names and its share in percent; None unless

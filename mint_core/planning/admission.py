@@ -1,9 +1,10 @@
-"""Which revisions a worker prewarms next: at most K at once, rollbacks first.
+"""Which revisions a worker prewarms next: at most K at once, rollbacks first, then demand.
 
 A new revision's first load is slow and competes with running requests for the machine, so a
 worker prewarms only a few at a time (K, default 1) and queues the rest. A rollback jumps the
-queue: it is the fix for something already hurting users. Within a priority, first come first
-served. This module only decides; the worker's prewarm threads carry it out.
+queue: it is the fix for something already hurting users. A revision a request is waiting for
+(demand) comes next: a client was told to come back in a moment. Within a priority, first come
+first served. This module only decides; the worker's prewarm threads carry it out.
 """
 
 from collections.abc import Hashable
@@ -23,8 +24,10 @@ class Priority(IntEnum):
 
     ROLLBACK = 0
     """Re-activating an earlier revision."""
-    NORMAL = 1
-    """A new revision, or one that left the host cache."""
+    DEMAND = 1
+    """A revision a request asked for while it was ready nowhere."""
+    NORMAL = 2
+    """A new revision, or one placed on this worker."""
 
 
 @dataclass
@@ -74,6 +77,10 @@ class AdmissionQueue(Generic[Key]):
     def position(self, key: Key) -> int | None:
         """0 for the next to start; None if `key` is not waiting."""
         return next((i for i, (_, _, k) in enumerate(self._queued) if k == key), None)
+
+    def __len__(self) -> int:
+        """Revisions queued or prewarming."""
+        return len(self._queued) + len(self._prewarming)
 
     @property
     def prewarming(self) -> frozenset[Key]:

@@ -1,10 +1,10 @@
 """Where a ready revision's weights are: the plan of MinT's three residency tiers.
 
 1. **catalog**: every registered revision is addressable (the registry); holding nothing.
-2. **host cache**: verified weights in host memory, least recently used evicted first, bounded
-   in bytes. A revision is ready on a worker only while it is here. The plan holds the weights
-   themselves (opaque values to it), so what the table says is what the worker holds: a revision
-   that does not fit is never half taken in.
+2. **host cache**: verified weights in host memory, bounded in bytes and in revisions. A
+   revision is ready on a worker only while it is here. The plan holds the weights themselves
+   (opaque values to it), so what the table says is what the worker holds: a revision that does
+   not fit is never half taken in.
 3. **device slots**: a fixed number of slots beside the resident base. A request pins the slot
    of its adapter while it runs; a load takes a free slot, else the least recently used
    unpinned one. When every slot is pinned, the request waits; it never fails for it.
@@ -12,14 +12,24 @@
 The tiers are inclusive: a device slot only holds a revision the host cache holds, and
 evicting a revision from the host frees its (unpinned) slot too.
 
+**The host tier is a cache**: when room is needed, the revision that leaves is the one with the
+lowest LRFU score (Lee et al., 2001: each use adds 1 to a score that halves every
+`half_life_s`, so it weighs how often and how recently a revision was used), the least recently
+used first among equals. Never one that is serving (a request pins its slot), warming (taken in,
+not yet ready: `settle` ends that), fresh (ready, and not yet used by the request that brought
+it: for up to `FRESH_S`), or protected (the worker's pins). When nothing can leave, the new
+revision is refused (`HostTierFull`) and nothing moves.
+
 This module decides and keeps the host tier. `Residency` answers what to load, where, and what
 that evicts; the worker carries that out (copies tensors into slots, clears them). Keys are
 opaque strings (revision ids). Thread-safe: the prewarm threads, the scheduler and the HTTP
-handlers share one plan.
+handlers share one plan. The clock is the caller's (a simulation drives the same plan).
 """
 
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
@@ -81,10 +91,28 @@ class _Slot:
     pins: int = 0
 
 
-@dataclass(frozen=True)
+class HostTierFull(NotReadyError):
+    """Every revision in the host tier is serving, warming, fresh or protected: nothing can
+    leave for a new one now. Not the new revision's fault: it can be admitted again later."""
+
+
+@dataclass
 class _Held(Generic[Weights]):
     weights: Weights
     nbytes: int
+    score: float
+    """The LRFU score as of `used`."""
+    used: float
+    """The clock's time of the last use (or of the load)."""
+
+
+DEFAULT_HALF_LIFE_S = 300.0
+"""How long it takes a use to count half as much in the host tier's LRFU score: long enough
+that a steadily used revision outranks a burst of one-off ones, short enough that yesterday's
+favourite gives way."""
+FRESH_S = 10.0
+"""How long a revision just made ready waits for the request that brought it (a client told to
+retry after a moment) before it may be evicted unused."""
 
 
 @dataclass
@@ -95,15 +123,26 @@ class Residency(Generic[Weights]):
     host_capacity_bytes: int
     device_slots: int
     host_capacity_entries: int | None = None
-    """Most revisions the host tier holds, whatever their size (None: bytes alone bound it).
-    An engine whose host cache counts adapters (vLLM's `--max-cpu-loras`) sets it."""
+    """Most revisions the host tier holds, whatever their size (None: bytes alone bound it)."""
+    half_life_s: float = DEFAULT_HALF_LIFE_S
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     _host: OrderedDict[str, _Held[Weights]] = field(default_factory=OrderedDict, init=False)
-    """key -> weights and their size, least recently used first."""
+    """key -> weights, size and score, least recently used first."""
     _slots: dict[int, _Slot] = field(default_factory=dict, init=False)
+    _slot_by_key: dict[str, int] = field(default_factory=dict, init=False)
     _slot_use: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
     """Occupied slots, least recently used first."""
     _leaving: set[str] = field(default_factory=set, init=False)
     """Keys `leave` was asked for while requests pinned them: they go at the last release."""
+    _warming: set[str] = field(default_factory=set, init=False)
+    """Keys taken in and not yet `settle`d."""
+    _fresh: dict[str, float] = field(default_factory=dict, init=False)
+    """Keys settled and not used since -> when they settled."""
+    _protected: frozenset[str] = field(default=frozenset(), init=False)
+    _holds: dict[str, int] = field(default_factory=dict, init=False)
+    """Key -> requests using it without a device slot here (an engine with slots of its own,
+    vLLM): like a pin, it keeps the revision in the host tier."""
+    _bytes: int = field(default=0, init=False)
     counters: dict[Tier, TierCounters] = field(
         default_factory=lambda: {tier: TierCounters() for tier in Tier}, init=False
     )
@@ -124,41 +163,67 @@ class Residency(Generic[Weights]):
     # Host tier.
 
     def put_host(self, key: str, weights: Weights, nbytes: int) -> list[str]:
-        """Take `key`'s `weights` (`nbytes` of host memory) into the host cache, evicting least
-        recently used revisions that are not in a pinned slot until it fits; returns the evicted
-        keys (their slots are freed too). ConfigurationError if it cannot fit even then; nothing
-        is evicted or kept in that case. A key already held keeps its weights."""
+        """Take `key`'s `weights` (`nbytes` of host memory) into the host cache, warming until
+        `settle`; returns the keys evicted to make room (lowest score first; their slots are
+        freed too). ConfigurationError if it could never fit (larger than the whole cache),
+        HostTierFull if it cannot now; nothing is evicted or kept in either case. A key already
+        held keeps its weights."""
         with self._lock:
             if key in self._host:
-                self._host.move_to_end(key)
+                self._use(key)
                 self._leaving.discard(key)  # taken in again before it could leave
                 return []
-            victims: list[str] = []
-            free = self.host_capacity_bytes - self._bytes()
+            if nbytes > self.host_capacity_bytes:
+                raise ConfigurationError(
+                    f"{key} needs {nbytes} bytes of host cache, more than all of it "
+                    f"({self.host_capacity_bytes}): raise the host cache capacity "
+                    "(MINT_HOST_CACHE_MB)"
+                )
             entries = self.host_capacity_entries or len(self._host) + 1
-            for candidate, held in self._host.items():
-                if free >= nbytes and len(self._host) - len(victims) < entries:
-                    break
-                if self._pins(candidate) == 0:
-                    victims.append(candidate)
-                    free += held.nbytes
-            if len(self._host) - len(victims) >= entries:
-                raise ConfigurationError(
-                    f"{key} does not fit: the host cache holds at most {entries} revisions "
-                    "and the others are pinned by running requests: raise MINT_HOST_ADAPTERS"
-                )
-            if free < nbytes:
-                raise ConfigurationError(
-                    f"{key} needs {nbytes} bytes of host cache; {free} can be freed of "
-                    f"{self.host_capacity_bytes} (the rest is pinned by running requests): "
-                    "raise the host cache capacity (MINT_HOST_CACHE_MB)"
-                )
+            free = self.host_capacity_bytes - self._bytes
+            victims: list[str] = []
+            candidates = iter(self._eviction_order())
+            while free < nbytes or len(self._host) - len(victims) >= entries:
+                victim = next(candidates, None)
+                if victim is None:
+                    raise HostTierFull(
+                        f"{key} does not fit in the host cache now ({len(self._host)} of "
+                        f"{entries} revisions, {self._bytes} of {self.host_capacity_bytes} "
+                        "bytes) and every revision in it is serving, warming or pinned: it is "
+                        "admitted again once one can leave (or raise MINT_HOST_ADAPTERS, "
+                        "MINT_HOST_CACHE_MB)"
+                    )
+                victims.append(victim)
+                free += self._host[victim].nbytes
             for victim in victims:
                 self._drop(victim)
                 self.counters[Tier.HOST].evictions += 1
-            self._host[key] = _Held(weights, nbytes)
+            self._host[key] = _Held(weights, nbytes, 1.0, self.clock())
+            self._bytes += nbytes
+            self._warming.add(key)
             self.counters[Tier.HOST].loads += 1
             return victims
+
+    def settle(self, key: str) -> None:
+        """`key` is ready (or gave up): it no longer counts as warming, and waits `FRESH_S`
+        at most for its first use before it may be evicted."""
+        with self._lock:
+            if key in self._warming:
+                self._warming.discard(key)
+                self._fresh[key] = self.clock()
+
+    def protect(self, keys: Iterable[str]) -> None:
+        """Never evict these keys (the worker's pins) while they are held; replaces the last
+        set given."""
+        with self._lock:
+            self._protected = frozenset(keys)
+
+    def room(self) -> int:
+        """Revisions the host tier can take without evicting any (bytes permitting)."""
+        with self._lock:
+            if self.host_capacity_entries is None:
+                return 1 if self._bytes < self.host_capacity_bytes else 0
+            return max(0, self.host_capacity_entries - len(self._host))
 
     def drop_host(self, key: str) -> bool:
         """Forget `key` (and its slot) unless a request pins it; True if it was dropped."""
@@ -196,18 +261,20 @@ class Residency(Generic[Weights]):
 
     # Device tier.
 
-    def acquire(self, key: str) -> SlotGrant | None:
+    def acquire(self, key: str, use: bool = True) -> SlotGrant | None:
         """Pin a device slot for one request for `key`: the slot already holding it (a hit),
         else a free slot, else the least recently used unpinned one. None when every slot is
-        pinned: the request waits. NotReadyError if the host cache does not hold `key`."""
+        pinned: the request waits. NotReadyError if the host cache does not hold `key`. `use`
+        False (a warm-up's own generation): not a use of the revision, for the host tier's
+        score."""
         with self._lock:
             if key not in self._host or key in self._leaving:
                 self.counters[Tier.HOST].misses += 1
                 raise NotReadyError(f"{key} is not in this worker's host cache")
-            slot = self._slot_of(key)
+            slot = self._slot_by_key.get(key)
             if slot is not None:
                 self.counters[Tier.DEVICE].hits += 1
-                return self._pin(key, slot, load=False)
+                return self._pin(key, slot, use, load=False)
             free = next((s for s in range(1, self.device_slots + 1) if s not in self._slots), None)
             evicted = None
             if free is None:
@@ -215,30 +282,59 @@ class Residency(Generic[Weights]):
                 if free is None:
                     return None  # counted when it is granted
                 evicted = self._slots.pop(free).key
+                del self._slot_by_key[evicted]
                 del self._slot_use[free]
                 self.counters[Tier.DEVICE].evictions += 1
             # A device load reads the host copy: a host hit.
             self.counters[Tier.HOST].hits += 1
             self.counters[Tier.DEVICE].misses += 1
             self.counters[Tier.DEVICE].loads += 1
-            return self._pin(key, free, load=True, evicted=evicted)
+            return self._pin(key, free, use, load=True, evicted=evicted)
 
     def release(self, key: str) -> bool:
         """Unpin one use of `key`'s slot (a request finished). True if that was the last pin of
         a key `leave` was asked for: it has left both tiers now."""
         with self._lock:
-            slot = self._slot_of(key)
+            slot = self._slot_by_key.get(key)
             if slot is None or self._slots[slot].pins == 0:
                 raise ConfigurationError(f"{key} holds no pinned device slot to release")
             self._slots[slot].pins -= 1
-            if self._slots[slot].pins == 0 and key in self._leaving:
+            if self._pins(key) == 0 and key in self._leaving:
                 self._drop(key)
                 return True
             return False
 
     def slot_of(self, key: str) -> int | None:
         with self._lock:
-            return self._slot_of(key)
+            return self._slot_by_key.get(key)
+
+    def hold(self, key: str, use: bool = True) -> None:
+        """A request uses `key` on an engine that keeps its own device slots (vLLM): it stays
+        in the host tier until `unhold`. NotReadyError if the host cache does not hold it."""
+        with self._lock:
+            if key not in self._host or key in self._leaving:
+                self.counters[Tier.HOST].misses += 1
+                raise NotReadyError(f"{key} is not in this worker's host cache")
+            self.counters[Tier.HOST].hits += 1
+            self._holds[key] = self._holds.get(key, 0) + 1
+            if use:
+                self._use(key)
+
+    def unhold(self, key: str) -> bool:
+        """The request `hold` counted finished. True if that was the last use of a key `leave`
+        was asked for: it has left the host tier now."""
+        with self._lock:
+            held = self._holds.get(key, 0)
+            if held == 0:
+                raise ConfigurationError(f"{key} is not held by a request")
+            if held == 1:
+                del self._holds[key]
+            else:
+                self._holds[key] = held - 1
+            if held == 1 and key in self._leaving and self._pins(key) == 0:
+                self._drop(key)
+                return True
+            return False
 
     # Tables, for tests, status and metrics.
 
@@ -255,32 +351,62 @@ class Residency(Generic[Weights]):
     @property
     def host_bytes(self) -> int:
         with self._lock:
-            return self._bytes()
+            return self._bytes
+
+    @property
+    def host_revisions(self) -> int:
+        with self._lock:
+            return len(self._host)
 
     # Internals; the caller holds the lock.
 
-    def _bytes(self) -> int:
-        return sum(held.nbytes for held in self._host.values())
+    def _eviction_order(self) -> list[str]:
+        """The keys that may leave the host tier now, the first to go first."""
+        now = self.clock()
+        expired = [key for key, since in self._fresh.items() if now - since >= FRESH_S]
+        for key in expired:
+            del self._fresh[key]
+        movable = [
+            (held.score * 0.5 ** ((now - held.used) / self.half_life_s), held.used, key)
+            for key, held in self._host.items()
+            if key not in self._warming
+            and key not in self._fresh
+            and key not in self._protected
+            and self._pins(key) == 0
+        ]
+        return [key for _, _, key in sorted(movable)]
 
-    def _slot_of(self, key: str) -> int | None:
-        return next((s for s, e in self._slots.items() if e.key == key), None)
+    def _use(self, key: str) -> None:
+        """A use of `key`: its score, its place in the recency order."""
+        held = self._host[key]
+        now = self.clock()
+        held.score = held.score * 0.5 ** ((now - held.used) / self.half_life_s) + 1.0
+        held.used = now
+        self._host.move_to_end(key)
+        self._fresh.pop(key, None)
 
     def _pins(self, key: str) -> int:
-        slot = self._slot_of(key)
-        return 0 if slot is None else self._slots[slot].pins
+        slot = self._slot_by_key.get(key)
+        return self._holds.get(key, 0) + (0 if slot is None else self._slots[slot].pins)
 
-    def _pin(self, key: str, slot: int, load: bool, evicted: str | None = None) -> SlotGrant:
-        self._host.move_to_end(key)
+    def _pin(
+        self, key: str, slot: int, use: bool, load: bool, evicted: str | None = None
+    ) -> SlotGrant:
+        if use:
+            self._use(key)
         entry = self._slots.setdefault(slot, _Slot(key))
+        self._slot_by_key[key] = slot
         entry.pins += 1
         self._slot_use[slot] = None
         self._slot_use.move_to_end(slot)
         return SlotGrant(key, slot, load, evicted)
 
     def _drop(self, key: str) -> None:
-        del self._host[key]
+        self._bytes -= self._host.pop(key).nbytes
         self._leaving.discard(key)
-        slot = self._slot_of(key)
+        self._warming.discard(key)
+        self._fresh.pop(key, None)
+        slot = self._slot_by_key.pop(key, None)
         if slot is not None:
             del self._slots[slot]
             del self._slot_use[slot]

@@ -5,6 +5,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mint_core.alias_intents import AliasIntent, HeldMove, intents_of, sanctioned
+from mint_core.gates import replicas_of
 from mint_core.registry._mlflow import ADAPTER_KIND, BASE_DIGEST_TAG, KIND_TAG, MlflowStore
 from mint_core.registry.canary import canary_percent
 
@@ -28,6 +29,8 @@ class AdapterAliases:
     """The share of `production`'s requests sent to the `canary` revision; None: no canary."""
     intents: Mapping[str, AliasIntent] = field(default_factory=dict)
     """Alias -> the pipeline's last move of it."""
+    replicas: int = 0
+    """Workers that hold each of its revisions, as its gates say; 0: the fleet's setting."""
 
     def sanctioned(self) -> tuple[dict[str, int], list[HeldMove]]:
         """The aliases workers serve (those the pipeline moved) and the held moves."""
@@ -64,6 +67,7 @@ class Changes(MlflowStore):
                                 model.tags.get(BASE_DIGEST_TAG, ""),
                                 canary_percent(model),
                                 intents_of(model.tags),
+                                replicas_of(model.tags),
                             )
                         )
                 page_token = page.token

@@ -14,6 +14,9 @@ class AdapterGates(MlflowStore):
         return Gates.from_json(raw) if raw else Gates()
 
     def set_gates(self, adapter: str, gates: Gates) -> None:
-        self._model(adapter, "; release its first revision, then set its gates")
+        model = self._model(adapter, "; release its first revision, then set its gates")
         with self._failing(f"set the gates of {adapter!r}"):
             self._client.set_registered_model_tag(adapter, GATES_TAG, gates.to_json())
+            # A tag leaves the model's last-updated time as it was: touching the description
+            # (unchanged) moves it, so workers see new replicas at their next sync.
+            self._client.update_registered_model(adapter, description=model.description or "")

@@ -10,14 +10,14 @@ How MinT's lifecycle maps onto vLLM:
 - **load** (prewarm phase 2): `POST /v1/load_lora_adapter` with `lora_name` = the exact
   revision (`name:rN`). What vLLM refuses (a rank over `--max-lora-rank`, DoRA, modules it
   cannot adapt; it answers 500 for most) fails the revision with vLLM's own message.
-- **unload** (eviction): `POST /v1/unload_lora_adapter`.
+- **unload** (eviction of an idle revision; a generation `hold`s its): `/v1/unload_lora_adapter`.
 - **generation**: `POST /v1/completions`, streamed, with the prompt as the base's token ids
   (MinT tokenizes and applies the chat template, so both backends see the same tokens),
   `model` = the exact revision, the base's end-of-sequence ids as stop tokens, and the token
   ids and logprobs of each piece. The generation ends where MinT's rules say (EOS, stop
-  string, length: `serving.engine.generation.Request`); the stream is closed there, which aborts the
-  request inside vLLM. vLLM never sees a request for a revision the gate did not pass, and a
-  name it does not know answers 404, never the base in its place.
+  string, length: `serving.engine.generation.Request`); the stream is closed there, which
+  aborts it inside vLLM. vLLM sees no request for a revision the gate did not pass, and a name
+  it does not know answers 404, never the base in its place.
 - **health**: a supervisor thread watches the process. If vLLM dies or stops answering, the
   backend reports the problem (`/health` says `degraded`), tells the worker the adapters of
   that engine generation are lost, and starts vLLM again with backoff, as the next
@@ -278,7 +278,10 @@ class VllmBackend:
             raise EngineUnavailableError(f"vLLM's engine is down ({doing})")
 
     def unload(self, key: str) -> None:
-        self.residency.drop_host(key)
+        if self.residency.leave(key) or not self.residency.in_host(key):
+            self._unload(key)
+
+    def _unload(self, key: str) -> None:
         if self._problem is None:
             # A vLLM that went away meanwhile holds nothing once it is back.
             with contextlib.suppress(EngineUnavailableError):
@@ -345,7 +348,11 @@ class VllmBackend:
         with self._lock:
             self._waiting -= 1
             self._running += 1
+        held = False
         try:
+            if request.key != BASE:  # held while it runs: never evicted (unloaded) under it
+                self.residency.hold(request.key, use=not request.warm_up)
+                held = True
             if not request.done:  # else cancelled while it waited: vLLM never hears of it
                 self._generate(request, stream)
         except httpx.TransportError as e:
@@ -356,6 +363,8 @@ class VllmBackend:
             log.exception("generation for %s failed", request.key)
             request.fail(ServiceError(f"generation through vLLM failed: {type(e).__name__}: {e}"))
         finally:
+            if held and self.residency.unhold(request.key):
+                self._unload(request.key)  # it was asked to leave while this ran
             with self._lock:
                 self._running -= 1
 

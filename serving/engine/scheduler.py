@@ -195,7 +195,7 @@ class Scheduler:
                 if copied and self.residency.slot_of(request.key) is None:
                     continue  # one copy per step
                 try:
-                    grant = self.residency.acquire(request.key)
+                    grant = self.residency.acquire(request.key, use=not request.warm_up)
                 except NotReadyError as e:  # evicted from the host cache since it was routed
                     self._unqueue(request)
                     request.fail(e)

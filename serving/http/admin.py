@@ -18,7 +18,7 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 class AdmitRequest(BaseModel):
     adapter: str
     revision: int = Field(ge=1)
-    priority: Literal["normal", "rollback"] = "normal"
+    priority: Literal["normal", "rollback", "demand"] = "normal"
 
 
 @router.post("/admit", status_code=202)

@@ -11,6 +11,7 @@ Values echoed in messages are cut short (`shorten`): a caller may send anything,
 length, and an error message is no place to send it all back.
 """
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,16 @@ LISTED_FIELDS = 5
 """Most refused fields one validation error names."""
 _LONG_RUN = re.compile(rf"\S{{{ECHO_LIMIT + 1},}}")
 _RETRY = {"Retry-After": str(RETRY_AFTER_S)}
+
+
+def retry_after(seconds: float | None) -> dict[str, str]:
+    """The headers that tell a client when to try again: `Retry-After` in whole seconds (HTTP's
+    only form) and `Retry-After-Ms` in milliseconds (as OpenAI's API sends it, and its clients
+    honour it first), so a wait shorter than a second is not rounded up to one."""
+    if seconds is None:
+        return dict(_RETRY)
+    whole = max(1, math.ceil(seconds))
+    return {"Retry-After": str(whole), "Retry-After-Ms": str(round(seconds * 1000))}
 
 
 def clip(text: str, limit: int = ECHO_LIMIT) -> str:
@@ -105,7 +116,9 @@ def error_response(e: Exception, request: Request | None = None) -> ErrorRespons
         case BaseMismatchError():
             return ErrorResponse(409, "base_mismatch", str(e))
         case RevisionNotReady():
-            return ErrorResponse(503, "not_ready", str(e), entry_json(e.entry), _RETRY)
+            return ErrorResponse(
+                503, "not_ready", str(e), entry_json(e.entry), retry_after(e.retry_after_s)
+            )
         case ConfigurationError():
             return ErrorResponse(422, "validation", str(e))
         case RegistryError():

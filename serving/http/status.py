@@ -30,6 +30,9 @@ def health(worker: WorkerOf) -> dict[str, object]:
         "queue_depth": worker.queue_depth,
         "batch_size": worker.batch_size,
         "request_path_loads": worker.request_path_loads,
+        "request_path_fetches": worker.request_path_fetches,
+        "tiers": worker.tiers(),
+        "placement": {"me": worker.peers.me, "members": list(worker.peers.members)},
         # Aliases moved outside the pipeline: each serves the pipeline's last target.
         "held_alias_moves": [move.to_json() for move in worker.held_moves],
     }

@@ -80,6 +80,11 @@ class WorkerMetrics:
         self.not_ready = Counter(
             "mint_not_ready_answers", "Requests answered 'not ready' at the gate", registry=r
         )
+        self.demand_admissions = Counter(
+            "mint_demand_admissions",
+            "Revisions admitted because a request wanted them while they were ready nowhere",
+            registry=r,
+        )
         r.register(_TierCollector(residency))
 
     def first_token(self, submitted: float) -> None:

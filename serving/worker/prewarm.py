@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from mint_core.artifacts.packing import load as load_packed
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.catalog.catalog import Catalog
 from mint_core.errors import EngineUnavailableError, IntegrityError, MintError, NotFoundError
+from mint_core.planning.residency import HostTierFull
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.states import Readiness
 from serving.backends.protocol import Backend
@@ -90,9 +92,15 @@ class Prewarm:
 
     def prewarm_or_fail(self, revision: RevisionId) -> None:
         """Prewarm `revision`; if that fails, record why (failed, or dropped when the engine
-        is to blame)."""
+        or a full host tier is to blame)."""
+        started = time.monotonic()
         try:
             self._prewarm(revision)
+            self.readiness.prewarmed(time.monotonic() - started)
+        except HostTierFull as e:
+            # Not the revision's fault: admitted again when demand or the registry asks.
+            log.warning("prewarm of %s put off: %s", revision, e)
+            self._drop(revision, str(e))
         except EngineUnavailableError as e:
             # Not the revision's fault: it is admitted again once the engine is back.
             log.warning("prewarm of %s stopped: %s", revision, e)
@@ -164,6 +172,7 @@ class Prewarm:
         # Ready only if the engine it warmed on still runs: checked against `engine_lost`.
         residency = self.backend.residency
         self.readiness.make_ready(revision, generation, lambda: residency.in_host(key))
+        residency.settle(key)  # warmed: from now on the host tier may evict it
 
     def fetch(self, uri: str) -> Path:
         """A local folder holding the artifact at `uri`; counted as a request-path fetch

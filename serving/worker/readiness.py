@@ -45,6 +45,12 @@ INACTIVE_ENTRIES = 10_000
 """Revisions that stopped serving here (not admitted, failed) whose entry a worker keeps,
 with its reason: the most recent."""
 _ACTIVE = frozenset({Readiness.QUEUED, Readiness.FETCHING, Readiness.WARMING, Readiness.READY})
+FIRST_PREWARM_S = 0.5
+"""What a prewarm is taken to last before one has been timed."""
+SHORTEST_WAIT_S = 0.05
+"""The least wait a "not ready" answer suggests."""
+_PREWARM_WEIGHT = 0.2
+"""How much each new prewarm time moves the running mean."""
 
 
 @dataclass(frozen=True)
@@ -91,9 +97,11 @@ class Residence:
 
 
 class RevisionNotReady(NotReadyError):
-    def __init__(self, entry: ReadinessEntry) -> None:
+    def __init__(self, entry: ReadinessEntry, retry_after_s: float | None = None) -> None:
         super().__init__(f"{entry.revision} is {entry.state} on this worker, not ready")
         self.entry = entry
+        self.retry_after_s = retry_after_s
+        """When it may be ready, estimated from the admission queue; None: no estimate."""
 
 
 def _in_order(revisions: list[RevisionId]) -> list[RevisionId]:
@@ -116,6 +124,8 @@ class ReadinessTable:
         self._admission: AdmissionQueue[RevisionId] = AdmissionQueue(admission_k)
         self._lost_generation = -1
         """The newest engine generation known lost: nothing loaded on it may become ready."""
+        self._prewarm_s = FIRST_PREWARM_S
+        """Recent prewarms' mean duration (exponentially weighted)."""
 
     # Reading.
 
@@ -150,6 +160,35 @@ class ReadinessTable:
                 r.adapter == revision.adapter and r.number > revision.number and self._serves(r)
                 for r in self._entries
             )
+
+    @property
+    def admitting(self) -> int:
+        """Revisions queued or prewarming."""
+        with self._changed:
+            return len(self._admission)
+
+    def wait_estimate(self, entry: ReadinessEntry) -> float | None:
+        """Seconds until `entry`'s revision may be ready, from the recent prewarms' duration
+        and the revisions before it in the queue (K at a time); None for a failed one (it is
+        not coming without an operator)."""
+        if entry.state is Readiness.FAILED:
+            return None
+        with self._changed:
+            each = self._prewarm_s
+            concurrency = self._admission.concurrency
+        if entry.state is Readiness.QUEUED:
+            ahead = entry.queue_position or 0
+            wait = (ahead // concurrency + 1) * each
+        elif entry.state in (Readiness.FETCHING, Readiness.WARMING):
+            wait = each - (time.time() - entry.since)
+        else:  # not admitted here: admitted on its placement meanwhile
+            wait = each
+        return max(SHORTEST_WAIT_S, wait)
+
+    def prewarmed(self, seconds: float) -> None:
+        """A prewarm took `seconds`, fetch to ready: the next waits are estimated from it."""
+        with self._changed:
+            self._prewarm_s += _PREWARM_WEIGHT * (seconds - self._prewarm_s)
 
     def engine_lost_since(self, generation: int) -> bool:
         """Whether the engine of `generation` (or a newer one) is known lost."""

@@ -17,6 +17,7 @@ from serving.backends.embedded import EmbeddedBackend
 from serving.backends.protocol import Backend
 from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
+from serving.worker.peers import Peers
 from serving.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -34,10 +35,14 @@ def build_backend(config: MintConfig) -> Backend:
     return EmbeddedBackend(engine, host_cache_bytes, config.max_batch, config.host_adapters)
 
 
-def build_worker(config: MintConfig) -> Worker:
+def build_worker(config: MintConfig, me: str = "") -> Worker:
     """A worker that starts from the catalog snapshot in the artifact store, if there is one,
-    and syncs with the registry at once (admitting what it says)."""
+    and syncs with the registry at once (admitting what is placed on it). `me`: its URL as
+    MINT_WORKER_URLS names it (MINT_WORKER_URL, else the address it serves on)."""
     backend = build_backend(config)
+    peers = Peers(
+        config.worker_url or me, config.worker_urls, backend.text.digest, config.worker_api_key
+    )
     store = open_store(config)
     catalog = Catalog(
         Registry(config.tracking_uri),
@@ -53,6 +58,8 @@ def build_worker(config: MintConfig) -> Worker:
         store,
         admission_k=config.admission_k,
         sync_interval_s=config.sync_interval_s,
+        peers=peers,
+        replicas=config.replicas,
     ).start()
 
 
@@ -65,7 +72,7 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> 
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     transformers_logging.disable_progress_bar()
-    worker = build_worker(config)
+    worker = build_worker(config, f"http://{host}:{port}")
     app = create_app(worker, config.api_keys, config.admin_principals)
     try:
         uvicorn.run(app, host=host, port=port, log_level="warning")

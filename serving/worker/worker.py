@@ -3,8 +3,14 @@ tiers, and each revision's readiness on this worker. The worker keeps the lifecy
 gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.backends.protocol`).
 
 - **Watcher**: a thread syncs the catalog with the registry every `sync_interval_s` (and when
-  nudged) and admits what the registry says this worker should hold (`Catalog.desired`). If
-  MLflow is down the worker keeps serving what it has and reports itself `degraded`.
+  nudged), sees which workers of its base are live (`serving.worker.peers`), and admits what is
+  placed on this worker (`mint_core.planning.placement`): the revisions being rolled out
+  (`candidate`, `canary`), `production` revisions while the host tier has room (the rest come
+  by demand), and the pins. If MLflow is down the worker keeps serving what it has and reports
+  itself `degraded`.
+- **Demand**: a request for a registered revision that is not admitted here answers "not
+  ready" at once (with a wait estimated from the admission queue) and admits it, with demand
+  priority, on its placement: here if this worker is placed, else by asking the placed worker.
 - **Admission**: admitted revisions queue (`mint_core.planning.admission`, rollbacks first) and K
   prewarm threads take them one at a time (`serving.worker.prewarm`), in two phases: fetch and
   verify the artifact into the host tier (`fetching`), then load it into the engine and run a
@@ -15,6 +21,7 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   the same: fetches from the artifact store made outside prewarm (the gate keeps them at zero)
   and adapter copies into a device slot made for a user's request (by design when more
   adapters are in use than there are slots; the tier counters break loads down further).
+  `request_path_fetches` is the first alone.
 - **Canary**: while an adapter has one (`Registry.start_canary`), `route` sends its share of
   the requests for `name@production` to the canary revision, if that is ready here and the
   caller may use it; otherwise to production, so the canary never fails a request. Each
@@ -72,6 +79,8 @@ from mint_core.errors import (
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.planning.admission import DEFAULT_CONCURRENCY, Priority
+from mint_core.planning.placement import place
+from mint_core.planning.residency import Tier
 from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness
 from serving.backends.protocol import Backend
@@ -79,6 +88,7 @@ from serving.engine.engine import BASE
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
 from serving.worker.outcomes import Outcomes
+from serving.worker.peers import Peers
 from serving.worker.prewarm import Prewarm
 from serving.worker.readiness import (
     EVENT_LOG_LENGTH,
@@ -103,8 +113,14 @@ class Worker:
         store: ArtifactStore,
         admission_k: int = DEFAULT_CONCURRENCY,
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
+        peers: Peers | None = None,
+        replicas: int = MintConfig.replicas,
     ) -> None:
         self.backend = backend
+        self.peers = peers or Peers("this worker", (), "")
+        """The live workers of this base, for placement (None: this worker alone)."""
+        self.replicas = replicas
+        """Workers that hold each revision, unless its adapter's gates say otherwise."""
         self.catalog = catalog
         self.store = store
         self.residency = backend.residency
@@ -205,6 +221,7 @@ class Worker:
             return self._sync()
 
     def _sync(self) -> list[RevisionId]:
+        self.peers.refresh()
         try:
             self.catalog.sync()
         except RegistryError as e:
@@ -216,12 +233,45 @@ class Worker:
         self._note_held_moves()
         if self.backend.problem() is not None:
             return []  # nothing can load now; admitted once the engine is back
-        admitted = []
-        for revision in sorted(self.catalog.desired(), key=lambda r: (r.adapter, r.number)):
-            if self.readiness(revision).state is Readiness.NOT_ADMITTED:
-                self.admit(revision, self._priority(revision))
-                admitted.append(revision)
+        wanted = self.catalog.wanted()
+        self.residency.protect(str(revision) for revision in wanted.pins)
+        admitted: list[RevisionId] = []
+
+        def take(revision: RevisionId, priority: Priority) -> bool:
+            if self.readiness(revision).state is not Readiness.NOT_ADMITTED:
+                return False
+            self.admit(revision, priority)
+            admitted.append(revision)
+            return True
+
+        for revision in _in_order(wanted.pins):
+            take(revision, Priority.NORMAL)
+        for revision in _in_order(wanted.rollout):
+            if self.placed_here(revision):
+                take(revision, self._priority(revision))
+        # Production revisions placed here fill free room only: evicting one for another
+        # nobody asked for is the thrashing placement exists to prevent. Demand brings the rest
+        # (and, while a worker of the fleet is down, its share: placed by the whole fleet as
+        # configured, a prefill never takes what its worker will hold again once back).
+        room = self.residency.room() - self._readiness.admitting
+        whole_fleet = self.peers.fleet
+        for revision in _in_order(wanted.production):
+            if room <= 0:
+                break
+            placed = place(str(revision), whole_fleet, self._replicas_of(revision))
+            if self.peers.me in placed and take(revision, Priority.NORMAL):
+                room -= 1
         return admitted
+
+    def _replicas_of(self, revision: RevisionId) -> int:
+        return self.catalog.replicas(revision.adapter) or self.replicas
+
+    def placement(self, revision: RevisionId) -> tuple[str, ...]:
+        """The workers of this base that hold `revision`, by the members this worker sees."""
+        return self.peers.placement(revision, self._replicas_of(revision))
+
+    def placed_here(self, revision: RevisionId) -> bool:
+        return self.peers.me in self.placement(revision)
 
     def _note_held_moves(self) -> None:
         """Record held alias moves that appeared or ended since the last sync."""
@@ -330,11 +380,23 @@ class Worker:
         entry = self.readiness(revision)
         if entry.state is not Readiness.READY:
             self.metrics.not_ready.inc()
-            raise RevisionNotReady(entry)
+            if entry.state is Readiness.NOT_ADMITTED and self.backend.problem() is None:
+                entry = self._demand(revision)
+            raise RevisionNotReady(entry, self._readiness.wait_estimate(entry))
         if (problem := self.backend.problem()) is not None:
             self.metrics.not_ready.inc()
             raise EngineUnavailableError(f"{revision} cannot be served right now: {problem}")
         return revision, str(revision)
+
+    def _demand(self, revision: RevisionId) -> ReadinessEntry:
+        """A request wants `revision`, admitted nowhere here: admit it by demand where it is
+        placed (here, or by asking the placed worker); its entry here now."""
+        placed = self.placement(revision)
+        if self.peers.me in placed:
+            self.metrics.demand_admissions.inc()
+            return self.admit(revision, Priority.DEMAND)
+        self.peers.ask_admit(placed[0], revision)
+        return self.readiness(revision)
 
     def _canary(self, adapter: str, principal: str, admin: bool) -> RevisionId | None:
         """The canary revision, for this request to `adapter@production` if it is drawn into
@@ -386,6 +448,29 @@ class Worker:
         prewarm's own generation; `streamed` False, an answer nobody reads before its end."""
         return self.backend.submit(prompt_ids, key, params, warm_up, streamed)
 
+    def tiers(self) -> dict[str, dict[str, int | None]]:
+        """Each residency tier's occupancy, bound and counters since start (`/health`,
+        `mint status`)."""
+        residency = self.residency
+        held = {
+            "host": (residency.host_revisions, residency.host_capacity_entries),
+            "device": (len(residency.slot_table()), residency.device_slots),
+        }
+        return {
+            tier.value: {
+                "revisions": held[tier.value][0],
+                "capacity": held[tier.value][1],
+                **vars(residency.counters[tier]),
+            }
+            for tier in Tier
+        }
+
+    @property
+    def request_path_fetches(self) -> int:
+        """Fetches from the artifact store outside prewarm: what the readiness gate keeps at
+        zero."""
+        return self._prewarm.request_path_fetches
+
     @property
     def request_path_loads(self) -> int:
         """Loads a user's request waited for: fetches from the artifact store outside prewarm,
@@ -401,7 +486,12 @@ class Worker:
         self.backend.close()
         for thread in self._threads:
             thread.join(timeout=10)
+        self.peers.close()
         self.catalog.close()
+
+
+def _in_order(revisions: frozenset[RevisionId]) -> list[RevisionId]:
+    return sorted(revisions, key=lambda r: (r.adapter, r.number))
 
 
 def _alias_of(move: HeldMove) -> tuple[str, str]:

@@ -10,12 +10,12 @@ from mint_core.config import (
     SETTING,
     BackendKind,
     MintConfig,
-    RetrainSchedule,
     Setting,
     variable,
 )
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseSource
+from mint_core.retraining import RetrainSchedule
 from mint_core.revisions import RevisionId
 
 CHANGED = MintConfig(
@@ -39,6 +39,9 @@ CHANGED = MintConfig(
     worker_api_key="k2",
     backend=BackendKind.VLLM,
     host_adapters=16,
+    replicas=2,
+    hot_rate=5.0,
+    worker_url="http://w1:8000",
     catalog_snapshots=5,
     max_lora_rank=64,
     vllm_python="/opt/vllm/bin/python",

@@ -4,7 +4,9 @@ import pytest
 
 from mint_core.errors import ConfigurationError, NotReadyError
 from mint_core.planning.residency import (
+    FRESH_S,
     HostEntry,
+    HostTierFull,
     Residency,
     SlotEntry,
     SlotGrant,
@@ -13,6 +15,28 @@ from mint_core.planning.residency import (
 )
 
 MB = 1 << 20
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def plan_of(capacity: int, slots: int, entries: int | None = None) -> tuple[Residency[str], Clock]:
+    clock = Clock()
+    return Residency(capacity, slots, entries, half_life_s=100.0, clock=clock), clock
+
+
+def put(plan: Residency[str], key: str, nbytes: int) -> list[str]:
+    """Take `key` in as a worker's prewarm does: put, then settle once it is ready."""
+    evicted = plan.put_host(key, weights(key), nbytes)
+    plan.settle(key)
+    return evicted
 
 
 def host(*entries: tuple[str, int]) -> list[HostEntry]:
@@ -29,9 +53,9 @@ def weights(key: str) -> str:
 
 
 def test_load_hit_evict_pin_unpin_step_by_step() -> None:
-    plan: Residency[str] = Residency(host_capacity_bytes=10 * MB, device_slots=2)
+    plan, clock = plan_of(10 * MB, slots=2)
     for key in ("a", "b", "c"):
-        assert plan.put_host(key, weights(key), 3 * MB) == []
+        assert put(plan, key, 3 * MB) == []
     assert plan.host_table() == host(("a", 3), ("b", 3), ("c", 3))
 
     # Load: a free slot for each of a and b.
@@ -53,21 +77,22 @@ def test_load_hit_evict_pin_unpin_step_by_step() -> None:
     assert plan.acquire("c") == SlotGrant("c", 2, load=True, evicted="b")
     assert plan.slot_table() == slots((1, "a", 2), (2, "c", 1))
 
-    # Unpin everything; a fourth revision overflows the host cache (10 MB): the least recently
-    # used, b, leaves it.
+    # Unpin everything; a fourth revision overflows the host cache (10 MB): of b and c, used
+    # as often, b was used less recently and leaves.
     plan.release("a")
     plan.release("a")
     plan.release("c")
     assert plan.slot_table() == slots((1, "a", 0), (2, "c", 0))
-    assert plan.put_host("d", weights("d"), 3 * MB) == ["b"]
+    clock.now += 1
+    assert put(plan, "d", 3 * MB) == ["b"]
     assert plan.host_table() == host(("a", 3), ("c", 3), ("d", 3))
 
-    # Evicting from the host frees the revision's slot too (the tiers are inclusive).
-    assert plan.put_host("e", weights("e"), 4 * MB) == ["a"]
-    assert plan.host_table() == host(("c", 3), ("d", 3), ("e", 4))
-    assert plan.slot_table() == slots((2, "c", 0))
-    with pytest.raises(NotReadyError, match="a is not in this worker's host cache"):
-        plan.acquire("a")
+    # d is fresh (not used yet by the request that brought it): c, used once, leaves for e.
+    assert put(plan, "e", 4 * MB) == ["c"]
+    assert plan.host_table() == host(("a", 3), ("d", 3), ("e", 4))
+    assert plan.slot_table() == slots((1, "a", 0))  # evicting from the host frees the slot
+    with pytest.raises(NotReadyError, match="c is not in this worker's host cache"):
+        plan.acquire("c")
 
     assert plan.counters == {
         Tier.HOST: TierCounters(hits=3, misses=1, loads=5, evictions=2),
@@ -75,22 +100,78 @@ def test_load_hit_evict_pin_unpin_step_by_step() -> None:
     }
 
 
-def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
-    plan: Residency[str] = Residency(host_capacity_bytes=6 * MB, device_slots=1)
-    plan.put_host("busy", weights("busy"), 3 * MB)
-    plan.put_host("idle", weights("idle"), 3 * MB)
-    assert plan.acquire("busy") == SlotGrant("busy", 1, load=True)
+def test_the_host_tier_keeps_what_is_used_often_and_recently() -> None:
+    """LRFU: each use adds one to a score that halves every half-life (100 s here)."""
+    plan, clock = plan_of(1 << 30, slots=4, entries=3)
+    for key in ("often", "once", "recent"):
+        put(plan, key, 10)
+    for _ in range(5):
+        use(plan, "often")
+    use(plan, "once")
+    clock.now += 50
+    use(plan, "recent")
+    # often: 6 * 0.71 = 4.2, once: 2 * 0.71 = 1.4, recent: 2 (used now).
+    assert put(plan, "new", 10) == ["once"]
+    use(plan, "new")
+    # A long time later the old favourite has faded below what was used just now.
+    clock.now += 400
+    use(plan, "recent")
+    use(plan, "new")
+    assert put(plan, "newer", 10) == ["often"]
 
-    # busy is the least recently used, but pinned: idle leaves instead.
-    assert plan.put_host("new", weights("new"), 3 * MB) == ["idle"]
+
+def test_warming_fresh_pinned_and_protected_revisions_stay() -> None:
+    plan, clock = plan_of(1 << 30, slots=2, entries=2)
+    plan.put_host("warming", weights("warming"), 10)  # not settled: still warming up
+    put(plan, "fresh", 10)  # settled, not yet used by the request that brought it
+    with pytest.raises(HostTierFull, match="new does not fit in the host cache now"):
+        plan.put_host("new", weights("new"), 10)
+    assert [e.key for e in plan.host_table()] == ["warming", "fresh"]
+
+    # A fresh revision unused for FRESH_S may go; a warming one never.
+    clock.now += FRESH_S
+    assert put(plan, "new", 10) == ["fresh"]
+    plan.settle("warming")
+    use(plan, "warming")
+    use(plan, "new")
+    plan.protect(["new"])  # the worker's pins
+    assert plan.acquire("warming") is not None  # a request running on it
+    with pytest.raises(HostTierFull, match="serving, warming or pinned"):
+        plan.put_host("other", weights("other"), 10)
+    plan.release("warming")
+    assert put(plan, "other", 10) == ["warming"]
+    assert plan.room() == 0
+    assert plan.drop_host("other") and plan.room() == 1
+
+
+def use(plan: Residency[str], key: str) -> None:
+    """One request for `key`, start to end."""
+    assert plan.acquire(key) is not None
+    plan.release(key)
+
+
+def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
+    plan, clock = plan_of(6 * MB, slots=1)
+    put(plan, "busy", 3 * MB)
+    put(plan, "idle", 3 * MB)
+    assert plan.acquire("busy") == SlotGrant("busy", 1, load=True)
+    assert plan.acquire("idle") is None  # every slot is pinned: it waits
+
+    # busy is used more, but pinned: idle leaves for new, whatever its score.
+    plan.release("busy")
+    assert plan.acquire("busy") == SlotGrant("busy", 1, load=False)
+    clock.now += FRESH_S  # idle's request never got its slot
+    assert put(plan, "new", 3 * MB) == ["idle"]
     assert plan.host_table() == host(("busy", 3), ("new", 3))
     assert plan.acquire("new") is None
     assert plan.slot_table() == slots((1, "busy", 1))
     assert plan.drop_host("busy") is False
 
-    # Nothing unpinned is left to evict: the new revision is refused and nothing moves.
-    with pytest.raises(ConfigurationError, match="raise the host cache capacity"):
+    # Nothing that may leave is left: the new revision is refused and nothing moves.
+    with pytest.raises(HostTierFull, match="huge does not fit in the host cache now"):
         plan.put_host("huge", weights("huge"), 5 * MB)
+    with pytest.raises(ConfigurationError, match="more than all of it"):
+        plan.put_host("huger", weights("huger"), 7 * MB)
     assert plan.host_table() == host(("busy", 3), ("new", 3))
 
     plan.release("busy")
@@ -101,9 +182,9 @@ def test_a_pinned_revision_is_never_evicted_from_either_tier() -> None:
 
 
 def test_a_revision_left_while_pinned_goes_at_its_last_release() -> None:
-    plan: Residency[str] = Residency(host_capacity_bytes=6 * MB, device_slots=2)
-    plan.put_host("failed", weights("failed"), 3 * MB)
-    plan.put_host("kept", weights("kept"), 3 * MB)
+    plan, _ = plan_of(6 * MB, slots=2)
+    put(plan, "failed", 3 * MB)
+    put(plan, "kept", 3 * MB)
     plan.acquire("failed")
     plan.acquire("failed")
     assert plan.leave("failed") is False  # two requests pin it: they finish on its weights
@@ -116,7 +197,7 @@ def test_a_revision_left_while_pinned_goes_at_its_last_release() -> None:
     assert plan.leave("kept") is True and plan.host_table() == []
 
     # Taken in again before its last release: it stays.
-    plan.put_host("again", weights("again"), 3 * MB)
+    put(plan, "again", 3 * MB)
     plan.acquire("again")
     plan.leave("again")
     assert plan.put_host("again", weights("again"), 3 * MB) == []
@@ -125,8 +206,8 @@ def test_a_revision_left_while_pinned_goes_at_its_last_release() -> None:
 
 
 def test_the_host_cache_holds_weights_exactly_as_long_as_its_table_lists_them() -> None:
-    plan: Residency[str] = Residency(host_capacity_bytes=4 * MB, device_slots=1)
-    plan.put_host("a", weights("a"), 3 * MB)
+    plan, clock = plan_of(4 * MB, slots=1)
+    put(plan, "a", 3 * MB)
     assert plan.host_weights("a") == weights("a")
     assert plan.put_host("a", "other weights", 3 * MB) == []  # held already: kept as it was
     assert plan.host_weights("a") == weights("a")
@@ -139,11 +220,12 @@ def test_the_host_cache_holds_weights_exactly_as_long_as_its_table_lists_them() 
         plan.host_weights("big")
 
     # Evicted and dropped weights leave with their entries.
-    assert plan.put_host("b", weights("b"), 4 * MB) == ["a"]
+    clock.now += FRESH_S
+    assert put(plan, "b", 4 * MB) == ["a"]
     with pytest.raises(NotReadyError, match="a is not in this worker's host cache"):
         plan.host_weights("a")
     assert plan.drop_host("b") is True
-    assert plan.host_table() == []
+    assert plan.host_table() == [] and plan.host_bytes == 0
     with pytest.raises(NotReadyError, match="b is not in this worker's host cache"):
         plan.host_weights("b")
 
@@ -157,14 +239,17 @@ def test_bad_capacities_are_refused(capacity: int, slots_: int, message: str) ->
         Residency(capacity, slots_)
 
 
-def test_a_host_tier_counted_in_revisions_evicts_the_least_recently_used() -> None:
-    """vLLM's host cache counts adapters (`--max-cpu-loras`), whatever their bytes."""
-    residency: Residency[str] = Residency(1 << 30, device_slots=2, host_capacity_entries=2)
-    assert residency.put_host("a:r1", "a", 10) == []
-    assert residency.put_host("b:r1", "b", 10) == []
-    assert residency.put_host("a:r1", "a", 10) == []  # a hit: now the most recently used
-    assert residency.put_host("c:r1", "c", 10) == ["b:r1"]
+def test_a_host_tier_counted_in_revisions_never_holds_more() -> None:
+    """vLLM's host cache counts adapters (`--max-cpu-loras`), and so does MINT_HOST_ADAPTERS
+    on either backend, whatever their bytes."""
+    residency, _ = plan_of(1 << 30, slots=2, entries=2)
+    assert put(residency, "a:r1", 10) == []
+    assert put(residency, "b:r1", 10) == []
+    use(residency, "a:r1")
+    use(residency, "b:r1")
+    use(residency, "a:r1")  # used more often: b leaves first
+    assert put(residency, "c:r1", 10) == ["b:r1"]
     assert [entry.key for entry in residency.host_table()] == ["a:r1", "c:r1"]
     assert residency.acquire("a:r1") is not None and residency.acquire("c:r1") is not None
-    with pytest.raises(ConfigurationError, match="holds at most 2 revisions"):
+    with pytest.raises(HostTierFull, match="2 of 2 revisions"):
         residency.put_host("d:r1", "d", 10)  # both pinned by running requests

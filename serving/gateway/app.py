@@ -1,40 +1,12 @@
-"""`mint gateway`: one front door for a fleet of workers serving several bases.
-
-Clients call the gateway with the workers' own APIs (TGI and OpenAI, streaming included, and
-each revision reference's own base URL, `/adapters/{ref}`); the gateway reads which revision a
-request names (there: the path), resolves it in its catalog to the revision and its base, and
-forwards the request unchanged (the `Authorization` header too: each worker still authorises
-its callers) to a worker of that base, in this order of preference:
-
-1. a worker where the revision is ready and already in a device slot (adapter affinity: no
-   copy into a slot for this request);
-2. a worker where it is ready, fewest requests in flight first (this gateway's own count, then
-   the worker's last reported load);
-3. any other worker of that base: it answers its own "not ready" (503 with the revision's state).
-
-Feedback (`POST /v1/feedback`) goes to the worker that answered the request: the gateway asks
-each worker up in turn, and the first whose answer is not 404 (an id it does not know) answers.
-Request ids are random, so no other worker claims one; a fleet is a few workers, so this is a
-few loopback calls at most, and no state to keep in the gateway.
-
-A 503 from a worker (not ready, engine restarting) or a worker that does not take the
-connection is retried on the next worker; once a worker has the request, its failure is the
-request's (a generation is not replayed), answered as a clean 502 or, in a stream that has
-started, as a last error event.
-
-What the gateway knows about workers it re-reads from them every `refresh_s`
-(`/admin/routing`: base, ready revisions, device slots, load); what it knows about revisions
-comes from the registry, like a worker's catalog. It holds nothing else: two gateways can only
-differ in how fresh their copies are, so any number of them can stand behind a plain load
-balancer.
-"""
+"""The gateway's routing state, its forwarding, and its HTTP front (`serving.gateway` says how
+it routes)."""
 
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
@@ -55,8 +27,10 @@ from mint_core.errors import (
     RegistryError,
     ServiceError,
 )
+from mint_core.planning.placement import Demand
 from mint_core.registry import Registry
-from mint_core.revisions import RevisionRef
+from mint_core.revisions import RevisionId, RevisionRef
+from serving.gateway.fleet import Fleet, WorkerView
 from serving.http.common import (
     ADAPTER_PREFIX,
     BASE_NAMES,
@@ -77,67 +51,16 @@ CONNECT_TIMEOUT_S = 2.0
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
 GENERATION_TIMEOUT_S = 600.0
-_PASSED_ON = ("content-type", "retry-after", REVISION_HEADER.lower(), REQUEST_ID_HEADER.lower())
+ASK_INTERVAL_S = 2.0
+"""A worker is asked to admit the same revision at most this often."""
+_PASSED_ON = (
+    "content-type",
+    "retry-after",
+    "retry-after-ms",
+    REVISION_HEADER.lower(),
+    REQUEST_ID_HEADER.lower(),
+)
 """Response headers a worker's answer keeps through the gateway."""
-
-
-@dataclass
-class WorkerView:
-    """The gateway's copy of one worker, refreshed from `/admin/routing`."""
-
-    url: str
-    up: bool = False
-    base_model: str = ""
-    base_digest: str = ""
-    ready: frozenset[str] = frozenset()
-    slots: frozenset[str] = frozenset()
-    reported_load: int = 0
-    in_flight: int = 0
-    """Requests this gateway has on the worker now."""
-    problem: str | None = "not heard from yet"
-
-    def update(self, routing: dict[str, object]) -> None:
-        self.base_model = str(routing["base_model"])
-        self.base_digest = str(routing["base_digest"])
-        self.ready = frozenset(routing["ready"])  # type: ignore[arg-type]
-        self.slots = frozenset(routing["device_slots"])  # type: ignore[arg-type]
-        self.reported_load = int(routing["in_flight"])  # type: ignore[arg-type]
-        self.up, self.problem = True, None
-
-    def down(self, why: str) -> None:
-        self.up, self.problem = False, why
-
-
-@dataclass
-class Fleet:
-    """Every worker the gateway routes to, and the order in which it tries them."""
-
-    workers: list[WorkerView] = field(default_factory=list)
-
-    def serving_base(self, digest: str) -> list[WorkerView]:
-        return [w for w in self.workers if w.up and w.base_digest == digest]
-
-    def choices(self, revision: str, digest: str) -> list[WorkerView]:
-        """Workers of base `digest` in the order to try them for `revision`."""
-
-        def preference(w: WorkerView) -> tuple[bool, bool, int, int]:
-            return (revision not in w.ready, revision not in w.slots, w.in_flight, w.reported_load)
-
-        return sorted(self.serving_base(digest), key=preference)
-
-    def for_base_model(self, model: str | None) -> list[WorkerView]:
-        """Workers for a request that names a base (its model id) or nothing. Naming nothing is
-        ambiguous in a fleet of several bases: ConfigurationError listing them."""
-        up = [w for w in self.workers if w.up]
-        if model not in BASE_NAMES:
-            return sorted((w for w in up if w.base_model == model), key=lambda w: w.in_flight)
-        bases = sorted({w.base_model for w in up})
-        if len(bases) > 1:
-            raise ConfigurationError(
-                f"this gateway serves several bases ({', '.join(bases)}): name one as the model, "
-                "or name an adapter revision"
-            )
-        return sorted(up, key=lambda w: w.in_flight)
 
 
 class Gateway:
@@ -150,9 +73,19 @@ class Gateway:
         worker_api_key: str = "",
         refresh_s: float = DEFAULT_REFRESH_S,
         sync_interval_s: float = MintConfig.sync_interval_s,
+        replicas: int = MintConfig.replicas,
+        hot_rate: float = MintConfig.hot_rate,
     ) -> None:
         self.fleet = Fleet([WorkerView(url.rstrip("/")) for url in worker_urls])
         self.catalog = catalog
+        self.replicas = replicas
+        """Workers that hold each revision, unless its adapter's gates say otherwise."""
+        self.demand = Demand(hot_rate, clock=time.monotonic)
+        """Each revision's recent requests through this gateway: hot ones get more replicas."""
+        self._asked: dict[tuple[str, str], float] = {}
+        """(worker, revision) -> when the worker was last asked to admit it."""
+        self._asking: set[asyncio.Task[None]] = set()
+        """Those asks under way (the loop keeps only weak references to tasks)."""
         self.refresh_s = refresh_s
         self.sync_interval_s = sync_interval_s
         self._admin_headers = (
@@ -225,38 +158,88 @@ class Gateway:
 
     # Routing and forwarding.
 
-    async def route(self, model: str | None) -> list[WorkerView]:
-        """The workers to try, in order, for a request naming `model`."""
+    async def route(self, model: str | None) -> tuple[list[WorkerView], str | None]:
+        """The workers to try, in order, for a request naming `model`, and the revision it
+        names (None: the base)."""
         if model in BASE_NAMES or self._is_base(model):
             workers = self.fleet.for_base_model(model)
             if not workers:
                 raise NotFoundError(f"no worker up serves the base {model!r}")
-            return workers
+            return workers, None
         ref = RevisionRef.parse(str(model))
         # The catalog answers from memory what it has synced; asking the registry for what it
         # has not must not block the event loop.
         registered = await asyncio.to_thread(self.catalog.resolve, ref)
         digest = registered.policy.base_digest
-        workers = self.fleet.choices(str(registered.id), digest)
-        if not workers:
+        revision = str(registered.id)
+        own = self.catalog.replicas(registered.id.adapter) or self.replicas
+        workers = len(self.fleet.serving_base(digest))
+        choices = self.fleet.choices(revision, digest, self.demand.replicas(revision, own, workers))
+        if not choices.workers:
             raise ServiceError(
                 f"no worker up serves the base of {registered.id}, "
                 f"{registered.policy.base_model_id} ({digest}); start one with MINT_BASE_MODEL "
                 "set to it, or wait for a stopped one to come back"
             )
-        return workers
+        first = choices.workers[0]
+        for worker in choices.unready_placement:
+            if worker is not first:  # the first is sent the request: it admits by demand itself
+                self._ask_admit(worker, registered.id)
+        return choices.workers, revision
+
+    def _ask_admit(self, worker: WorkerView, revision: RevisionId) -> None:
+        """Ask `worker` to admit `revision` by demand, in the background, at most every
+        ASK_INTERVAL_S."""
+        now = time.monotonic()
+        key = (worker.url, str(revision))
+        if now - self._asked.get(key, -ASK_INTERVAL_S) < ASK_INTERVAL_S:
+            return
+        self._asked[key] = now
+        if len(self._asked) > 10_000:
+            self._asked = {k: t for k, t in self._asked.items() if now - t < ASK_INTERVAL_S}
+        body = {"adapter": revision.adapter, "revision": revision.number, "priority": "demand"}
+
+        async def ask() -> None:
+            try:
+                url = worker.url + "/admin/admit"
+                async with self._client().post(url, json=body, headers=self._admin_headers) as a:
+                    if a.status >= 400:
+                        log.warning("%s refused to admit %s: %s", worker.url, revision, a.status)
+            except (aiohttp.ClientError, TimeoutError) as e:
+                log.warning("could not ask %s to admit %s: %s", worker.url, revision, e)
+
+        task = asyncio.get_running_loop().create_task(ask())
+        self._asking.add(task)
+        task.add_done_callback(self._asking.discard)
 
     def _is_base(self, model: str | None) -> bool:
         return any(w.base_model == model for w in self.fleet.workers)
 
     async def forward(self, request: Request, body: bytes, model: str | None) -> Response:
-        workers = await self.route(model)
+        workers, revision = await self.route(model)
+        if revision is None:
+            return await self._forward(request, body, model, workers, None)
+        self.demand.started(revision)
+        try:
+            return await self._forward(request, body, model, workers, revision)
+        finally:
+            self.demand.finished(revision)
+
+    async def _forward(
+        self,
+        request: Request,
+        body: bytes,
+        model: str | None,
+        workers: list[WorkerView],
+        revision: str | None,
+    ) -> Response:
         http = self._client()
         headers = {"content-type": "application/json"}
         if authorization := request.headers.get("authorization"):
             headers["authorization"] = authorization
         last_busy: Response | None = None
         for worker in workers:
+            was_ready = revision is None or revision in worker.ready
             worker.in_flight += 1
             try:
                 answer = await http.post(worker.url + request.url.path, data=body, headers=headers)
@@ -268,9 +251,12 @@ class Gateway:
                 worker.in_flight -= 1
                 return _failed(worker, e)
             if answer.status == 503:
-                last_busy = _whole(answer, worker, await answer.read())
+                content = await answer.read()
+                last_busy = _whole(answer, worker, content)
                 worker.in_flight -= 1
                 answer.release()
+                if not was_ready and _error_type(content) == "not_ready":
+                    return last_busy  # its placement: it admits the revision by demand
                 continue
             if answer.content_type == "text/event-stream":
                 return _streamed(answer, worker)
@@ -404,6 +390,15 @@ def _model_of(path: str, body: bytes) -> str | None:
     return model
 
 
+def _error_type(content: bytes) -> str | None:
+    """The `error_type` of a worker's error answer; None if it has none."""
+    try:
+        body = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+    return body.get("error_type") if isinstance(body, dict) else None
+
+
 def _json(payload: object) -> Response:
     return Response(orjson.dumps(payload), media_type="application/json")
 
@@ -457,6 +452,8 @@ def build_gateway(config: MintConfig) -> Gateway:
         catalog,
         config.worker_api_key,
         sync_interval_s=config.sync_interval_s,
+        replicas=config.replicas,
+        hot_rate=config.hot_rate,
     )
 
 

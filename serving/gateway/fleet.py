@@ -1,0 +1,91 @@
+"""The gateway's copy of the fleet: each worker's base, ready revisions and load, and the order
+in which it tries them for a revision (placement first: see `serving.gateway`)."""
+
+from dataclasses import dataclass, field
+
+from mint_core.errors import ConfigurationError
+from mint_core.planning.placement import ranking
+from serving.http.common import BASE_NAMES
+
+
+@dataclass
+class WorkerView:
+    """The gateway's copy of one worker, refreshed from `/admin/routing`."""
+
+    url: str
+    up: bool = False
+    base_model: str = ""
+    base_digest: str = ""
+    ready: frozenset[str] = frozenset()
+    slots: frozenset[str] = frozenset()
+    reported_load: int = 0
+    in_flight: int = 0
+    """Requests this gateway has on the worker now."""
+    problem: str | None = "not heard from yet"
+
+    def update(self, routing: dict[str, object]) -> None:
+        self.base_model = str(routing["base_model"])
+        self.base_digest = str(routing["base_digest"])
+        self.ready = frozenset(routing["ready"])  # type: ignore[arg-type]
+        self.slots = frozenset(routing["device_slots"])  # type: ignore[arg-type]
+        self.reported_load = int(routing["in_flight"])  # type: ignore[arg-type]
+        self.up, self.problem = True, None
+
+    def down(self, why: str) -> None:
+        self.up, self.problem = False, why
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Where to send one request for a revision."""
+
+    workers: list[WorkerView]
+    """In the order to try them."""
+    unready_placement: list[WorkerView]
+    """Workers of its placement where it is not ready: asked to admit it while others serve."""
+
+
+@dataclass
+class Fleet:
+    """Every worker the gateway routes to, and the order in which it tries them."""
+
+    workers: list[WorkerView] = field(default_factory=list)
+
+    def serving_base(self, digest: str) -> list[WorkerView]:
+        return [w for w in self.workers if w.up and w.base_digest == digest]
+
+    def choices(self, revision: str, digest: str, replicas: int) -> Choices:
+        """Workers of base `digest` in the order to try them for `revision`, held by
+        `replicas` workers (see the module's doc)."""
+        workers = self.serving_base(digest)
+        ranked = {url: rank for rank, url in enumerate(ranking(revision, [w.url for w in workers]))}
+        placed = {url for url, rank in ranked.items() if rank < replicas}
+
+        def preference(w: WorkerView) -> tuple[bool, bool, bool, int, int, int]:
+            ready = revision in w.ready
+            return (
+                not ready,
+                w.url not in placed,
+                revision not in w.slots,
+                w.in_flight if ready else 0,
+                w.reported_load if ready else 0,
+                ranked[w.url],
+            )
+
+        ordered = sorted(workers, key=preference)
+        missing = [w for w in ordered if w.url in placed and revision not in w.ready]
+        return Choices(ordered, missing)
+
+    def for_base_model(self, model: str | None) -> list[WorkerView]:
+        """Workers for a request that names a base (its model id) or nothing. Naming nothing is
+        ambiguous in a fleet of several bases: ConfigurationError listing them."""
+        up = [w for w in self.workers if w.up]
+        if model not in BASE_NAMES:
+            return sorted((w for w in up if w.base_model == model), key=lambda w: w.in_flight)
+        bases = sorted({w.base_model for w in up})
+        if len(bases) > 1:
+            raise ConfigurationError(
+                f"this gateway serves several bases ({', '.join(bases)}): name one as the model, "
+                "or name an adapter revision"
+            )
+        return sorted(up, key=lambda w: w.in_flight)
