@@ -31,7 +31,7 @@ measured requests answered at first try / the baseline's p95; aim <= 1.10),
 `request_path_loads` (must be 0), `peak_host_revisions` (<= the host bound), host evictions
 per second and worker RSS. Prints them and writes bench/results/tiers.json.
 
-    .venv/bin/python bench/tiers.py                 # the full run (registration ~? min, then ~5 min)
+    .venv/bin/python bench/tiers.py      # the full run: ~8 min registering, ~6 min serving
     .venv/bin/python bench/tiers.py --adapters 200 --warmup-s 10 --measure-s 20 --baseline-s 10
 """
 
@@ -42,7 +42,6 @@ import logging
 import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -53,7 +52,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
 # Two workers, MLflow, the gateway and the clients share a few cores: idle OpenMP threads must
 # wait passively, not spin (inherited by the workers).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -65,7 +63,7 @@ import psutil
 from bench import harness
 from bench.harness import percentile
 from control.services import ManagedProcess, free_port, start_mlflow
-from mint_core.config import LOOPBACK, MintConfig
+from mint_core.config import LOOPBACK, SETTING, MintConfig
 from mint_core.revisions import PRODUCTION
 
 PROMPT = "tiers="
@@ -269,6 +267,10 @@ def host_loads(metrics: dict[str, float]) -> float:
     return metrics.get('mint_tier_loads_total{tier="host"}', 0.0)
 
 
+def device_loads(metrics: dict[str, float]) -> float:
+    return metrics.get('mint_tier_loads_total{tier="device"}', 0.0)
+
+
 def request_path_loads(health: dict[str, Any]) -> int:
     return int(health.get("request_path_loads", 0))
 
@@ -311,6 +313,7 @@ class Scraper:
                         "device": device_resident(metrics),
                         "host_evictions": host_evictions(metrics),
                         "host_loads": host_loads(metrics),
+                        "device_loads": device_loads(metrics),
                         "rss": rss_bytes(worker),
                     })  # fmt: skip
                 self.samples.append(sample)
@@ -434,6 +437,17 @@ def closed_loop(
 # --- The run -------------------------------------------------------------------------------------
 
 
+def with_setting(config: MintConfig, variable: str, text: str) -> MintConfig:
+    """`config` with the field that environment variable `variable` sets read from `text`, as
+    the worker would read it; `config` as it is where no field has that variable (a setting
+    this version of MinT does not have yet: the variable is also passed to the processes)."""
+    for field in dataclasses.fields(config):
+        entry = field.metadata.get(SETTING)
+        if entry is not None and entry.env == (variable,):
+            return dataclasses.replace(config, **{field.name: entry.parse(text)})
+    return config
+
+
 def start_fleet(
     config: MintConfig, services: list[ManagedProcess]
 ) -> tuple[MintConfig, list[ManagedProcess], ManagedProcess]:
@@ -443,11 +457,15 @@ def start_fleet(
 
     ports = [free_port(), free_port()]
     urls = tuple(f"http://{LOOPBACK}:{port}" for port in ports)
-    fleet = dataclasses.replace(config, worker_urls=urls)
+    fleet = with_setting(dataclasses.replace(config, worker_urls=urls), "MINT_REPLICAS", "1")
     with ThreadPoolExecutor(len(ports)) as pool:
         started = [
             pool.submit(
-                start_worker, fleet, port, 600.0, {"MINT_WORKER_URL": url, "MINT_REPLICAS": "1"}
+                start_worker,
+                with_setting(fleet, "MINT_WORKER_URL", url),
+                port,
+                600.0,
+                {"MINT_WORKER_URL": url, "MINT_REPLICAS": "1"},
             )
             for port, url in zip(ports, urls, strict=True)
         ]
@@ -616,20 +634,27 @@ def summarize(
     for n in range(len(scraper.workers)):
         of = [s["workers"][n] for s in samples]
         every = [s["workers"][n] for s in scraper.samples]
-        evictions = of[-1]["host_evictions"] - of[0]["host_evictions"] if len(of) > 1 else 0.0
-        loads = of[-1]["host_loads"] - of[0]["host_loads"] if len(of) > 1 else 0.0
-        span = of[-1]["at"] - of[0]["at"] if len(of) > 1 else 0.0
-        del span
+
+        def grew(key: str, of: list[dict[str, float]] = of) -> float:
+            return of[-1][key] - of[0][key] if len(of) > 1 else 0.0
+
         per_worker.append({
             "peak_host_revisions": max((w["host"] for w in every), default=0.0),
             "peak_host_revisions_measured": max((w["host"] for w in of), default=0.0),
             "peak_device_revisions": max((w["device"] for w in every), default=0.0),
-            "host_evictions_measured": evictions,
-            "host_loads_measured": loads,
+            "host_evictions_measured": grew("host_evictions"),
+            "host_loads_measured": grew("host_loads"),
+            "device_loads_measured": grew("device_loads"),
             "rss_peak_mb": max((w["rss"] for w in every), default=0) / 2**20,
             "rss_end_mb": (every[-1]["rss"] / 2**20) if every else 0.0,
             "request_path_loads": request_path_loads(health[n]),
         })  # fmt: skip
+    buckets = []
+    started = window[0] - args.warmup_s
+    for first in np.arange(started, window[1], 10.0):
+        hits = sum(1 for at, _ in traffic.warm if first <= at < first + 10)
+        waits = sum(1 for at, _, _ in traffic.cold if first <= at < first + 10)
+        buckets.append(round(hits / (hits + waits), 4) if hits + waits else None)
     measured_s = (samples[-1]["at"] - samples[0]["at"]) if len(samples) > 1 else args.measure_s
     return {
         "requests": requests,
@@ -641,6 +666,7 @@ def summarize(
         "errors": len(errors),
         "error_samples": errors[:5],
         "requests_per_s": requests / args.measure_s,
+        "hit_ratio_every_10s": buckets,
         "cold_p50_s": cold_q["p50"],
         "cold_p99_s": cold_q["p99"],
         "cold_max_s": cold_q["max"],
