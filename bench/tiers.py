@@ -13,8 +13,7 @@ One run on this machine:
   next artifacts. A catalog snapshot is then published (`build_snapshot`), so workers and the
   gateway start from it rather than reading N versions over REST.
 - **Services.** `mlflow server`, two workers (`MINT_HOST_ADAPTERS=100`, `MINT_DEVICE_SLOTS=16`,
-  `MINT_WORKER_URLS` both, each told its own URL as `MINT_WORKER_URL`, `MINT_REPLICAS=1`) and a
-  gateway over them.
+  `MINT_WORKER_URLS` both, `MINT_REPLICAS=1`) and a gateway over them.
 - **Main run.** 8 closed-loop clients send TGI `/generate` requests (`name@production`, 4 new
   tokens, greedy) through the gateway, adapters drawn Zipf(1.0) over the N (rank -> adapter by
   a seeded permutation). A 503 `not_ready` is retried on the same adapter after the wait it
@@ -28,8 +27,10 @@ One run on this machine:
 Figures: `hit_ratio` (measured requests answered without any 503), cold time-to-first-answer
 p50/p99 (first 503 -> the 200; aims: p50 <= 1 s, p99 <= 3 s), `warm_p95_ratio` (p95 of the
 measured requests answered at first try / the baseline's p95; aim <= 1.10),
-`request_path_loads` (must be 0), `peak_host_revisions` (<= the host bound), host evictions
-per second and worker RSS. Prints them and writes bench/results/tiers.json.
+`request_path_loads` (fetches from the artifact store on a request's path: must be 0; copies
+from the host tier into one of the 16 device slots made for a request are the device tier's own
+work and are counted apart, `slot_copies_for_requests`), `peak_host_revisions` (<= the host
+bound), host evictions per second and worker RSS. Prints them and writes bench/results/tiers.json.
 
     .venv/bin/python bench/tiers.py      # the full run: ~8 min registering, ~6 min serving
     .venv/bin/python bench/tiers.py --adapters 200 --warmup-s 10 --measure-s 20 --baseline-s 10
@@ -63,7 +64,7 @@ import psutil
 from bench import harness
 from bench.harness import percentile
 from control.services import ManagedProcess, free_port, start_mlflow
-from mint_core.config import LOOPBACK, SETTING, MintConfig
+from mint_core.config import LOOPBACK, MintConfig
 from mint_core.revisions import PRODUCTION
 
 PROMPT = "tiers="
@@ -272,7 +273,15 @@ def device_loads(metrics: dict[str, float]) -> float:
 
 
 def request_path_loads(health: dict[str, Any]) -> int:
-    return int(health.get("request_path_loads", 0))
+    """Loads a request waited for from outside the worker's memory: fetches from the artifact
+    store on a request's path (the readiness gate keeps them at zero)."""
+    return int(health["request_path_fetches"])
+
+
+def slot_copies_for_requests(health: dict[str, Any]) -> int:
+    """Copies from the host tier into a device slot made for a user's request: the device
+    tier's own work when more adapters are in use than there are slots (16 here)."""
+    return int(health["request_path_loads"]) - request_path_loads(health)
 
 
 def ready_revisions(routing: dict[str, Any]) -> list[str]:
@@ -437,17 +446,6 @@ def closed_loop(
 # --- The run -------------------------------------------------------------------------------------
 
 
-def with_setting(config: MintConfig, variable: str, text: str) -> MintConfig:
-    """`config` with the field that environment variable `variable` sets read from `text`, as
-    the worker would read it; `config` as it is where no field has that variable (a setting
-    this version of MinT does not have yet: the variable is also passed to the processes)."""
-    for field in dataclasses.fields(config):
-        entry = field.metadata.get(SETTING)
-        if entry is not None and entry.env == (variable,):
-            return dataclasses.replace(config, **{field.name: entry.parse(text)})
-    return config
-
-
 def start_fleet(
     config: MintConfig, services: list[ManagedProcess]
 ) -> tuple[MintConfig, list[ManagedProcess], ManagedProcess]:
@@ -457,16 +455,10 @@ def start_fleet(
 
     ports = [free_port(), free_port()]
     urls = tuple(f"http://{LOOPBACK}:{port}" for port in ports)
-    fleet = with_setting(dataclasses.replace(config, worker_urls=urls), "MINT_REPLICAS", "1")
+    fleet = dataclasses.replace(config, worker_urls=urls, replicas=1)
     with ThreadPoolExecutor(len(ports)) as pool:
         started = [
-            pool.submit(
-                start_worker,
-                with_setting(fleet, "MINT_WORKER_URL", url),
-                port,
-                600.0,
-                {"MINT_WORKER_URL": url, "MINT_REPLICAS": "1"},
-            )
+            pool.submit(start_worker, dataclasses.replace(fleet, worker_url=url), port, 600.0)
             for port, url in zip(ports, urls, strict=True)
         ]
         workers = []
@@ -648,6 +640,7 @@ def summarize(
             "rss_peak_mb": max((w["rss"] for w in every), default=0) / 2**20,
             "rss_end_mb": (every[-1]["rss"] / 2**20) if every else 0.0,
             "request_path_loads": request_path_loads(health[n]),
+            "slot_copies_for_requests": slot_copies_for_requests(health[n]),
         })  # fmt: skip
     buckets = []
     started = window[0] - args.warmup_s
@@ -680,6 +673,7 @@ def summarize(
             warm_q["p95"] / base_q["p95"] if warm_q["p95"] and base_q["p95"] else None
         ),
         "request_path_loads": sum(w["request_path_loads"] for w in per_worker),
+        "slot_copies_for_requests": sum(w["slot_copies_for_requests"] for w in per_worker),
         "peak_host_revisions": max(w["peak_host_revisions"] for w in per_worker),
         "host_bound": args.host_adapters,
         "host_evictions_per_s": sum(w["host_evictions_measured"] for w in per_worker) / measured_s,

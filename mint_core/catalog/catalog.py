@@ -37,6 +37,7 @@ from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS
 from mint_core.errors import IntegrityError, NotFoundError, RegistryError, ServiceError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, RevisionRef
+from mint_core.states import Stage
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,15 @@ class Catalog:
 
     def alias_target(self, adapter: str, alias: str) -> int | None:
         return self._index.alias_target(adapter, alias)
+
+    def in_front_of_users(self, registered: RegisteredRevision) -> bool:
+        """Whether users have been given `registered`: `production` or `canary` names it (as of
+        the last sync), or it was active once (stage `active` or `retired`). Demand admission
+        serves only these: a revision still in its roll-out is no user's yet."""
+        if registered.stage in (Stage.ACTIVE, Stage.RETIRED):
+            return True
+        adapter, number = registered.id.adapter, registered.id.number
+        return any(self.alias_target(adapter, alias) == number for alias in (PRODUCTION, CANARY))
 
     def held_moves(self) -> list[HeldMove]:
         """Aliases the registry points where the pipeline did not move them, as of the last

@@ -8,9 +8,11 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   (`candidate`, `canary`), `production` revisions while the host tier has room (the rest come
   by demand), and the pins. If MLflow is down the worker keeps serving what it has and reports
   itself `degraded`.
-- **Demand**: a request for a registered revision that is not admitted here answers "not
-  ready" at once (with a wait estimated from the admission queue) and admits it, with demand
-  priority, on its placement: here if this worker is placed, else by asking the placed worker.
+- **Demand**: a request for a revision users have been given (`production`, `canary`, or
+  active once) that is not admitted here answers "not ready" at once (with a wait estimated
+  from the admission queue) and admits it, with demand priority, on its placement: here if this
+  worker is placed, else by asking the placed worker. A revision still in its roll-out (or
+  only registered) is only answered "not ready": registering is invisible to users.
 - **Admission**: admitted revisions queue (`mint_core.planning.admission`, rollbacks first) and K
   prewarm threads take them one at a time (`serving.worker.prewarm`), in two phases: fetch and
   verify the artifact into the host tier (`fetching`), then load it into the engine and run a
@@ -380,7 +382,11 @@ class Worker:
         entry = self.readiness(revision)
         if entry.state is not Readiness.READY:
             self.metrics.not_ready.inc()
-            if entry.state is Readiness.NOT_ADMITTED and self.backend.problem() is None:
+            if (
+                entry.state is Readiness.NOT_ADMITTED
+                and self.backend.problem() is None
+                and self.catalog.in_front_of_users(registered)
+            ):
                 entry = self._demand(revision)
             raise RevisionNotReady(entry, self._readiness.wait_estimate(entry))
         if (problem := self.backend.problem()) is not None:

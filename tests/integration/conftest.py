@@ -234,7 +234,9 @@ def mixed_fleet(
             for kind, future in started.items():
                 workers[kind] = future.result()
         urls = tuple(workers[kind].url for kind in kinds)
-        yield MixedFleet(dataclasses.replace(fleet_config, worker_urls=urls), workers, mlflow)
+        # Every revision on both backends: a roll-out waits for both.
+        both = dataclasses.replace(fleet_config, worker_urls=urls, replicas=2)
+        yield MixedFleet(both, workers, mlflow)
     finally:
         stop_all([*workers.values(), mlflow])
 

@@ -74,7 +74,10 @@ def fleet(
     try:
         fleet.workers.extend(start_worker(worker_config) for worker_config in worker_configs)
         fleet.config = dataclasses.replace(
-            fleet_config, sync_interval_s=0.5, worker_urls=tuple(w.url for w in fleet.workers)
+            fleet_config,
+            sync_interval_s=0.5,
+            worker_urls=tuple(w.url for w in fleet.workers),
+            replicas=2,  # every revision on both workers: activation waits for both
         )
         yield fleet
     finally:

@@ -19,6 +19,7 @@ import pytest
 from control.services import ManagedProcess, start_mlflow, stop_all
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel, BaseSource, load_base
+from mint_core.planning.placement import place, ranking
 from mint_core.revisions import RevisionId
 from serving.gateway import WORKER_HEADER, Fleet, WorkerView, start_gateway
 from serving.worker.server import start_worker
@@ -79,7 +80,9 @@ def two_bases(
         worker_b = start_worker(config_b)
         started.append(worker_b)
         urls = (*(w.url for w in workers_a), worker_b.url)
-        fleet_config = dataclasses.replace(config_a, worker_urls=urls)
+        # Every revision of base A on both of its workers (the workers, not named in the
+        # list, hold everything: the pipeline waits for both).
+        fleet_config = dataclasses.replace(config_a, worker_urls=urls, replicas=2)
         gateway = start_gateway(fleet_config)
         started.append(gateway)
         yield TwoBases(
@@ -204,7 +207,7 @@ def test_a_worker_refuses_another_bases_revision_with_409(
     assert str(released["a"]) not in {e["id"] for e in events(two_bases.worker_b)}
 
 
-def test_routing_prefers_ready_then_a_device_slot_then_the_least_busy() -> None:
+def test_routing_prefers_ready_then_placed_then_a_device_slot_then_the_least_busy() -> None:
     def view(url: str, ready: set[str], slots: set[str], in_flight: int) -> WorkerView:
         worker = WorkerView(url)
         routing = {"base_model": "m", "base_digest": "d", "ready": sorted(ready),
@@ -220,8 +223,20 @@ def test_routing_prefers_ready_then_a_device_slot_then_the_least_busy() -> None:
         view("idle-slot", {"x:r1"}, {"x:r1"}, 1),
     ])  # fmt: skip
     fleet.workers.append(WorkerView("down"))  # never heard from: not routed to
-    order = [w.url for w in fleet.choices("x:r1", "d")]
-    assert order == ["idle-slot", "busy-slot", "idle-host", "cold"]
+    every = fleet.choices("x:r1", "d", replicas=4)  # placed on all four
+    assert [w.url for w in every.workers] == ["idle-slot", "busy-slot", "idle-host", "cold"]
+    assert [w.url for w in every.unready_placement] == ["cold"]  # asked to admit it
+
+    # Placed on one worker: a ready one of the placement before other ready ones.
+    placed = place("x:r1", ["cold", "busy-slot", "idle-host", "idle-slot"])[0]
+    one = [w.url for w in fleet.choices("x:r1", "d", replicas=1).workers]
+    if placed != "cold":
+        assert one[0] == placed
+    assert one[-1] == "cold"
+
+    # Ready nowhere: the placement first, then the rest in the revision's ranking.
+    order = [w.url for w in fleet.choices("y:r1", "d", replicas=1).workers]
+    assert order == ranking("y:r1", ["cold", "busy-slot", "idle-host", "idle-slot"])
 
 
 def test_a_worker_killed_under_load_costs_only_its_requests_in_flight(
