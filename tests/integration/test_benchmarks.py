@@ -153,3 +153,38 @@ def test_catalog_benchmark_writes_its_figures(tmp_path: Path) -> None:
     samples = result["alias_visible_samples_s"]
     assert len(samples) == 2 and result["alias_visible_s"] == statistics.median(samples)
     assert result["resolve_p50_us"] <= result["resolve_p99_us"] <= result["resolve_max_us"]
+
+
+def test_tiers_benchmark_serves_more_adapters_than_its_host_tiers_hold(
+    tmp_path: Path, mint_home: Path
+) -> None:
+    result = run_bench(
+        "tiers.py", "--adapters", "300", "--host-adapters", "20", "--warmup-s", "5",
+        "--measure-s", "15", "--baseline-s", "5", "--home", str(mint_home),
+        out=tmp_path / "tiers.json",
+    )  # fmt: skip
+    samples = result["samples"]
+    assert result["warm_requests"] == len(samples["warm_s"])
+    assert result["cold_requests"] == len(samples["cold_s"])
+    assert result["hit_ratio"] == pytest.approx(
+        result["warm_requests"] / (result["warm_requests"] + result["cold_requests"])
+    )
+    assert result["cold_requests"] > 0 and result["errors"] == 0 and result["gave_up"] == 0
+    assert result["request_path_loads"] == 0
+    assert 0 < result["peak_host_revisions"] <= result["host_bound"] == 20
+
+
+def test_tiers_simulation_compares_with_belady_and_moves_one_nth(tmp_path: Path) -> None:
+    result = run_bench(
+        "tiers_sim.py", "--adapters", "20000", "--workers", "10", "--requests", "60000",
+        "--moves", "5000", "--zipf", "1.0", "--half-lives", "30", out=tmp_path / "tiers_sim.json",
+    )  # fmt: skip
+    run = result["by_zipf"]["1.0"]
+    # Belady is the offline optimum for the same sequences and capacity: nothing beats it.
+    assert run["lru_hit_ratio"] <= run["belady_hit_ratio"]
+    assert 0 < run["host_hit_ratio"] <= run["belady_hit_ratio"]
+    assert run["mint_over_belady"] == pytest.approx(run["host_hit_ratio"] / run["belady_hit_ratio"])
+    movement = result["movement"]
+    assert movement["join_moves_only_to_new"] and movement["leave_moves_only_its_own"]
+    assert abs(movement["moved_on_join"] - 1 / 11) < 0.03, movement
+    assert abs(movement["moved_on_leave"] - 1 / 10) < 0.03, movement
