@@ -16,10 +16,15 @@ simulation adds is the fleet around them, as the gateway and the workers behave:
 - on the chosen worker, a ready revision (in the host tier, prewarm over) is a hit: `acquire`
   and `release` of a device slot, back to back; the request stays in flight for `--service-s`
   (for `Demand` and the least-loaded choice);
-- anything else is a miss: the worker answers 503 and, unless it is already warming, admits it
-  (`put_host`, then `settle` after `--prewarm-s`: requests for it meanwhile miss too). The
-  client retries after `--prewarm-s`; retries are routed like any request but counted apart
-  (the hit ratio is over first attempts, the comparison's requests), at most 5 per request.
+- anything else is a miss: the worker answers 503 and, unless it is already queued or warming,
+  admits it (`put_host`, then `settle` after `--prewarm-s`: requests for it meanwhile miss
+  too), at once (`--admission-k 0`, the main runs: the cache policy alone) or through MinT's
+  `AdmissionQueue` with demand priority, K prewarms at a time per worker (`--admission-ks`,
+  run at `--sweep-zipf`). The client retries after the wait the worker suggests
+  (`ReadinessTable.wait_estimate`'s rule: its place in the queue times the prewarm); retries
+  are routed like any request but counted apart (the hit ratio is over first attempts, the
+  comparison's requests), and each counted request's cold wait (first refusal to being
+  served) is kept.
 
 Figures, each s, after the first `--warmup` share of the trace (uncounted; the caches start
 empty):
@@ -37,7 +42,9 @@ empty):
 4. speed: `place` calls per second over N workers (the gateway's hot path; uncached).
 
 `--half-lives` repeats MinT's run at s = `--sweep-zipf` with other LRFU half-lives (the Residency's
-`half_life_s`), for choosing its default. Prints a table, writes bench/results/tiers_sim.json.
+`half_life_s`), for choosing its default; `--admission-ks` with admission limited to K
+prewarms at a time per worker (cold wait p50/p99: is admission keeping up?). Prints a table,
+writes bench/results/tiers_sim.json.
 
     .venv/bin/python bench/tiers_sim.py                    # full: 10^6 adapters, 2 M requests per s
     .venv/bin/python bench/tiers_sim.py --adapters 20000 --workers 10 --requests 60000 \\
@@ -58,10 +65,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 from bench import harness
+from mint_core.planning.admission import AdmissionQueue, Priority
 from mint_core.planning.placement import Demand, place, ranking
 from mint_core.planning.residency import DEFAULT_HALF_LIFE_S, HostTierFull, Residency, Tier
 
-MAX_RETRIES = 5
+MAX_RETRIES = 100
 HOT_RATE = 20.0
 """`MintConfig.hot_rate`'s default: requests per second per replica."""
 # Event kinds, in the order they run at one instant: a prewarm settles before the retry that
@@ -127,6 +135,8 @@ class Run:
     device_misses: int
     hits_by_worker: list[int]
     wall_s: float
+    cold_waits: list[float]
+    """Counted requests refused at first: seconds from the first refusal to being served."""
 
 
 def simulate(
@@ -141,8 +151,11 @@ def simulate(
     prewarm_s: float,
     service_s: float,
     placed: dict[int, int],
+    admission_k: int = 0,
 ) -> Run:
-    """The fleet around MinT's code (see the module's docstring), over one trace."""
+    """The fleet around MinT's code (see the module's docstring), over one trace. Each worker
+    prewarms `admission_k` revisions at a time through MinT's `AdmissionQueue` (demand
+    priority), the rest queued; 0: every admission starts at once."""
     now = [0.0]
 
     def clock() -> float:
@@ -160,6 +173,7 @@ def simulate(
         for _ in workers
     ]
     demand = Demand(hot_rate=HOT_RATE, clock=clock)
+    queues = [AdmissionQueue[int](admission_k) for _ in workers] if admission_k else None
     index = {name: n for n, name in enumerate(workers)}
     ranked: dict[int, list[int]] = {}  # revision -> workers in its order, for the hot ones
     holders: dict[int, set[int]] = {}  # revision -> workers whose host tier holds it
@@ -167,6 +181,10 @@ def simulate(
     in_flight = [0] * count
     hits_by_worker = [0] * count
     events: list[tuple[float, int, int, int, int, int]] = []
+    origins: dict[int, float] = {}
+    """A retry event's sequence number -> when its counted request was first refused."""
+    cold_waits: list[float] = []
+    """Counted requests refused at first: first refusal to the retry that was served."""
     sequence = 0
     worker_of = np.empty(len(trace), dtype=np.int32)
     stats = dict.fromkeys(
@@ -175,6 +193,24 @@ def simulate(
     device_before = (0, 0)
 
     def admit(worker: int, revision: int, at: float) -> bool:
+        """Admit `revision` on `worker` by demand: at once, or queued behind K prewarms."""
+        if queues is None:
+            return prewarm(worker, revision, at)
+        if revision in warming[worker]:
+            return False
+        queues[worker].push(revision, Priority.DEMAND)
+        warming[worker].add(revision)  # queued: not ready, not admitted again
+        start_queued(worker, at)
+        return True
+
+    def start_queued(worker: int, at: float) -> None:
+        assert queues is not None
+        while (revision := queues[worker].start_next()) is not None:
+            if not prewarm(worker, revision, at):
+                queues[worker].finish(revision)
+                warming[worker].discard(revision)
+
+    def prewarm(worker: int, revision: int, at: float) -> bool:
         nonlocal sequence
         try:
             evicted = tiers[worker].put_host(names[revision], None, 1)
@@ -189,8 +225,18 @@ def simulate(
         heapq.heappush(events, (at + prewarm_s, _SETTLE, sequence, worker, revision, 0))
         return True
 
-    def request(revision: int, at: float, attempt: int, counted: bool) -> int:
-        """Route and serve one request; the worker it went to."""
+    def wait_s(worker: int, revision: int) -> float:
+        """The wait a "not ready" answer suggests: `ReadinessTable.wait_estimate`'s rule."""
+        if queues is None:
+            return prewarm_s
+        position = queues[worker].position(revision)
+        return prewarm_s if position is None else (position // admission_k + 1) * prewarm_s
+
+    def request(
+        revision: int, at: float, attempt: int, counted: bool, origin: float | None = None
+    ) -> int:
+        """Route and serve one request; the worker it went to. `origin`: when a counted
+        request was first refused, for its retries (its cold wait ends at the hit)."""
         nonlocal sequence
         name = names[revision]
         demand.started(name)
@@ -223,6 +269,8 @@ def simulate(
                 hits_by_worker[worker] += 1
             elif attempt > 0:
                 stats["retry_hits"] += 1
+                if origin is not None:
+                    cold_waits.append(at - origin)
             return worker
         demand.finished(name)  # a 503 is answered at once
         if counted:
@@ -232,16 +280,17 @@ def simulate(
             admit(worker, revision, at)
         if attempt < MAX_RETRIES:
             sequence += 1
-            heapq.heappush(
-                events, (at + prewarm_s, _RETRY, sequence, worker, revision, attempt + 1)
-            )
+            retry_at = at + wait_s(worker, revision)
+            heapq.heappush(events, (retry_at, _RETRY, sequence, worker, revision, attempt + 1))
+            if counted or origin is not None:
+                origins[sequence] = at if counted else origin
         else:
             stats["gave_up"] += 1
         return worker
 
     def run_events(until: float) -> None:
         while events and events[0][0] <= until:
-            at, kind, _, worker, revision, attempt = heapq.heappop(events)
+            at, kind, number, worker, revision, attempt = heapq.heappop(events)
             now[0] = at
             if kind == _FINISH:
                 in_flight[worker] -= 1
@@ -249,9 +298,12 @@ def simulate(
             elif kind == _SETTLE:
                 warming[worker].discard(revision)
                 tiers[worker].settle(names[revision])
+                if queues is not None:
+                    queues[worker].finish(revision)
+                    start_queued(worker, at)
             else:
                 stats["retries"] += 1
-                request(revision, at, attempt, counted=False)
+                request(revision, at, attempt, counted=False, origin=origins.pop(number, None))
 
     start = time.perf_counter()
     for position, (revision, at) in enumerate(zip(trace.tolist(), times.tolist(), strict=True)):
@@ -270,6 +322,7 @@ def simulate(
         device_misses=device_misses - device_before[1],
         hits_by_worker=hits_by_worker,
         wall_s=wall_s,
+        cold_waits=cold_waits,
         **stats,
     )
 
@@ -428,10 +481,16 @@ def figures(run: Run, trace: np.ndarray, workers: list[str], host: int, warmup: 
         "admissions_refused": run.refused,
         "gave_up": run.gave_up,
         "hits_lost_on_leave": run.hits_by_worker[leaving] / max(1, sum(run.hits_by_worker)),
+        "cold_wait_p50_s": harness.percentile(run.cold_waits, 0.5) if run.cold_waits else None,
+        "cold_wait_p99_s": harness.percentile(run.cold_waits, 0.99) if run.cold_waits else None,
         "distinct_revisions": len(np.unique(trace)),
         "sim_s": run.wall_s,
         "offline_s": offline_s,
     }
+
+
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main() -> None:
@@ -453,6 +512,12 @@ def main() -> None:
                         help="other LRFU half-lives, run at --sweep-zipf")  # fmt: skip
     parser.add_argument("--sweep-zipf", type=float, default=1.0, help="the s of --half-lives")
     parser.add_argument("--moves", type=int, default=200_000, help="revisions sampled for movement")
+    parser.add_argument(
+        "--admission-k", type=int, default=0, help="prewarms at once per worker (0: no limit)"
+    )
+    parser.add_argument(
+        "--admission-ks", type=int, nargs="*", default=[1, 4], help="others, at --sweep-zipf"
+    )
     args = parser.parse_args()
 
     load_at_start = os.getloadavg()[0]
@@ -473,15 +538,20 @@ def main() -> None:
     placed: dict[int, int] = {}  # revision -> its one worker: place()'s answers, memoised
     by_zipf: dict[str, Any] = {}
     sweep: dict[str, Any] = {}
+    admission: dict[str, Any] = {}
     for number, s in enumerate(args.zipf):
         trace, times = zipf_trace(args.adapters, args.requests, s, args.rate * args.workers,
                                   args.seed + number)  # fmt: skip
         sweeping = s == args.sweep_zipf
-        half_lives = [args.half_life] + (args.half_lives if sweeping else [])
+        runs = [(args.half_life, args.admission_k)]
+        if sweeping:
+            runs += [(half_life, args.admission_k) for half_life in args.half_lives]
+            runs += [(args.half_life, k) for k in args.admission_ks]
         placed_without = placements(trace, names, workers, placed)
-        for half_life in half_lives:
+        for half_life, admission_k in runs:
             run = simulate(trace, times, names, workers, args.host, args.device, warmup,
-                           half_life, args.prewarm_s, args.service_s, placed)  # fmt: skip
+                           half_life, args.prewarm_s, args.service_s, placed,
+                           admission_k)  # fmt: skip
             result = figures(run, trace, workers, args.host, warmup, placed_without,
                              moves["leaving_worker"])  # fmt: skip
             simulated_s = float(times[-1] - times[warmup])
@@ -489,14 +559,19 @@ def main() -> None:
             result["simulated_s"] = float(times[-1])
             result["counted_simulated_s"] = simulated_s
             result["half_life_s"] = half_life
+            result["admission_k"] = admission_k
             r = result
-            print(f"s={s} half-life {half_life:g} s: host hit {r['host_hit_ratio']:.4f} (Belady "
+            print(f"s={s} half-life {half_life:g} s, admission K {admission_k or 'unlimited'}: "
+                  f"host hit {r['host_hit_ratio']:.4f} (Belady "
                   f"{r['belady_hit_ratio']:.4f}, LRU {r['lru_hit_ratio']:.4f}, static top "
                   f"{r['static_top_hit_ratio']:.4f}), device hit {r['device_hit_ratio']:.4f}, "
                   f"imbalance {r['imbalance_with_replicas']:.2f} (without replicas "
-                  f"{r['imbalance_without_replicas']:.2f}); sim {run.wall_s:.0f} s, offline "
-                  f"{r['offline_s']:.0f} s", flush=True)  # fmt: skip
-            if half_life == args.half_life:
+                  f"{r['imbalance_without_replicas']:.2f}), cold wait p50 "
+                  f"{seconds(r['cold_wait_p50_s'])} p99 {seconds(r['cold_wait_p99_s'])}; sim "
+                  f"{run.wall_s:.0f} s, offline {r['offline_s']:.0f} s", flush=True)  # fmt: skip
+            if admission_k != args.admission_k:
+                admission[str(admission_k)] = result
+            elif half_life == args.half_life:
                 by_zipf[str(s)] = result
             else:
                 sweep[f"{half_life:g}"] = result
@@ -522,6 +597,16 @@ def main() -> None:
             print(f"| {half_life} | {r['host_hit_ratio']:.4f} | {r['mint_over_belady']:.3f} | "
                   f"{r['mint_over_lru']:.3f} | "
                   f"{r['host_hit_ratio'] / r['static_top_hit_ratio']:.3f} |")  # fmt: skip
+    if admission:
+        print()
+        print(f"Admission at s={args.sweep_zipf} (prewarms at once per worker):")
+        print("| K | MinT host hit | cold wait p50 s | cold wait p99 s | refused |")
+        print("| --- | --- | --- | --- | --- |")
+        unlimited = by_zipf.get(str(args.sweep_zipf))
+        rows = [("unlimited", unlimited)] if unlimited and not args.admission_k else []
+        for k, r in [*rows, *sorted(admission.items(), key=lambda item: int(item[0]))]:
+            print(f"| {k} | {r['host_hit_ratio']:.4f} | {seconds(r['cold_wait_p50_s'])} | "
+                  f"{seconds(r['cold_wait_p99_s'])} | {r['admissions_refused']} |")  # fmt: skip
     print()
     print("| movement | moved | 1/N |\n| --- | --- | --- |")
     print(f"| join {args.workers}->{args.workers + 1} | {moves['moved_on_join']:.4f} | "
@@ -532,6 +617,7 @@ def main() -> None:
         "settings": settings,
         "by_zipf": by_zipf,
         "half_life_sweep": {"zipf": args.sweep_zipf, "by_half_life_s": sweep},
+        "admission_sweep": {"zipf": args.sweep_zipf, "by_admission_k": admission},
         "movement": moves,
         "machine": {
             "cpu": harness.cpu_name(),
