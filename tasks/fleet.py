@@ -2,9 +2,10 @@
 it: admit, prewarm (wait until each reports it ready), activate.
 
 Those workers (`Fleet`) are the revision's placement over the live workers of its base
-(`mint_core.planning.placement`, the same function the workers and the gateway use), and, when
-the adapter's `production` revision is ready on other workers, those too: the alias move then
-finds the new revision ready wherever the old one served, and causes no cold misses. Working
+(`mint_core.planning.placement`, the same function the workers and the gateway use), the
+workers that already hold it or tried to, and, when the adapter's `production` revision is
+ready on other workers, those too: the alias move then finds the new revision ready wherever
+the old one served, and causes no cold misses. Working
 them out takes a registry read and every worker's `/health`: it is done once per roll-out, by
 the admit step (with its retries), which returns it, and passed to each later step. A step
 called without one (a test, a benchmark) works it out.
@@ -41,8 +42,9 @@ class Fleet:
 def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
     """The workers in `config` that are to hold `revision`: its placement over the live workers
     of its base (a worker names its base in `/health`; one that does not answer is not live),
-    and the workers where the adapter's production revision is ready. NotReadyError if no live
-    worker serves the base."""
+    the workers that hold it already or tried to (a repair retries it there), and those where
+    the adapter's production revision is ready. NotReadyError if no live worker serves the
+    base."""
     registry = Registry(config.tracking_uri)
     policy = registry.get(revision).policy
     live = {}
@@ -62,8 +64,13 @@ def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
     replicas = registry.gates(revision.adapter).replicas or config.replicas
     targets = set(place(str(revision), list(live), replicas))
     serving = _production(registry, revision)
-    if serving is not None and serving != revision:
-        targets |= {url for url, w in live.items() if w.readiness(serving)[0] is Readiness.READY}
+    for url, worker in live.items():
+        if url in targets:
+            continue
+        if worker.readiness(revision)[0] is not Readiness.NOT_ADMITTED:
+            targets.add(url)  # it holds the revision, or tried to (a repair retries it there)
+        elif serving not in (None, revision) and worker.readiness(serving)[0] is Readiness.READY:
+            targets.add(url)
     return Fleet(policy.base_digest, tuple(live[url] for url in sorted(targets)))
 
 
