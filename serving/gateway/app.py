@@ -182,8 +182,9 @@ class Gateway:
                 "set to it, or wait for a stopped one to come back"
             )
         first = choices.workers[0]
-        for worker in choices.unready_placement:
-            if worker is not first:  # the first is sent the request: it admits by demand itself
+        asked = [w for w in choices.unready_placement if w is not first]  # the first admits
+        if asked and self.catalog.in_front_of_users(registered):  # by demand itself, if it may
+            for worker in asked:
                 self._ask_admit(worker, registered.id)
         return choices.workers, revision
 
