@@ -97,7 +97,13 @@ def until_answered(url: str, model: str, deadline_s: float = 60.0) -> tuple[http
             return response, waits
         waits += 1
         assert time.monotonic() < deadline, f"{model} still not ready: {response.text}"
-        time.sleep(int(response.headers["Retry-After-Ms"]) / 1000)
+        time.sleep(wait_s(response))
+
+
+def wait_s(response: httpx.Response) -> float:
+    """The wait a "not ready" answer asks for (`Retry-After-Ms`), at most a second here: on a
+    loaded machine the worker's estimate follows its slowest recent prewarms."""
+    return min(1.0, int(response.headers["Retry-After-Ms"]) / 1000)
 
 
 def tokens(response: httpx.Response) -> list[int]:
@@ -268,41 +274,48 @@ def test_a_release_activates_once_its_placement_is_ready_not_every_worker(
 
 
 def test_a_killed_workers_revisions_come_back_on_the_other_by_demand(placed: Placed) -> None:
-    """Four clients over every adapter; one worker is killed under them. The requests it had
-    may fail (502 `worker_failed`); every other answer is the adapter's, or "not ready" until
-    the survivor has admitted it by demand."""
+    """Four clients over six adapters, three placed on each worker, all ready; one worker is
+    killed under them. The requests it had may fail (502 `worker_failed`); every other answer
+    is the adapter's, or "not ready" until the survivor has admitted it by demand (its host
+    tier has room for all six: this is about moving, not about eviction)."""
     victim, survivor = placed.workers
-    outcomes: list[tuple[float, int, str]] = []
+    on = {w.url: [n for n in placed.names if placed.placement(RevisionId(n, 1)) == w.url]
+          for w in placed.workers}  # fmt: skip
+    moving, staying = on[victim.url][:3], on[survivor.url][:3]
+    for name in moving + staying:
+        until_answered(placed.gateway.url, f"{name}@production")
+    outcomes: list[tuple[int, str, str]] = []
     stop = threading.Event()
 
-    def client(names: list[str]) -> None:
+    def client(number: int) -> None:
+        names = (moving + staying)[number::2]
         while not stop.is_set():
             for name in names:
-                response = generate(placed.gateway.url, f"{name}@production")
+                if stop.is_set():
+                    return
+                response = generate(placed.gateway.url, f"{name}@production", timeout_s=30)
                 kind = response.json().get("error_type", "") if response.status_code != 200 else ""
-                outcomes.append((time.monotonic(), response.status_code, kind))
+                outcomes.append((response.status_code, kind, name))
                 if response.status_code == 503:
-                    time.sleep(int(response.headers.get("Retry-After-Ms", "100")) / 1000)
+                    time.sleep(wait_s(response))
 
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(client, placed.names[i::4]) for i in range(4)]
-        time.sleep(5)
+        running = [pool.submit(client, number) for number in range(4)]
+        time.sleep(3)
         os.kill(victim.process.pid, signal.SIGKILL)
         victim.process.wait()
-        killed = time.monotonic()
-        # Every adapter answers again, from the survivor.
-        deadline = killed + 120
-        for name in placed.names:
+        for name in moving:  # each answers again, from the survivor
             answered, _ = until_answered(placed.gateway.url, f"{name}@production", 120)
-            assert answered.status_code == 200 and answered.headers[WORKER_HEADER] == survivor.url
-            assert time.monotonic() < deadline
+            assert answered.headers[WORKER_HEADER] == survivor.url
+        time.sleep(2)
         stop.set()
         for future in running:
             future.result()
-    failed = [o for o in outcomes if o[1] not in (200, 503)]
-    assert all(o[1] == 502 and o[2] == "worker_failed" for o in failed), failed
+    failed = [o for o in outcomes if o[0] not in (200, 503)]
+    assert all(o[0] == 502 and o[1] == "worker_failed" for o in failed), failed
     assert len(failed) <= 4, failed  # at most each client's request in flight at the kill
-    assert all(o[2] == "not_ready" for o in outcomes if o[1] == 503)
+    assert all(o[1] == "not_ready" for o in outcomes if o[0] == 503), outcomes
+    assert all(o[2] in moving for o in outcomes if o[0] == 503)  # the others never left
     assert max(placed.peak_host.values()) <= HOST_BOUND, placed.peak_host
     health = WorkerClient(survivor.url).health()
     assert health["request_path_loads"] == 0 and health["request_path_fetches"] == 0, health
