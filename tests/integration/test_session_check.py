@@ -112,7 +112,10 @@ def s3(tmp_path):
 
 def test_runs_until_stopped(s3):
     Path(os.environ["STARTED_FILE"]).write_text(str(s3.process.pid))
-    time.sleep(600)
+    # Short sleeps: a signal the kernel hands to another thread of this process is handled by
+    # the main thread at its next bytecode, which one long sleep would put off for minutes.
+    for _ in range(6000):
+        time.sleep(0.1)
 """
 
 
