@@ -41,6 +41,7 @@ from serving.http.common import (
 )
 from serving.http.errors import ErrorResponse, error_response
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
+from serving.worker.peers import ASK_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +52,6 @@ CONNECT_TIMEOUT_S = 2.0
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
 GENERATION_TIMEOUT_S = 600.0
-ASK_INTERVAL_S = 2.0
-"""A worker is asked to admit the same revision at most this often."""
 _PASSED_ON = (
     "content-type",
     "retry-after",

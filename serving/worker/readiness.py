@@ -16,7 +16,7 @@ it; entries that stopped (not admitted again, failed: kept for their reason) are
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -36,6 +36,7 @@ __all__ = [
     "ReadinessTable",
     "Residence",
     "RevisionNotReady",
+    "in_order",
 ]
 
 EVENT_LOG_LENGTH = 10_000
@@ -104,7 +105,8 @@ class RevisionNotReady(NotReadyError):
         """When it may be ready, estimated from the admission queue; None: no estimate."""
 
 
-def _in_order(revisions: list[RevisionId]) -> list[RevisionId]:
+def in_order(revisions: Iterable[RevisionId]) -> list[RevisionId]:
+    """By adapter, then revision number."""
     return sorted(revisions, key=lambda r: (r.adapter, r.number))
 
 
@@ -146,7 +148,7 @@ class ReadinessTable:
     def ready(self, principal: str | None = None) -> list[RevisionId]:
         """Ready revisions, those `principal` may use if one is named."""
         with self._changed:
-            return _in_order([r for r in self._entries if self._serves(r, principal)])
+            return in_order([r for r in self._entries if self._serves(r, principal)])
 
     def serves(self, revision: RevisionId, principal: str | None = None) -> bool:
         """Whether `revision` is ready (and `principal`, if named, may use it)."""
@@ -258,7 +260,7 @@ class ReadinessTable:
         becomes ready from now on. The revisions ready now, for the caller to drop."""
         with self._changed:
             self._lost_generation = max(self._lost_generation, generation)
-            return _in_order([r for r in self._entries if self._serves(r)])
+            return in_order([r for r in self._entries if self._serves(r)])
 
     def _set(self, revision: RevisionId, state: Readiness, reason: str | None = None) -> None:
         current = self._entries.get(revision)

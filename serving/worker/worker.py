@@ -100,6 +100,7 @@ from serving.worker.readiness import (
     ReadinessTable,
     Residence,
     RevisionNotReady,
+    in_order,
 )
 
 log = logging.getLogger(__name__)
@@ -246,9 +247,9 @@ class Worker:
             admitted.append(revision)
             return True
 
-        for revision in _in_order(wanted.pins):
+        for revision in in_order(wanted.pins):
             take(revision, Priority.NORMAL)
-        for revision in _in_order(wanted.rollout):
+        for revision in in_order(wanted.rollout):
             if self.placed_here(revision):
                 take(revision, self._priority(revision))
         # Production revisions placed here fill free room only: evicting one for another
@@ -257,7 +258,7 @@ class Worker:
         # configured, a prefill never takes what its worker will hold again once back).
         room = self.residency.room() - self._readiness.admitting
         whole_fleet = self.peers.fleet
-        for revision in _in_order(wanted.production):
+        for revision in in_order(wanted.production):
             if room <= 0:
                 break
             placed = place(str(revision), whole_fleet, self._replicas_of(revision))
@@ -494,10 +495,6 @@ class Worker:
             thread.join(timeout=10)
         self.peers.close()
         self.catalog.close()
-
-
-def _in_order(revisions: frozenset[RevisionId]) -> list[RevisionId]:
-    return sorted(revisions, key=lambda r: (r.adapter, r.number))
 
 
 def _alias_of(move: HeldMove) -> tuple[str, str]:
