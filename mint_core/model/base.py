@@ -284,16 +284,24 @@ def load_base(source: BaseSource, home: Path, *, training: bool = False) -> Base
     return BaseModel(model, text)
 
 
-def servable_modules(model: torch.nn.Module) -> dict[str, torch.nn.Linear]:
-    """Every linear layer a LoRA may adapt, by module name: all but the output embedding."""
+def servable_modules(model: torch.nn.Module, output: bool = False) -> dict[str, torch.nn.Linear]:
+    """Every linear layer a LoRA may adapt, by module name: all but the output embedding, and
+    that too with `output` (the serving engine serves a LoRA on it; the release pipeline's
+    training does not make one)."""
     from torch import nn
 
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     return {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and module is not output
+        if isinstance(module, nn.Linear) and (output or module is not embedding)
     }
+
+
+def output_embedding_name(model: torch.nn.Module) -> str | None:
+    """The module name of `model`'s output embedding (`lm_head`), if it has one."""
+    embedding = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name for name, module in model.named_modules() if module is embedding), None)
 
 
 def default_targets(model: torch.nn.Module) -> tuple[str, ...]:

@@ -1,10 +1,10 @@
 """The embedded torch engine: one resident base model, adapters in device slots beside it.
 
 The engine owns its base model, any Hugging Face causal LM, and adapts it in place: every linear
-layer an adapter may target (all of them but the output embedding, by module name, whatever the
-family calls them) is wrapped (`serving.engine.lora`), and so is every fused MoE experts module,
-so a batch can mix adapters row by row, each row naming its device slot, slot 0 being the base
-alone.
+layer an adapter may target (all of them, the output embedding included, by module name,
+whatever the family calls them) is wrapped (`serving.engine.lora`), and so is every fused MoE
+experts module, so a batch can mix adapters row by row, each row naming its device slot, slot 0
+being the base alone.
 Loading an adapter copies its LoRA pairs into a slot (the worker's residency plan says which);
 the base weights are never touched.
 `step` is one forward pass over a batch with its key/value cache, what the continuous-batching
@@ -67,7 +67,7 @@ class TorchEngine:
         self.slots = slots
         self.batch = SlotBatch()
         # One slot more than adapters: slot 0 stays all zeros for base rows.
-        modules = servable_modules(base.model)
+        modules = servable_modules(base.model, output=True)
         self._wrappers = wrap_linears(base.model, modules, slots + 1, self.batch)
         self._experts = wrap_experts(base.model, slots + 1, self.batch)
         self._slot_of: dict[str, int] = {}
@@ -212,7 +212,7 @@ class TorchEngine:
                     f"adapter {key} does not fit the base {self.base.model_id} "
                     f"({self.base.family}): tensor {name!r} is not a LoRA pair of one of its "
                     "linear layers or of the fused experts its target_parameters name "
-                    "(embeddings and lm_head are not servable); the adapter was made for "
+                    "(input embeddings are not servable); the adapter was made for "
                     "another model"
                 )
             sides.setdefault(module, {})[side[0]] = tensor
@@ -288,6 +288,16 @@ class TorchEngine:
                 logits_to_keep=1,
             )
         return output.logits[:, -1]
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, ids: Sequence[int], slot: int) -> list[float]:
+        """log p(ids[i] | ids[:i]) of each token of one prompt through device slot `slot`;
+        NaN for the first (nothing precedes it)."""
+        input_ids = torch.tensor([list(ids)], device=self.device)
+        with self.lock, self.batch.rows([slot], self.device):
+            logits = self.base.model(input_ids=input_ids).logits[0, :-1]
+        picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[0, 1:, None])
+        return [float("nan"), *picked[:, 0].tolist()]
 
 
 def _module_of(name: str) -> tuple[str, str]:

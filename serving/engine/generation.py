@@ -49,7 +49,9 @@ class Request:
         self.warm_up = warm_up
         """A worker's own warm-up generation during prewarm, not a user's request."""
         self.sampler = RowSampler(params)
-        self.eos_ids = codec.eos_ids
+        self.eos_ids = (
+            codec.eos_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
+        )
         self.detokenizer = codec.detokenizer()
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []

@@ -32,6 +32,9 @@ class SamplingParams:
     """Seed of this request's generator; None draws one (reported back)."""
     stop: tuple[str, ...] = ()
     """The generation ends once its text ends with any of these."""
+    stop_token_ids: tuple[int, ...] | None = None
+    """The generation ends at any of these tokens; None: at the base's end-of-sequence ids,
+    () at none of them (it runs to max_new_tokens or a stop string)."""
     return_routes: bool = False
     """Also return, with each token, the experts every MoE layer routed it to (R3: an RL
     trainer replays them); only an embedded worker on an MoE base can."""

@@ -51,13 +51,28 @@ def peft_logits(model: PeftModel, base: BaseModel, prompts: list[str]) -> torch.
     return model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).logits[:, -1]
 
 
-def test_the_engine_wraps_every_linear_layer_but_the_output_by_name(
+def test_the_engine_wraps_every_linear_layer_by_name_the_output_embedding_too(
     folder: Path, home: Path
 ) -> None:
-    names = set(servable_modules(fresh_base(folder, home).model))
+    names = set(servable_modules(fresh_base(folder, home).model, output=True))
     engine = TorchEngine(fresh_base(folder, home))
     assert set(engine._wrappers) == names
-    assert {name.rsplit(".", 1)[-1] for name in names} == set(PROJECTIONS)
+    assert {name.rsplit(".", 1)[-1] for name in names} == {*PROJECTIONS, "lm_head"}
+
+
+def test_a_lora_of_the_output_embedding_gives_what_peft_gives(folder: Path, home: Path) -> None:
+    """`mint trainer`'s tenants adapt lm_head by default (the Tinker SDK's `train_unembed`)."""
+    lora, model = random_adapter(
+        fresh_base(folder, home), rank=2, seed=1, targets=["q_proj", "lm_head"]
+    )
+    engine = TorchEngine(fresh_base(folder, home))
+    # PEFT would save the (tied) embedding too; an adapter carries its LoRA pairs only.
+    pairs = {k: v for k, v in weights_of(model).items() if ".lora_" in k}
+    engine.load(engine.prepare("head", config_of(lora), pairs))
+    mixed = engine.logits(PROMPTS, ["head", BASE] * (len(PROMPTS) // 2))
+    peft = peft_logits(model, engine.base, PROMPTS)
+    torch.testing.assert_close(mixed[0::2], peft[0::2], rtol=0, atol=1e-5)
+    assert not torch.allclose(mixed[1::2], peft[1::2])
 
 
 def test_a_zero_adapter_gives_the_base_logits_bit_for_bit(folder: Path, home: Path) -> None:
@@ -121,11 +136,11 @@ def test_adapters_that_do_not_fit_or_exceed_the_slots_are_refused(home: Path) ->
         IntegrityError, match=rf"does not fit the base \S+ {at}: .* base projection 64x64"
     ):
         engine.load(engine.prepare("alien", config_of(lora), weights_of(model)))
-    # A LoRA of the output embedding: no linear layer the engine serves.
-    targets = ["q_proj", "lm_head"]
+    # A LoRA of the input embedding: no linear layer the engine serves.
+    targets = ["q_proj", "embed_tokens"]
     lora, model = random_adapter(fresh_base(llama, home), rank=2, seed=1, targets=targets)
-    with pytest.raises(IntegrityError, match=r"\(llama\): tensor '[^']*lm_head\.lora_A"):
-        engine.prepare("head", config_of(lora), weights_of(model))
+    with pytest.raises(IntegrityError, match=r"\(llama\): tensor '[^']*embed_tokens\.lora_"):
+        engine.prepare("embedding", config_of(lora), weights_of(model))
     assert engine.adapters == frozenset({"three"})
 
 
