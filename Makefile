@@ -13,11 +13,15 @@ GPU := $(shell command -v nvidia-smi)
 # the tests run it from an environment of its own, as its users install it.
 TGI_VENV := .venv-tgi
 TGI_INSTALLED := $(TGI_VENV)/.installed
+# The tinker-cookbook's training loops run unmodified against `mint trainer` from an environment
+# of their own (tests/integration/cookbook/), with the SDK and torch its users install.
+COOKBOOK_VENV := .venv-cookbook
+COOKBOOK_INSTALLED := $(COOKBOOK_VENV)/.installed
 # The browser tests drive Debian's Chromium (Playwright's own browser downloads are not used):
 # the path of the one on PATH, or where Debian's package puts it, installed only when missing.
 CHROMIUM := $(or $(shell command -v chromium),/usr/bin/chromium)
 
-.PHONY: demo test test-unit vllm tgi-client lint bench clean
+.PHONY: demo test test-unit vllm tgi-client cookbook lint bench clean
 
 # torch goes first and alone: its CPU wheel lies on local disk, while an open range pulled in
 # by another package would download a multi-GB CUDA build.
@@ -49,6 +53,23 @@ $(TGI_INSTALLED):
 
 tgi-client: $(TGI_INSTALLED)
 
+# tinker-cookbook 0.6.1 requires tml-renderers>=0.4.1, which the registry lacks; the cookbook
+# imports it only for the Inkling and Kimi renderers, so the cookbook goes in with --no-deps after
+# its other requirements (pinned to what they resolve to). torch first, as for MinT.
+$(COOKBOOK_INSTALLED):
+	$(PYTHON) -m venv $(COOKBOOK_VENV)
+	$(COOKBOOK_VENV)/bin/pip install --quiet --disable-pip-version-check torch==2.13.0
+	$(COOKBOOK_VENV)/bin/pip install --quiet --disable-pip-version-check tinker==0.38.0 \
+		aiohttp==3.14.5 anyio==4.16.0 blobfile==3.3.0 chz==0.4.0 cloudpickle==3.1.3 \
+		datasets==5.2.0 huggingface-hub==2.4.0 numpy==2.4.6 pillow==13.0.0 pydantic==2.14.4 \
+		pyrage==1.4.0 rich==15.0.0 safetensors==0.8.0 termcolor==3.3.0 tiktoken==0.14.0 \
+		tqdm==4.70.1 transformers==5.24.0
+	$(COOKBOOK_VENV)/bin/pip install --quiet --disable-pip-version-check --no-deps \
+		tinker-cookbook==0.6.1
+	touch $(COOKBOOK_INSTALLED)
+
+cookbook: $(COOKBOOK_INSTALLED)
+
 $(CHROMIUM):
 	apt-get update
 	apt-get install -y chromium
@@ -66,8 +87,8 @@ test-unit: $(INSTALLED)
 
 # ruff and the fast lane come first: a failure there stops here, before the other environments
 # are installed and the integration lane (every other folder of tests/) runs.
-test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(CHROMIUM)
+test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(COOKBOOK_INSTALLED) $(CHROMIUM)
 	$(VENV)/bin/pytest --ignore=tests/unit
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(TGI_VENV) .mint .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(TGI_VENV) $(COOKBOOK_VENV) .mint .pytest_cache .ruff_cache

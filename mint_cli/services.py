@@ -18,6 +18,7 @@ from mint_core.config import (
     GATEWAY_PORT,
     MLFLOW_PORT,
     PREFECT_PORT,
+    TRAINER_PORT,
     WORKER_PORT,
     BackendKind,
 )
@@ -35,6 +36,12 @@ def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
     if args.backend:
         config = dataclasses.replace(config, backend=BackendKind(args.backend))
     serve(config, args.host, args.port)
+
+
+def cmd_trainer(args: argparse.Namespace, config: MintConfig) -> None:
+    from trainer.server import serve_trainer
+
+    serve_trainer(config, args.host, args.port)
 
 
 def cmd_gateway(args: argparse.Namespace, config: MintConfig) -> None:
@@ -80,6 +87,7 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     from control.services import ManagedProcess, start_mlflow, start_prefect, stop_all
     from flows.deployments import start_flow_server
     from serving.worker.server import start_worker
+    from trainer.server import start_trainer
 
     started: list[ManagedProcess] = []
     accounts = RegistryAccounts.load_or_create(config.home)
@@ -100,9 +108,13 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
         started.append(worker)
         config = dataclasses.replace(config, worker_urls=(worker.url,))
         started.append(start_flow_server(config, prefect_server.url + "/api"))
+        # The trainer registers its tenants' sampler weights: it writes as the pipeline does.
+        trainer = start_trainer(config, args.trainer_port, env=accounts.pipeline.env())
+        started.append(trainer)
         print(f"MLflow UI (registry):    {mlflow.url}")
         print(f"Prefect UI (flows):      {prefect_server.url}")
         print(f"serving API (worker):    {worker.url}")
+        print(f"Tinker API (trainer):    {trainer.url}  (TINKER_BASE_URL)")
         print(_accounts_line(accounts, config.home))
         print(f"state and logs in {config.home}; Ctrl-C stops everything", flush=True)
         while all(service.process.poll() is None for service in started):
@@ -170,6 +182,14 @@ def add_commands(commands: Commands) -> None:
     )
     serve.set_defaults(run=cmd_serve, service=True)
 
+    trainer = commands.add_parser(
+        "trainer",
+        help="run the training service in the foreground: the Tinker API (the tinker SDK and "
+        "tinker-cookbook loops) over one resident base, many tenants at once",
+    )
+    address_options(trainer, TRAINER_PORT)
+    trainer.set_defaults(run=cmd_trainer, service=True)
+
     gateway = commands.add_parser(
         "gateway",
         help="one front door for every worker in MINT_WORKER_URLS, whatever their bases: the "
@@ -193,11 +213,13 @@ def add_commands(commands: Commands) -> None:
     flows_serve.set_defaults(run=cmd_flows_serve, service=True)
 
     up = commands.add_parser(
-        "up", help="start MLflow, Prefect, the deployments and a worker; Ctrl-C stops them"
+        "up",
+        help="start MLflow, Prefect, the deployments, a worker and the trainer; Ctrl-C stops them",
     )
     up.add_argument("--mlflow-port", type=PORT, default=MLFLOW_PORT)
     up.add_argument("--prefect-port", type=PORT, default=PREFECT_PORT)
     up.add_argument("--worker-port", type=PORT, default=WORKER_PORT)
+    up.add_argument("--trainer-port", type=PORT, default=TRAINER_PORT)
     backend_store_option(up)
     up.set_defaults(run=cmd_up, service=True)
 

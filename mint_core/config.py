@@ -9,7 +9,7 @@ the few defaults that are not settings (ports, timeouts, canary window) are name
 import json
 import os
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
@@ -21,6 +21,16 @@ from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseSource
 from mint_core.retraining import RetrainSchedule
 from mint_core.revisions import RevisionId, RevisionRef
+from mint_core.settings import (
+    SETTING,
+    Setting,
+    milliseconds,
+    names,
+    setting,
+    show_milliseconds,
+    urls,
+    whole,
+)
 
 T = TypeVar("T")
 
@@ -34,6 +44,8 @@ WORKER_PORT = 8000
 """Port of a serving worker (`mint serve`, `mint up`)."""
 GATEWAY_PORT = 8080
 """Port of the gateway (`mint gateway`)."""
+TRAINER_PORT = 8100
+"""Port of the Tinker-compatible training service (`mint trainer`, `mint up`)."""
 READY_TIMEOUT_S = 300.0
 """How long the pipeline waits for workers to report a revision ready (prewarm, repair)."""
 MAX_PROMPTS = 64
@@ -62,82 +74,6 @@ class BackendKind(StrEnum):
     """A vLLM OpenAI server the worker starts and supervises."""
 
 
-@dataclass(frozen=True)
-class Setting:
-    """How one `MintConfig` field is set from the environment and written back to it."""
-
-    env: tuple[str, ...]
-    """The variables that set it (one, except where a field gathers several)."""
-    doc: str
-    """What the field means."""
-    parse: Callable[..., Any]
-    """The variables' texts, one argument each -> the field's value (ValueError if bad)."""
-    show: Callable[[Any], tuple[str, ...]]
-    """The field's value -> the texts `parse` gives it back from."""
-    blank_is_default: bool = False
-    """A variable set to blank text counts as unset (numbers, names of a closed set)."""
-
-    def read(self, environ: Mapping[str, str], default: Any) -> Any:
-        """The value `environ` sets; an unset variable reads as its default's text."""
-        texts = []
-        for name, default_text in zip(self.env, self.show(default), strict=True):
-            text = environ.get(name)
-            if text is None or (self.blank_is_default and not text.strip()):
-                text = default_text
-            texts.append(text)
-        try:
-            return self.parse(*texts)
-        except ConfigurationError:
-            raise
-        except ValueError as e:  # a plain parser's complaint, told with the variable
-            raise ConfigurationError(f"{self.env[0]}={texts[0]!r} {e}") from None
-
-    def write(self, value: Any) -> dict[str, str]:
-        return dict(zip(self.env, self.show(value), strict=True))
-
-
-def setting(
-    env: str,
-    default: T,
-    doc: str,
-    parse: Callable[[str], T] | None = None,
-    show: Callable[[T], str] = str,
-    blank_is_default: bool = False,
-) -> T:
-    """A `MintConfig` field set by one variable `env`, `default` when unset; `parse` (default:
-    the field's type applied to the text) and `show` turn text into the value and back."""
-    read = parse if parse is not None else type(default)
-    entry = Setting((env,), doc, read, lambda value: (show(value),), blank_is_default)
-    return field(default=default, metadata={SETTING: entry})
-
-
-SETTING = "setting"
-"""The key of a `MintConfig` field's `Setting` in its metadata."""
-
-
-def _whole(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError("is not a whole number") from None
-
-
-def _milliseconds(text: str) -> float:
-    return _whole(text) / 1000
-
-
-def _show_milliseconds(seconds: float) -> str:
-    return str(round(seconds * 1000))
-
-
-def _names(text: str) -> tuple[str, ...]:
-    return tuple(name.strip() for name in text.split(",") if name.strip())
-
-
-def _urls(text: str) -> tuple[str, ...]:
-    return tuple(url.rstrip("/") for url in _names(text))
-
-
 def _backend(text: str) -> BackendKind:
     try:
         return BackendKind(text.strip().lower())
@@ -146,7 +82,7 @@ def _backend(text: str) -> BackendKind:
 
 
 def _pins(text: str) -> tuple[RevisionId, ...]:
-    return tuple(_pin(entry) for entry in _names(text))
+    return tuple(_pin(entry) for entry in names(text))
 
 
 def _pin(text: str) -> RevisionId:
@@ -203,7 +139,7 @@ class MintConfig:
         (f"http://{LOOPBACK}:{WORKER_PORT}",),
         "Serving workers that must report a revision ready before it is activated "
         "(comma-separated).",
-        parse=_urls,
+        parse=urls,
         show=",".join,
     )
     artifact_store: str = setting(
@@ -258,7 +194,7 @@ class MintConfig:
         "MINT_DEVICE_SLOTS",
         64,
         "Adapters a worker holds beside the base at once.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     host_cache_mb: int = setting(
@@ -266,21 +202,21 @@ class MintConfig:
         1024,
         "Host memory for verified adapter weights, in MiB; a revision is ready on a worker "
         "only while it is in this cache.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     max_batch: int = setting(
         "MINT_MAX_BATCH",
         64,
         "Most sequences a worker decodes in one step.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     admission_k: int = setting(
         "MINT_ADMISSION_K",
         1,
         "Revisions a worker prewarms at once; the rest queue.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     sync_interval_s: float = setting(
@@ -288,8 +224,8 @@ class MintConfig:
         1.0,
         "How often a worker (and a gateway) catches up with the registry, in seconds (the "
         "variable: milliseconds); activation also nudges every worker to sync at once.",
-        parse=_milliseconds,
-        show=_show_milliseconds,
+        parse=milliseconds,
+        show=show_milliseconds,
         blank_is_default=True,
     )
     alias_audit_interval_s: float = setting(
@@ -298,8 +234,8 @@ class MintConfig:
         "How often a worker reads every adapter's aliases, changed or not, in seconds (the "
         "variable: milliseconds): an alias moved outside the pipeline (the MLflow UI) leaves "
         "no other trace a sync finds, and is reported within this time.",
-        parse=_milliseconds,
-        show=_show_milliseconds,
+        parse=milliseconds,
+        show=show_milliseconds,
         blank_is_default=True,
     )
     pins: tuple[RevisionId, ...] = setting(
@@ -327,7 +263,7 @@ class MintConfig:
         256,
         "Most revisions a worker's host tier holds, whatever their size, on either backend, "
         "besides `host_cache_mb`; a vLLM worker's `--max-cpu-loras`.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     replicas: int = setting(
@@ -336,7 +272,7 @@ class MintConfig:
         "Workers of its base that hold each revision (its placement, by rendezvous hashing "
         "over the live workers), unless the adapter's gates say otherwise (`mint gates "
         "--replicas`); hot revisions get more.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     hot_rate: float = setting(
@@ -354,6 +290,37 @@ class MintConfig:
         "http://127.0.0.1:<its port>). A worker's peers are the other URLs there.",
         parse=lambda text: text.strip().rstrip("/"),
     )
+    trainer_max_rank: int = setting(
+        "MINT_TRAINER_MAX_RANK",
+        64,
+        "`mint trainer`: the highest LoRA rank a tenant may create (its adapter and AdamW state "
+        "grow with it).",
+        parse=whole,
+        blank_is_default=True,
+    )
+    trainer_models: int = setting(
+        "MINT_TRAINER_MODELS",
+        8,
+        "`mint trainer`: training models one principal may hold at once.",
+        parse=whole,
+        blank_is_default=True,
+    )
+    trainer_queue: int = setting(
+        "MINT_TRAINER_QUEUE",
+        64,
+        "`mint trainer`: requests one training model may have waiting; more are answered 429 "
+        "(the SDK waits and sends them again).",
+        parse=whole,
+        blank_is_default=True,
+    )
+    trainer_batch_tokens: int = setting(
+        "MINT_TRAINER_BATCH_TOKENS",
+        8192,
+        "`mint trainer`: tokens (rows x longest row) in one forward/backward pass over the "
+        "base; the tenants' rows waiting are batched up to this, a longer request is split.",
+        parse=whole,
+        blank_is_default=True,
+    )
     catalog_snapshots: int = setting(
         "MINT_CATALOG_SNAPSHOTS",
         DEFAULT_CATALOG_SNAPSHOTS,
@@ -361,7 +328,7 @@ class MintConfig:
         "newest this many (about 1 GB each at a million revisions). The current one is always "
         "kept, and more than one lets a worker that read the manifest just before a publish "
         "still fetch the snapshot it names.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     max_lora_rank: int = setting(
@@ -369,7 +336,7 @@ class MintConfig:
         16,
         "Highest adapter rank a vLLM worker takes (one of vLLM's `--max-lora-rank` values); a "
         "revision of higher rank ends `failed` there.",
-        parse=_whole,
+        parse=whole,
         blank_is_default=True,
     )
     vllm_python: str = setting(
@@ -392,7 +359,7 @@ class MintConfig:
         "Principals a worker with `api_keys` lets use its admin endpoints (`/admin/...`: "
         "admit, sync, events) and see every revision in `/v1/adapters/{name}` "
         "(comma-separated). A worker without keys leaves all of that open.",
-        parse=lambda text: _names(text) or (ADMIN,),  # "," names nobody: the default
+        parse=lambda text: names(text) or (ADMIN,),  # "," names nobody: the default
         show=",".join,
         blank_is_default=True,
     )
@@ -428,6 +395,10 @@ class MintConfig:
             "admission_k",
             "catalog_snapshots",
             "replicas",
+            "trainer_max_rank",
+            "trainer_models",
+            "trainer_queue",
+            "trainer_batch_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
@@ -480,8 +451,8 @@ class MintConfig:
         """The environment that makes `from_env` give this configuration back (for child
         processes: workers, flow runs)."""
         variables: dict[str, str] = {}
-        for f, setting in _settings():
-            variables |= setting.write(getattr(self, f.name))
+        for f, entry in _settings():
+            variables |= entry.write(getattr(self, f.name))
         return variables
 
 

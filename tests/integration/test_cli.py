@@ -446,18 +446,21 @@ def test_sigterm_to_mint_up_stops_everything(
     # The session's pretrained base, so `mint up` does not pretrain it again.
     (home / "base").mkdir(parents=True)
     os.symlink(base.path, home / "base" / base.path.name)
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(4)]
     log = tmp_path / "up.log"
-    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2]]
+    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2],
+            "--trainer-port", ports[3]]  # fmt: skip
     up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
     wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
     urls = [
         f"http://127.0.0.1:{ports[0]}/health",
         f"http://127.0.0.1:{ports[1]}/api/health",
         f"http://127.0.0.1:{ports[2]}/health",
+        f"http://127.0.0.1:{ports[3]}/health",
     ]
     stop_and_check(up, signal.SIGTERM, urls, log)
-    assert "stopped: flow server, serving worker, prefect server, mlflow server" in log.read_text()
+    stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
+    assert stopped in log.read_text()
 
 
 # Refusals come before anything starts: no Prefect server, no model loaded in a flow.
@@ -576,9 +579,10 @@ def test_mint_up_on_a_fresh_home_builds_the_base_before_starting_any_service(
     first, with a bar and no time limit, so no service (the worker's health timeout least of
     all) waits on it."""
     home = tmp_path / "home"
-    ports = [str(free_port()) for _ in range(3)]
+    ports = [str(free_port()) for _ in range(4)]
     log = tmp_path / "up.log"
-    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2]]
+    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2],
+            "--trainer-port", ports[3]]  # fmt: skip
     up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
     first_service_log = home / "logs" / "mlflow.log"
     wait_for(first_service_log.exists, up, log, timeout_s=1800)
@@ -590,5 +594,6 @@ def test_mint_up_on_a_fresh_home_builds_the_base_before_starting_any_service(
         f"http://127.0.0.1:{ports[0]}/health",
         f"http://127.0.0.1:{ports[1]}/api/health",
         f"http://127.0.0.1:{ports[2]}/health",
+        f"http://127.0.0.1:{ports[3]}/health",
     ]
     stop_and_check(up, signal.SIGTERM, urls, log)

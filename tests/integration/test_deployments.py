@@ -165,10 +165,10 @@ def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path
     # The session's pretrained base, so `mint up` does not pretrain it again.
     shutil.copytree(base.path, home / "base" / base.path.name)
     env = {key: value for key, value in os.environ.items() if not key.startswith(("MINT_", "ML"))}
-    ports = [str(port) for port in (free_port(), free_port(), free_port())]
+    ports = [str(port) for port in (free_port(), free_port(), free_port(), free_port())]
     process = subprocess.Popen(
         [sys.executable, "-m", "mint_cli", "up", "--mlflow-port", ports[0], "--prefect-port",
-         ports[1], "--worker-port", ports[2]],
+         ports[1], "--worker-port", ports[2], "--trainer-port", ports[3]],
         env=env | {"MINT_HOME": str(home)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -183,7 +183,12 @@ def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path
                 break
         output = "".join(lines)
         assert process.poll() is None, output
-        services = ("MLflow UI (registry)", "Prefect UI (flows)", "serving API (worker)")
+        services = (
+            "MLflow UI (registry)",
+            "Prefect UI (flows)",
+            "serving API (worker)",
+            "Tinker API (trainer)",
+        )
         urls = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
                 for line in lines if line.startswith(services)}  # fmt: skip
         assert urls.keys() == set(services), output
@@ -191,6 +196,8 @@ def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path
         assert httpx.get(urls["MLflow UI (registry)"] + "/health").status_code == 200
         assert httpx.get(urls["Prefect UI (flows)"] + "/api/health").status_code == 200
         assert httpx.get(urls["serving API (worker)"] + "/health").status_code == 200
+        trainer_url = urls["Tinker API (trainer)"].split()[0]
+        assert httpx.get(trainer_url + "/health").json()["sdk"] == ">=0.38,<0.39"
         deployment = httpx.get(urls["Prefect UI (flows)"] + "/api/deployments/name/release/release")
         assert deployment.status_code == 200
 
@@ -198,10 +205,11 @@ def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path
         start = time.monotonic()
         rest, _ = process.communicate(timeout=120)
         print(f"mint up stopped in {time.monotonic() - start:.1f} s")
-        assert "stopped: flow server, serving worker, prefect server, mlflow server" in rest
+        stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
+        assert stopped in rest
         for url in urls.values():
             with pytest.raises(httpx.ConnectError):
-                httpx.get(url, timeout=2)
+                httpx.get(url.split()[0], timeout=2)
     finally:  # whatever failed above, `mint up` and all it started must not outlive the test
         stop_mint_up(process)
 

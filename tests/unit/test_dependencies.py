@@ -11,11 +11,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = (
-    "mint_core", "serving", "control", "flows", "tasks", "mint_cli", "bench",
+    "mint_core", "serving", "control", "flows", "tasks", "trainer", "mint_cli", "bench",
     "mint_demo.py", "mint_mlflow.py",
 )  # fmt: skip
 """The project's own code: the package's modules and the benchmarks."""
 OWN = {Path(name).stem for name in CODE} | {"tests"}
+OWN_ENVIRONMENT = ROOT / "tests" / "integration" / "cookbook"
+"""Scripts run by the tinker-cookbook's own environment (`make cookbook`), not MinT's."""
 
 
 def _normalized(name: str) -> str:
@@ -38,6 +40,8 @@ def imported(folders: tuple[str, ...]) -> dict[str, str]:
     for folder in folders:
         path = ROOT / folder
         for source in [path] if path.is_file() else sorted(path.rglob("*.py")):
+            if source.is_relative_to(OWN_ENVIRONMENT):
+                continue
             for node in ast.walk(ast.parse(source.read_text())):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mint_core", "serving", "control", "tasks", "flows", "mint_cli")
+PACKAGES = ("mint_core", "serving", "control", "tasks", "flows", "trainer", "mint_cli")
 MAX_LINES = 520
 """About 500: a module past it holds more than one concept (the issue that set it said ~500)."""
 NOT_IN_THE_DOMAIN = {
@@ -114,7 +114,7 @@ def test_the_project_imports_without_cycles() -> None:
     assert cycles(own_graph()) == []
 
 
-@pytest.mark.parametrize("package", ["mint_core", "serving"])
+@pytest.mark.parametrize("package", ["mint_core", "serving", "trainer"])
 def test_no_module_is_over_about_500_lines(package: str) -> None:
     long = {
         str(path.relative_to(ROOT)): lines

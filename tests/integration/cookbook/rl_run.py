@@ -1,0 +1,121 @@
+"""Run tinker-cookbook 0.6.1's RL loop, unmodified, against the Tinker server at TINKER_BASE_URL
+(key: TINKER_API_KEY), from the cookbook's own environment (`make cookbook`):
+
+    .venv-cookbook/bin/python tests/integration/cookbook/rl_run.py MODEL_FOLDER OUT_FOLDER
+
+MODEL_FOLDER is a local Hugging Face model folder: its path is the model name the server is asked
+for and where the cookbook loads the tokenizer from. The environment is the cookbook's synthetic
+arithmetic one (recipes/math_rl/arithmetic_env.py), rendered with the generic `role_colon`
+renderer, trained with the `importance_sampling` loss in the synchronous loop. Logs and
+checkpoints.jsonl go to OUT_FOLDER/rl. `--build-only` builds the dataset and the first
+observation and exits without contacting the server. Prints one JSON line: the steps trained and
+the checkpoints saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from pathlib import Path
+
+# No network but the server: tokenizers load from the folder; the environment is synthetic.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+RENDERER = "role_colon"
+
+
+def build_config(model: str, log_path: Path, steps: int, save_every: int):
+    from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDatasetBuilder
+    from tinker_cookbook.rl import train
+
+    dataset = ArithmeticDatasetBuilder(
+        batch_size=2,  # groups per step
+        group_size=2,  # rollouts per problem
+        n_batches=steps,
+        model_name_for_tokenizer=model,
+        renderer_name=RENDERER,
+        include_fewshot=True,
+    )
+    return train.Config(
+        log_path=str(log_path),
+        model_name=model,
+        recipe_name="mint_cookbook_rl",
+        renderer_name=RENDERER,
+        dataset_builder=dataset,
+        learning_rate=1e-4,
+        lora_rank=8,
+        max_tokens=8,  # answers are a number; the few-shot prompt is ~70 byte tokens
+        loss_fn="importance_sampling",
+        max_steps=steps,
+        save_every=save_every,  # periodic save_state + save_weights_for_sampler; final always
+        eval_every=0,
+        wandb_project=None,
+    )
+
+
+def _no_pricing_download() -> None:
+    """The loop fetches a price list from tinker-docs.thinkingmachines.ai once per process
+    (`fetch_model_pricing`, only for cost metrics); mark it as already tried, which is what a
+    failed fetch leaves: token counts are logged without USD."""
+    from tinker_cookbook.utils import cost_estimation
+
+    cost_estimation._pricing_fetched = True
+
+
+def report(log_path: Path) -> dict:
+    def rows(name: str) -> list[dict]:
+        path = log_path / name
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    checkpoints = rows("checkpoints.jsonl")
+    final = next((c for c in reversed(checkpoints) if c.get("name") == "final"), None)
+    return {
+        "loop": "rl",
+        "log_path": str(log_path),
+        "steps": sum("progress/batch" in row for row in rows("metrics.jsonl")),
+        "checkpoints": checkpoints,
+        "final_state_path": final and final.get("state_path"),
+        "final_sampler_path": final and final.get("sampler_path"),
+    }
+
+
+async def build_only(config) -> dict:
+    dataset, _ = await config.dataset_builder()
+    builder = dataset.get_batch(0)[0]
+    env = (await builder.make_envs())[0]
+    observation, stop = await env.initial_observation()
+    return {
+        "loop": "rl",
+        "batches": len(dataset),
+        "prompt_tokens": observation.length,
+        "stop": stop,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="local model folder (tokenizer and model name)")
+    parser.add_argument("out", type=Path, help="folder for the run's logs (OUT/rl)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--build-only", action="store_true", help="build the data; no server")
+    args = parser.parse_args()
+    model = str(Path(args.model).resolve())
+    log_path = args.out.resolve() / "rl"
+    config = build_config(model, log_path, args.steps, args.save_every)
+    if args.build_only:
+        print(json.dumps(asyncio.run(build_only(config))))
+        return
+    from tinker_cookbook.rl import train
+
+    _no_pricing_download()
+    asyncio.run(train.main(config))
+    print(json.dumps(report(log_path)))
+
+
+if __name__ == "__main__":
+    main()

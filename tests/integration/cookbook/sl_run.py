@@ -1,0 +1,122 @@
+"""Run tinker-cookbook 0.6.1's supervised loop, unmodified, against the Tinker server at
+TINKER_BASE_URL (key: TINKER_API_KEY), from the cookbook's own environment (`make cookbook`):
+
+    .venv-cookbook/bin/python tests/integration/cookbook/sl_run.py MODEL_FOLDER OUT_FOLDER
+
+MODEL_FOLDER is a local Hugging Face model folder: its path is the model name the server is asked
+for and where the cookbook loads the tokenizer from. The data are the conversations the cookbook
+ships, through its own jsonl chat builder and the generic `role_colon` renderer. Logs and
+checkpoints.jsonl go to OUT_FOLDER/sl. `--build-only` builds the dataset and exits without
+contacting the server. Prints one JSON line: the steps trained and the checkpoints saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+from pathlib import Path
+
+# No network but the server: tokenizers load from the folder, datasets from local files.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+RENDERER = "role_colon"
+
+
+def build_config(model: str, log_path: Path, steps: int, save_every: int):
+    from importlib.resources import files
+
+    from tinker_cookbook.supervised import train
+    from tinker_cookbook.supervised.data import FromConversationFileBuilder
+    from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+    conversations = files("tinker_cookbook") / "example_data" / "conversations.jsonl"
+    dataset = FromConversationFileBuilder(
+        file_path=str(conversations),
+        test_size=0,  # no held-out set, so no sampler NLL evaluator
+        common_config=ChatDatasetBuilderCommonConfig(
+            model_name_for_tokenizer=model,
+            renderer_name=RENDERER,
+            max_length=128,  # the embedded tiny base's context; longer examples are cut
+            batch_size=4,
+        ),
+    )
+    return train.Config(
+        log_path=str(log_path),
+        model_name=model,
+        recipe_name="mint_cookbook_sl",
+        renderer_name=RENDERER,
+        dataset_builder=dataset,
+        learning_rate=1e-4,
+        lora_rank=8,
+        max_steps=steps,
+        save_every=save_every,  # periodic save_state + save_weights_for_sampler; final always
+        eval_every=0,
+        infrequent_eval_every=0,
+        wandb_project=None,
+    )
+
+
+def _no_pricing_download() -> None:
+    """The loop fetches a price list from tinker-docs.thinkingmachines.ai once per process
+    (`fetch_model_pricing`, only for cost metrics); mark it as already tried, which is what a
+    failed fetch leaves: token counts are logged without USD."""
+    from tinker_cookbook.utils import cost_estimation
+
+    cost_estimation._pricing_fetched = True
+
+
+def report(log_path: Path) -> dict:
+    def rows(name: str) -> list[dict]:
+        path = log_path / name
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    checkpoints = rows("checkpoints.jsonl")
+    final = next((c for c in reversed(checkpoints) if c.get("name") == "final"), None)
+    return {
+        "loop": "supervised",
+        "log_path": str(log_path),
+        "steps": sum("train_mean_nll" in row for row in rows("metrics.jsonl")),
+        "checkpoints": checkpoints,
+        "final_state_path": final and final.get("state_path"),
+        "final_sampler_path": final and final.get("sampler_path"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="local model folder (tokenizer and model name)")
+    parser.add_argument("out", type=Path, help="folder for the run's logs (OUT/sl)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--build-only", action="store_true", help="build the data; no server")
+    args = parser.parse_args()
+    model = str(Path(args.model).resolve())
+    log_path = args.out.resolve() / "sl"
+    config = build_config(model, log_path, args.steps, args.save_every)
+    if args.build_only:
+        dataset, _ = config.dataset_builder()
+        batch = dataset.get_batch(0)
+        print(
+            json.dumps(
+                {
+                    "loop": "supervised",
+                    "batches": len(dataset),
+                    "batch_size": len(batch),
+                    "tokens": [d.model_input.length for d in batch],
+                }
+            )
+        )
+        return
+    from tinker_cookbook.supervised import train
+
+    _no_pricing_download()
+    asyncio.run(train.main(config))
+    print(json.dumps(report(log_path)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""Where a tenant's weights go: training state in the artifact store, sampler weights as MinT
+revisions.
+
+- `save_state(name)` writes the adapter and its AdamW state as one file in the artifact store
+  (`trainer/checkpoints/<model>/<name>.pt`), so it survives a restart of `mint trainer` and
+  any trainer sharing the store can load it. Its path is `tinker://<model id>/weights/<name>`.
+- `save_weights_for_sampler(name)` ships the adapter as the next revision of the tenant's
+  adapter: freeze, pack, export, register, the release pipeline's own steps (its policy record
+  names the base, the optimizer steps taken, the session as lineage and the principal as who
+  may use it). Registering is invisible to users; activating it is MinT's lifecycle. Its path
+  is `tinker://<model id>/sampler_weights/<name>`, recorded in the store beside the state.
+"""
+
+import hashlib
+import json
+import re
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS
+from mint_core.artifacts.stores import ArtifactStore
+from mint_core.config import MintConfig
+from mint_core.errors import ConfigurationError, NotFoundError
+from mint_core.model.base import BaseText
+from mint_core.model.training import TrainedAdapter, TrainingConfig
+from mint_core.revisions import RevisionId, RevisionRef
+
+SCHEME = "tinker://"
+WEIGHTS = "weights"
+SAMPLER_WEIGHTS = "sampler_weights"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    """`tinker://<model id>/<weights|sampler_weights>/<name>`."""
+
+    model_id: str
+    kind: str
+    name: str
+
+    @classmethod
+    def parse(cls, path: str) -> "CheckpointPath":
+        parts = path.removeprefix(SCHEME).split("/") if path.startswith(SCHEME) else []
+        if len(parts) != 3 or parts[1] not in (WEIGHTS, SAMPLER_WEIGHTS):
+            raise ConfigurationError(
+                f"{path!r} is not a checkpoint path of this trainer; give one that save_state "
+                "or save_weights_for_sampler returned (tinker://<model id>/weights/<name>)"
+            )
+        return cls(*parts)
+
+    def __str__(self) -> str:
+        return f"{SCHEME}{self.model_id}/{self.kind}/{self.name}"
+
+    @property
+    def stored_name(self) -> str:
+        """The file's name in the artifact store."""
+        folder = re.sub(r"[^A-Za-z0-9._-]", "_", self.model_id)
+        suffix = ".pt" if self.kind == WEIGHTS else ".json"
+        return f"trainer/{self.kind}/{folder}/{self.name}{suffix}"
+
+
+def check_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise ConfigurationError(
+            f"checkpoint name {name!r} is not valid; use letters, digits, '.', '_' or '-' (at "
+            "most 128, starting with a letter or digit)"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class State:
+    """What `save_state` stores: the LoRA (PEFT names), its config, and optionally AdamW's."""
+
+    adapter_config: dict[str, object]
+    tensors: dict[str, torch.Tensor]
+    optimizer: dict[str, object] | None
+    base_digest: str
+    steps: int
+    targets: tuple[str, ...]
+    """The module names the LoRA adapts (full names)."""
+
+
+def save_state(store: ArtifactStore, path: CheckpointPath, state: State) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        file = Path(scratch) / "state.pt"
+        torch.save(
+            {
+                "adapter_config": state.adapter_config,
+                "tensors": state.tensors,
+                "optimizer": state.optimizer,
+                "base_digest": state.base_digest,
+                "steps": state.steps,
+                "targets": list(state.targets),
+            },
+            file,
+        )
+        store.put_file(path.stored_name, file)
+
+
+def load_state(store: ArtifactStore, path: CheckpointPath) -> State:
+    """The state saved at `path`; NotFoundError if the store has none."""
+    with tempfile.TemporaryDirectory() as scratch:
+        file = Path(scratch) / "state.pt"
+        if not store.get_file(path.stored_name, file):
+            raise NotFoundError(f"no checkpoint {path} is in the artifact store")
+        saved = torch.load(file, weights_only=True)
+    return State(
+        saved["adapter_config"],
+        saved["tensors"],
+        saved["optimizer"],
+        saved["base_digest"],
+        saved["steps"],
+        tuple(saved["targets"]),
+    )
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A tenant's adapter at one moment, to ship as a revision."""
+
+    adapter: str
+    adapter_config: dict[str, object]
+    tensors: dict[str, torch.Tensor]
+    target_modules: tuple[str, ...]
+    rank: int
+    alpha: int
+    steps: int
+    learning_rate: float
+    session_id: str
+    principal: str
+
+
+def ship_snapshot(config: MintConfig, base: BaseText, snapshot: Snapshot) -> RevisionId:
+    """Register `snapshot` as the next revision of its adapter, through the release pipeline's
+    own steps (called as plain functions: no flow run)."""
+    from tasks.packaging import export_adapter, freeze_adapter, pack_adapter, register_revision
+
+    folder = config.work_root / "trainer" / uuid.uuid4().hex
+    folder.mkdir(parents=True)
+    save_file(snapshot.tensors, folder / PEFT_WEIGHTS, metadata={"format": "pt"})
+    (folder / PEFT_CONFIG).write_text(json.dumps(snapshot.adapter_config, indent=2))
+    lineage = f"tinker session {snapshot.session_id}"
+    source = TrainedAdapter(
+        path=folder,
+        config=TrainingConfig(
+            rank=snapshot.rank,
+            alpha=snapshot.alpha,
+            target_modules=snapshot.target_modules,
+            expert_targets=(),
+            learning_rate=snapshot.learning_rate,
+            steps=max(snapshot.steps, 1),
+        ),
+        target_modules=snapshot.target_modules,
+        target_parameters=(),
+        base_model_id=base.model_id,
+        base_digest=base.digest,
+        dataset=lineage,
+        dataset_digest="sha256:" + hashlib.sha256(lineage.encode()).hexdigest(),
+        steps=snapshot.steps,
+        losses=(),
+    )
+    frozen = freeze_adapter.fn(config, folder)
+    packed_dir, index = pack_adapter.fn(config, frozen)
+    exported = export_adapter.fn(config, packed_dir, index)
+    return register_revision.fn(
+        config=config,
+        adapter=snapshot.adapter,
+        source=source,
+        frozen=frozen,
+        exported=exported,
+        actor=snapshot.principal,
+        principals=(snapshot.principal,),
+    )
+
+
+def record_sampler(store: ArtifactStore, path: CheckpointPath, revision: RevisionId) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        file = Path(scratch) / "sampler.json"
+        file.write_text(json.dumps({"revision": str(revision)}))
+        store.put_file(path.stored_name, file)
+
+
+def sampler_revision(store: ArtifactStore, path: CheckpointPath) -> RevisionId:
+    """The revision `save_weights_for_sampler` registered for `path`."""
+    with tempfile.TemporaryDirectory() as scratch:
+        file = Path(scratch) / "sampler.json"
+        if not store.get_file(path.stored_name, file):
+            raise NotFoundError(f"no sampler weights {path} were saved on this trainer's store")
+        ref = RevisionRef.parse(json.loads(file.read_text())["revision"])
+    return RevisionId(ref.adapter, ref.revision or 0)
