@@ -12,6 +12,7 @@ revisions.
 """
 
 import hashlib
+import io
 import json
 import re
 import tempfile
@@ -88,29 +89,27 @@ class State:
 
 
 def save_state(store: ArtifactStore, path: CheckpointPath, state: State) -> None:
-    with tempfile.TemporaryDirectory() as scratch:
-        file = Path(scratch) / "state.pt"
-        torch.save(
-            {
-                "adapter_config": state.adapter_config,
-                "tensors": state.tensors,
-                "optimizer": state.optimizer,
-                "base_digest": state.base_digest,
-                "steps": state.steps,
-                "targets": list(state.targets),
-            },
-            file,
-        )
-        store.put_file(path.stored_name, file)
+    buffer = io.BytesIO()
+    torch.save(
+        {
+            "adapter_config": state.adapter_config,
+            "tensors": state.tensors,
+            "optimizer": state.optimizer,
+            "base_digest": state.base_digest,
+            "steps": state.steps,
+            "targets": list(state.targets),
+        },
+        buffer,
+    )
+    _put(store, path.stored_name, buffer.getvalue())
 
 
 def load_state(store: ArtifactStore, path: CheckpointPath) -> State:
     """The state saved at `path`; NotFoundError if the store has none."""
-    with tempfile.TemporaryDirectory() as scratch:
-        file = Path(scratch) / "state.pt"
-        if not store.get_file(path.stored_name, file):
-            raise NotFoundError(f"no checkpoint {path} is in the artifact store")
-        saved = torch.load(file, weights_only=True)
+    data = _get(store, path.stored_name)
+    if data is None:
+        raise NotFoundError(f"no checkpoint {path} is in the artifact store")
+    saved = torch.load(io.BytesIO(data), weights_only=True)
     return State(
         saved["adapter_config"],
         saved["tensors"],
@@ -181,17 +180,26 @@ def ship_snapshot(config: MintConfig, base: BaseText, snapshot: Snapshot) -> Rev
 
 
 def record_sampler(store: ArtifactStore, path: CheckpointPath, revision: RevisionId) -> None:
-    with tempfile.TemporaryDirectory() as scratch:
-        file = Path(scratch) / "sampler.json"
-        file.write_text(json.dumps({"revision": str(revision)}))
-        store.put_file(path.stored_name, file)
+    _put(store, path.stored_name, json.dumps({"revision": str(revision)}).encode())
 
 
 def sampler_revision(store: ArtifactStore, path: CheckpointPath) -> RevisionId:
     """The revision `save_weights_for_sampler` registered for `path`."""
-    with tempfile.TemporaryDirectory() as scratch:
-        file = Path(scratch) / "sampler.json"
-        if not store.get_file(path.stored_name, file):
-            raise NotFoundError(f"no sampler weights {path} were saved on this trainer's store")
-        ref = RevisionRef.parse(json.loads(file.read_text())["revision"])
+    data = _get(store, path.stored_name)
+    if data is None:
+        raise NotFoundError(f"no sampler weights {path} were saved on this trainer's store")
+    ref = RevisionRef.parse(json.loads(data)["revision"])
     return RevisionId(ref.adapter, ref.revision or 0)
+
+
+def _put(store: ArtifactStore, name: str, data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        file = Path(scratch) / "file"
+        file.write_bytes(data)
+        store.put_file(name, file)
+
+
+def _get(store: ArtifactStore, name: str) -> bytes | None:
+    with tempfile.TemporaryDirectory() as scratch:
+        file = Path(scratch) / "file"
+        return file.read_bytes() if store.get_file(name, file) else None

@@ -188,3 +188,19 @@ def test_tiers_simulation_compares_with_belady_and_moves_one_nth(tmp_path: Path)
     assert movement["join_moves_only_to_new"] and movement["leave_moves_only_its_own"]
     assert abs(movement["moved_on_join"] - 1 / 11) < 0.03, movement
     assert abs(movement["moved_on_leave"] - 1 / 10) < 0.03, movement
+
+
+def test_tenants_benchmark_compares_one_trainer_with_separate_trainings(tmp_path: Path) -> None:
+    result = run_bench(
+        "tenants.py", "--tenants", "2", "--steps", "2", "--runs", "1", out=tmp_path / "t.json"
+    )
+    cases = {(case["tenants"], case["mode"]): case for case in result["cases"]}
+    assert cases.keys() == {(2, "shared"), (2, "separate")}
+    for case in cases.values():
+        assert case["rss_mb"] > 0 and case["tokens_per_s"] == pytest.approx(
+            case["tokens"] / case["wall_s"], rel=0.01
+        )
+        # Both modes train the same loop from the same start.
+        assert case["first_loss"] == pytest.approx(cases[2, "separate"]["first_loss"], rel=1e-3)
+    # One base for both tenants, not one per tenant.
+    assert cases[2, "shared"]["rss_mb"] < cases[2, "separate"]["rss_mb"]

@@ -17,15 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 from pathlib import Path
 
-# No network but the server: tokenizers load from the folder; the environment is synthetic.
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["HF_DATASETS_OFFLINE"] = "1"
-os.environ.setdefault("TINKER_TELEMETRY", "0")
-
-RENDERER = "role_colon"
+from common import RENDERER, no_pricing_download, report  # sets up offline use first
 
 
 def build_config(model: str, log_path: Path, steps: int, save_every: int):
@@ -57,32 +51,6 @@ def build_config(model: str, log_path: Path, steps: int, save_every: int):
     )
 
 
-def _no_pricing_download() -> None:
-    """The loop fetches a price list from tinker-docs.thinkingmachines.ai once per process
-    (`fetch_model_pricing`, only for cost metrics); mark it as already tried, which is what a
-    failed fetch leaves: token counts are logged without USD."""
-    from tinker_cookbook.utils import cost_estimation
-
-    cost_estimation._pricing_fetched = True
-
-
-def report(log_path: Path) -> dict:
-    def rows(name: str) -> list[dict]:
-        path = log_path / name
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-    checkpoints = rows("checkpoints.jsonl")
-    final = next((c for c in reversed(checkpoints) if c.get("name") == "final"), None)
-    return {
-        "loop": "rl",
-        "log_path": str(log_path),
-        "steps": sum("progress/batch" in row for row in rows("metrics.jsonl")),
-        "checkpoints": checkpoints,
-        "final_state_path": final and final.get("state_path"),
-        "final_sampler_path": final and final.get("sampler_path"),
-    }
-
-
 async def build_only(config) -> dict:
     dataset, _ = await config.dataset_builder()
     builder = dataset.get_batch(0)[0]
@@ -112,9 +80,9 @@ def main() -> None:
         return
     from tinker_cookbook.rl import train
 
-    _no_pricing_download()
+    no_pricing_download()
     asyncio.run(train.main(config))
-    print(json.dumps(report(log_path)))
+    print(json.dumps(report(log_path, "rl", "progress/batch")))
 
 
 if __name__ == "__main__":
