@@ -112,11 +112,20 @@ def s3(tmp_path):
 
 def test_runs_until_stopped(s3):
     Path(os.environ["STARTED_FILE"]).write_text(str(s3.process.pid))
-    # Short sleeps: a signal the kernel hands to another thread of this process is handled by
-    # the main thread at its next bytecode, which one long sleep would put off for minutes.
-    for _ in range(6000):
-        time.sleep(0.1)
+    time.sleep(600)
 """
+
+
+PYTEST_AS_AT_A_TERMINAL = [
+    sys.executable,
+    "-c",
+    "import signal, sys, pytest; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.exit(pytest.main(sys.argv[1:]))",
+]
+"""pytest with Ctrl-C (SIGINT) handled as Python handles it at a terminal, whatever this run
+inherited: a run started in the background by a shell without job control (`(make test &)`)
+inherits SIGINT ignored, Python then installs no handler for it, and neither would the inner
+run, which would sleep on through the signal."""
 
 
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
@@ -130,7 +139,7 @@ def test_a_run_stopped_midway_leaves_no_fixture_service_running(
     (tmp_path / "test_stopped.py").write_text(STOPPED_TESTS)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     inner = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "tests.process_leaks", "-p", "no:cacheprovider",
+        [*PYTEST_AS_AT_A_TERMINAL, "-p", "tests.process_leaks", "-p", "no:cacheprovider",
          str(tmp_path / "test_stopped.py")],
         cwd=ROOT,
         env={**os.environ, "STARTED_FILE": str(started)},
