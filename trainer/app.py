@@ -77,6 +77,8 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
                     return JSONResponse({"detail": str(e)}, status_code=404)
                 except MintError as e:
                     return JSONResponse({"detail": str(e)}, status_code=400)
+                except (KeyError, TypeError, ValueError) as e:  # a body the SDK would not send
+                    return JSONResponse({"detail": f"malformed request: {e!r}"}, status_code=400)
                 return answer if isinstance(answer, Response) else JSONResponse(answer)
 
             app.add_api_route(f"/api/v1/{path}", endpoint, methods=[method], name=path)
@@ -99,6 +101,8 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
             raise
         except MintError as e:
             futures().fail(request_id, str(e))
+        except (KeyError, TypeError, ValueError) as e:
+            futures().fail(request_id, f"malformed request: {e!r}")
         return {"request_id": request_id}
 
     @route("healthz", "GET")
@@ -229,17 +233,16 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
 
     @route("forward_backward")
     async def forward_backward(request: Request, who: str) -> dict[str, object]:
+        """Also `forward`: the SDK sends both here, the latter with `forward_only`."""
         raw = await request.body()
-        request_id = futures().create(who)
-        try:
-            message = read_forward_backward(raw, request.headers.get("content-encoding"))
+        encoding = request.headers.get("content-encoding")
+
+        def work(request_id: str) -> None:
+            message = read_forward_backward(raw, encoding)
             model = trainer().model(message.model_id, who)
             trainer().submit(model, Op(message.seq_id, OpKind.FORWARD, request_id, message))
-        except QueueFull:
-            raise
-        except MintError as e:
-            futures().fail(request_id, str(e))
-        return {"request_id": request_id}
+
+        return future(who, work)
 
     @route("optim_step")
     async def optim_step(request: Request, who: str) -> dict[str, object]:

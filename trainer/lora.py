@@ -1,18 +1,19 @@
 """Many tenants' LoRAs trained at once over one frozen base: each batch row names its tenant.
 
-Every linear layer a tenant may adapt (`ADAPTABLE`: attention, MLP, the output embedding) is
+Every linear layer a tenant may adapt (`Layers`: attention, MLP, the output embedding) is
 wrapped once (`RoutedLora`). A tenant's adapter (`TenantLora`) holds its own A and B per
 module as leaf parameters, so autograd gives each tenant exactly the gradient of its own rows'
 loss, and its own AdamW steps only its own parameters. A batch is laid out with each tenant's
 rows contiguous (`Router.segments`); a wrapper adds, per segment, `scale * (x @ A.T) @ B.T` of
-that segment's tenant (Punica's grouped trick in its plainest form: one pair of matmuls per
-tenant present). Rows of one tenant compute what they would alone.
+that segment's tenant (Punica's grouped trick: one pair of matmuls per tenant present, or one
+batched pair for all when the tenants have as many rows and one rank). Rows of one tenant
+compute what they would alone.
 
 The same layers are the serving engine's slot wrappers underneath (the trainer's engine wraps
 the base first): a sampling step runs with no segments, a training pass with no slots.
 
 A tenant's LoRA has PEFT's layout and scaling (`alpha / rank`, A Kaiming-uniform, B zero), so
-`peft_state` is a PEFT adapter that PEFT itself, MinT's workers and `mint import` all load.
+`peft_state` is a PEFT adapter that PEFT itself and MinT's workers load.
 """
 
 import math
@@ -28,8 +29,8 @@ from mint_core.errors import ConfigurationError
 from mint_core.model.base import ATTENTION_TARGETS, output_embedding_name, servable_modules
 
 ALPHA = 32
-"""LoRA alpha of every tenant's adapter (Tinker fixes it too); the update is scaled by
-alpha / rank."""
+"""LoRA alpha of every tenant's adapter (the SDK's `LoraConfig` has none to give); the update
+is scaled by alpha / rank."""
 PEFT_PREFIX = "base_model.model."
 
 

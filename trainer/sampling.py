@@ -21,8 +21,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mint_core.access import EVERYONE
 from mint_core.artifacts.packing import load as load_packed
-from mint_core.errors import ConfigurationError, MintError, NotFoundError, NotReadyError
+from mint_core.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    MintError,
+    NotFoundError,
+    NotReadyError,
+)
 from mint_core.model.generate import FinishReason
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
@@ -57,13 +64,22 @@ class Sampler:
     weights: AdapterWeights | None
 
 
+@dataclass(frozen=True)
+class _Registered:
+    """A revision `save_weights_for_sampler` registered: its weights, and who may use it."""
+
+    revision: RevisionId
+    weights: AdapterWeights
+    principals: tuple[str, ...]
+
+
 class Samplers:
     def __init__(self, trainer: "Trainer") -> None:
         self.trainer = trainer
         self.engine = trainer.engine
         self.residency = trainer.backend.residency
         self._by_id: dict[str, Sampler] = {}
-        self._registered: dict[str, tuple[RevisionId, AdapterWeights]] = {}
+        self._registered: dict[str, _Registered] = {}
         self._snapshots: dict[str, deque[Sampler]] = {}
         self._pool = ThreadPoolExecutor(16, thread_name_prefix="sample")
 
@@ -101,12 +117,11 @@ class Samplers:
         revision: RevisionId,
         adapter_config: Mapping[str, object],
         tensors: Mapping[str, torch.Tensor],
+        principals: tuple[str, ...],
     ) -> None:
         """Remember what `path` registered, with its weights (a sampler of it starts at once)."""
-        self._registered[str(path)] = (
-            revision,
-            self.engine.prepare(str(revision), adapter_config, tensors),
-        )
+        weights = self.engine.prepare(str(revision), adapter_config, tensors)
+        self._registered[str(path)] = _Registered(revision, weights, principals)
 
     def create(
         self,
@@ -125,8 +140,16 @@ class Samplers:
                     f"{model_path} is training state; sample from a save_weights_for_sampler path "
                     "(tinker://<model id>/sampler_weights/<name>)"
                 )
-            revision, weights = self._registered.get(str(path)) or self._load(path)
-            key = str(revision)
+            registered = self._registered.get(str(path)) or self._load(path)
+            if (
+                EVERYONE not in registered.principals
+                and session.principal not in registered.principals
+            ):
+                raise AccessDeniedError(
+                    f"principal {session.principal!r} may not use {model_path} "
+                    f"({registered.revision})"
+                )
+            key, weights = str(registered.revision), registered.weights
             self._take_in(key, weights)
         else:
             if not base_model:
@@ -143,7 +166,7 @@ class Samplers:
         )
         return sampler_id
 
-    def _load(self, path: CheckpointPath) -> tuple[RevisionId, AdapterWeights]:
+    def _load(self, path: CheckpointPath) -> "_Registered":
         """A registered revision's weights from the artifact store (after a restart)."""
         revision = checkpoints.sampler_revision(self.trainer.store, path)
         registered = Registry(self.trainer.config.tracking_uri).get(revision)
@@ -151,8 +174,9 @@ class Samplers:
         weights = self.engine.prepare(
             str(revision), packed.index.adapter_config, packed.peft_state_dict()
         )
-        self._registered[str(path)] = (revision, weights)
-        return revision, weights
+        loaded = _Registered(revision, weights, registered.policy.principals)
+        self._registered[str(path)] = loaded
+        return loaded
 
     def _take_in(self, key: str, weights: AdapterWeights) -> None:
         """`weights` into the engine's host cache (ready to sample), evicting what must go."""

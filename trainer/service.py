@@ -485,7 +485,9 @@ class Trainer:
             try:
                 revision = checkpoints.ship_snapshot(self.config, self.base.text, snapshot)
                 checkpoints.record_sampler(self.store, path, revision)
-                self.samplers.registered(path, revision, adapter_config, tensors)
+                self.samplers.registered(
+                    path, revision, adapter_config, tensors, (snapshot.principal,)
+                )
             except MintError as e:
                 self.futures.fail(request_id, f"registering {path} failed: {e}", Category.SERVER)
             except Exception as e:

@@ -133,6 +133,11 @@ def test_a_supervised_loop_learns_and_its_revision_answers_through_a_worker_as_i
         assert path == f"tinker://{client.model_id}/sampler_weights/final"
         sampler = sc.create_sampling_client(model_path=path).result()
         answers = greedy(sampler, toy, words[:8])
+        with (
+            service(trainer, "tml-team-b") as other,
+            pytest.raises(tinker.BadRequestError, match="'team-b' may not use"),
+        ):
+            other.create_sampling_client(model_path=path).result()
 
         # The sampler's logprobs are the trainer's for the same weights and tokens.
         prompt = toy.ids(prompt_for(words[0]))
