@@ -3,6 +3,7 @@ each prints of its run (read from the log folder the cookbook writes)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -41,3 +42,14 @@ def report(log_path: Path, loop: str, step_metric: str) -> dict:
         "final_state_path": final and final.get("state_path"),
         "final_sampler_path": final and final.get("sampler_path"),
     }
+
+
+def arguments(doc: str) -> argparse.Namespace:
+    """A driver's command line: the model folder, the output folder and the run's size."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("model", type=Path, help="local model folder (tokenizer and model name)")
+    parser.add_argument("out", type=Path, help="folder for the run's logs")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--save-every", type=int, default=2)
+    parser.add_argument("--build-only", action="store_true", help="build the data; no server")
+    return parser.parse_args()

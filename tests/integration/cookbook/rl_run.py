@@ -14,12 +14,11 @@ the checkpoints saved.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 from pathlib import Path
 
-from common import RENDERER, no_pricing_download, report  # sets up offline use first
+from common import RENDERER, arguments, no_pricing_download, report  # sets up offline use first
 
 
 def build_config(model: str, log_path: Path, steps: int, save_every: int):
@@ -65,14 +64,8 @@ async def build_only(config) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="local model folder (tokenizer and model name)")
-    parser.add_argument("out", type=Path, help="folder for the run's logs (OUT/rl)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--save-every", type=int, default=2)
-    parser.add_argument("--build-only", action="store_true", help="build the data; no server")
-    args = parser.parse_args()
-    model = str(Path(args.model).resolve())
+    args = arguments(__doc__)
+    model = str(args.model.resolve())
     log_path = args.out.resolve() / "rl"
     config = build_config(model, log_path, args.steps, args.save_every)
     if args.build_only:
