@@ -157,11 +157,12 @@ class Trainer:
         principal: str,
         base_model: str,
         rank: int,
-        targets: Targets,
+        targets: Targets | tuple[str, ...],
         seed: int | None,
         adapter: str | None = None,
     ) -> TrainingModel:
-        """A new LoRA on the base for a tenant; ConfigurationError for what cannot be made."""
+        """A new LoRA on the base for a tenant, of the layers `targets` selects (the SDK's flags,
+        or the module names a checkpoint adapts); ConfigurationError for what cannot be made."""
         session = self.session(session_id, principal)
         self.check_base(base_model)
         if not 1 <= rank <= self.config.trainer_max_rank:
@@ -169,7 +170,7 @@ class Trainer:
                 f"rank={rank} is outside 1..{self.config.trainer_max_rank} "
                 "(MINT_TRAINER_MAX_RANK); choose a rank in that range"
             )
-        modules = targets.select(self.layers)
+        modules = targets.select(self.layers) if isinstance(targets, Targets) else targets
         held = sum(m.session.principal == principal for m in self.models.values())
         if held >= self.config.trainer_models:
             raise ConfigurationError(
@@ -440,13 +441,9 @@ class Trainer:
             principal,
             base_model or self.base.name_or_path,
             int(state.adapter_config["r"]),  # type: ignore[call-overload]
-            Targets(),  # replaced just below by the checkpoint's own layers
+            state.targets,
             None,
         )
-        shapes = {name: self.layers.shapes[name] for name in state.targets}
-        model.lora = TenantLora(shapes, model.lora.rank, None, self.base.device)
-        model.targets = state.targets
-        model.optimizer = torch.optim.AdamW(model.lora.parameters(), lr=AdamParams.learning_rate)
         self._restore(model, state, with_optimizer)
         return model
 
