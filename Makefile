@@ -90,5 +90,16 @@ test-unit: $(INSTALLED)
 test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(COOKBOOK_INSTALLED) $(CHROMIUM)
 	$(VENV)/bin/pytest --ignore=tests/unit
 
+# Every benchmark at full size, one at a time (they measure side by side on a quiet machine: never
+# in parallel), each writing its JSON and picture to bench/results/; hours on 2 cores, most of it
+# tiers, rl and recipe. `make bench-sync` runs one.
+BENCHMARKS := register packing batching sync rl_sync admission gateway backends catalog tiers \
+	tiers_sim tenants recipe rl
+bench: $(INSTALLED) $(VLLM_INSTALLED)
+	for name in $(BENCHMARKS); do $(VENV)/bin/python bench/$$name.py || exit 1; done
+
+bench-%: $(INSTALLED) $(VLLM_INSTALLED)
+	$(VENV)/bin/python bench/$*.py
+
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(TGI_VENV) $(COOKBOOK_VENV) .mint .pytest_cache .ruff_cache

@@ -4,7 +4,7 @@ it ran on, and writing the results.
 
 A benchmark measures its comparison in one run, the cases taking turns where they can (this
 machine is noisy: ratios and medians, never single timings), prints its figures and writes them
-with every sample to bench/results/<name>.json (`--out` elsewhere).
+with every sample to bench/results/<name>.json (`--out` elsewhere), with its picture next to it.
 """
 
 import argparse
@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 
 import psutil
 
+from bench import plots
 from control.services import ManagedProcess, stop_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -38,9 +40,14 @@ def command_line(doc: str | None, name: str) -> argparse.ArgumentParser:
 
 
 def write(out: Path, result: Mapping[str, Any]) -> None:
+    """The JSON, and next to it the benchmark's picture (bench/plots.py); the benchmark is the
+    script being run, `bench/<name>.py`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    png = plots.draw(Path(sys.argv[0]).stem, result, out.with_suffix(".png"))
+    if png is not None:
+        print(f"drew {png}")
 
 
 @contextmanager

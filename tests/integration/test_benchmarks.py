@@ -15,13 +15,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run_bench(script: str, *args: str, out: Path) -> dict[str, Any]:
-    """Run bench/`script` with `args`; the results it wrote to `out`."""
+    """Run bench/`script` with `args`; the results it wrote to `out` (its picture next to it)."""
     run = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), *args, "--out", str(out)],
         capture_output=True,
         text=True,
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG"), run.stdout[-2000:]
     return json.loads(out.read_text())
 
 

@@ -1,0 +1,374 @@
+"""Each benchmark's picture: a PNG next to its JSON, drawn from the results alone, so that a
+reader sees at a glance where a figure stands against its aim.
+
+`harness.write` draws it after writing the JSON; `.venv/bin/python bench/plots.py` redraws every
+result under bench/results/ (or the JSON files named) without running anything.
+
+Three kinds of panel recur: a figure against its aim (measured / aim, a line at 1: green where
+the aim is met), latency distributions (empirical CDFs), and time per stage of a pipeline.
+"""
+
+import json
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display, whatever the environment says
+
+import matplotlib.pyplot as plt  # after the backend is chosen
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+Result = Mapping[str, Any]
+MET, MISSED, NEUTRAL = "#2e7d32", "#c62828", "#607d8b"
+
+
+@dataclass(frozen=True)
+class Aim:
+    """One figure of a result (its key), the aim it is held to, and which way is better."""
+
+    label: str
+    key: str
+    aim: float
+    unit: str = ""
+    higher_is_better: bool = False
+    scale: float = 1.0  # the JSON's unit to the label's (e.g. 1e3 for seconds shown as ms)
+
+    def value(self, result: Result) -> float | None:
+        value = result.get(self.key)
+        return None if value is None else float(value) * self.scale
+
+    def met(self, value: float) -> bool:
+        return value >= self.aim if self.higher_is_better else value <= self.aim
+
+
+def number(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def aims_panel(ax: Axes, result: Result, aims: Sequence[Aim]) -> None:
+    """Each figure as a bar of measured / aim with the aim at 1: a bar ending left of the line
+    meets a lower-is-better aim, right of it a higher-is-better one."""
+    rows = [(aim, value) for aim in aims if (value := aim.value(result)) is not None]
+    if not rows:
+        ax.set_axis_off()
+        return
+    labels, ratios, colours = [], [], []
+    for aim, value in rows:
+        sign = ">=" if aim.higher_is_better else "<="
+        labels.append(f"{aim.label}\n{number(value)} {aim.unit} (aim {sign} {number(aim.aim)})")
+        ratios.append(value / aim.aim)
+        colours.append(MET if aim.met(value) else MISSED)
+    positions = range(len(rows))
+    ax.barh(positions, ratios, color=colours)
+    ax.set_yticks(list(positions), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=1)
+    ax.set_xlabel("measured / aim (green: met)")
+    if max(ratios) / max(min(ratios), 1e-9) > 50:
+        ax.set_xscale("log")
+
+
+def cdf_panel(
+    ax: Axes, series: Mapping[str, Sequence[float]], unit: str, scale: float = 1.0
+) -> None:
+    """Empirical CDFs of latency samples, one line per series."""
+    drawn = False
+    for name, samples in series.items():
+        if not samples:
+            continue
+        ordered = sorted(float(s) * scale for s in samples)
+        fractions = [(i + 1) / len(ordered) for i in range(len(ordered))]
+        ax.step(ordered, fractions, where="post", label=f"{name} (n={len(ordered):,})")
+        drawn = True
+    if not drawn:
+        ax.set_axis_off()
+        return
+    ax.set_xlabel(unit)
+    ax.set_ylabel("fraction of samples <= x")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def stages_panel(ax: Axes, paths: Mapping[str, Mapping[str, float]]) -> None:
+    """One horizontal bar per path, split into its stages (median seconds)."""
+    names = list(paths)
+    colours = plt.get_cmap("tab20").colors
+    stage_names = list(dict.fromkeys(stage for stages in paths.values() for stage in stages))
+    for row, name in enumerate(names):
+        left = 0.0
+        for stage, seconds in paths[name].items():
+            colour = colours[stage_names.index(stage) % len(colours)]
+            ax.barh(row, seconds, left=left, color=colour, label=f"{name}: {stage} {seconds:.2f} s")
+            left += seconds
+        ax.text(left, row, f" {left:.2f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(names)), names)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds (median per stage)")
+    ax.legend(fontsize=7, loc="upper right", ncol=2)  # the adapter path leaves room there
+
+
+def bars_panel(ax: Axes, values: Mapping[str, float], label: str, log: bool = False) -> None:
+    names = [name for name, value in values.items() if value is not None]
+    ax.bar(names, [float(values[n]) for n in names], color=NEUTRAL)
+    for i, name in enumerate(names):
+        ax.text(i, float(values[name]), number(float(values[name])), ha="center", va="bottom")
+    ax.set_ylabel(label)
+    ax.tick_params(axis="x", labelsize=8, rotation=15)
+    if log:
+        ax.set_yscale("log")
+
+
+def figure(title: str, panels: int, width: float = 12.0) -> tuple[Figure, list[Axes]]:
+    fig, axes = plt.subplots(1, panels, figsize=(width, 4.2), squeeze=False)
+    fig.suptitle(title)
+    return fig, list(axes[0])
+
+
+def rounds_of(result: Result, target: str, key: str) -> list[float]:
+    return [float(r[key]) for r in result.get("rounds", {}).get(target, [])]
+
+
+# The issues' aims, one place: a benchmark's JSON holds what it measured, these what it is held to.
+
+
+def register(result: Result) -> Figure:
+    fig, (samples, aims) = figure("register: one revision against a real MLflow server", 2)
+    cdf_panel(samples, {"register": result.get("samples_s", [])}, "ms", scale=1e3)
+    aims_panel(
+        aims,
+        result,
+        [
+            Aim("register p50", "register_p50_s", 50, "ms", scale=1e3),
+        ],
+    )
+    return fig
+
+
+def admission(result: Result) -> Figure:
+    fig, (tenants, aims) = figure("admission: 32 new adapters promoted under tenants' load", 2)
+    phases = ("baseline", "fair_baseline", "during")
+    bars_panel(
+        tenants,
+        {f"p95 {p}": result.get(f"p95_{p}_s") for p in phases}
+        | {f"p50 {p}": result.get(f"p50_{p}_s") for p in phases},
+        "tenants' latency (s)",
+    )
+    aims_panel(
+        aims,
+        result,
+        [
+            Aim("activation p50 (alias move to answers)", "activation_p50_s", 1.0, "s"),
+            Aim("loads on the request path", "request_path_loads", 1),
+        ],
+    )
+    return fig
+
+
+def sync_paths(title: str, reference: float, reference_label: str) -> Callable[[Result], Figure]:
+    def draw(result: Result) -> Figure:
+        fig, (stages, aims) = figure(title, 2, width=14)
+        stages_panel(stages, result.get("stages_s", {}))
+        aims_panel(aims, result, [Aim(reference_label, "speedup", reference, "x", True)])
+        return fig
+
+    return draw
+
+
+def batching(result: Result) -> Figure:
+    fig, (speeds, aims) = figure("batching: 64 adapters in one continuous batch", 2)
+    bars_panel(speeds, result.get("tokens_per_s", {}), "generated tokens/s")
+    aims_panel(
+        aims,
+        result,
+        [
+            Aim("mixed / base only", "mixed_over_base", 0.95, "x", True),
+            Aim("slot load / device copy bandwidth", "slot_copy_over_device_copy", 0.8, "x", True),
+        ],
+    )
+    return fig
+
+
+def catalog(result: Result) -> Figure:
+    fig, (moves, aims) = figure("catalog: a million revisions", 2, width=14)
+    cdf_panel(
+        moves,
+        {
+            "alias move seen (from move_alias returning)": result.get(
+                "alias_visible_samples_s", []
+            ),
+            "from move_alias starting": result.get("alias_visible_from_move_start_samples_s", []),
+        },
+        "s",
+    )
+    aims_panel(
+        aims,
+        result,
+        [
+            Aim("resolve p99, one thread", "resolve_p99_us", 100, "µs"),
+            Aim("resolves/s, 8 threads", "resolve_threaded_per_s", 100_000, "/s", True),
+            Aim("catalog memory", "catalog_rss_mb", 1024, "MiB"),
+            Aim("cold start", "cold_start_s", 5, "s"),
+            Aim("alias move seen, max", "alias_visible_max_s", 1, "s"),
+        ],
+    )
+    return fig
+
+
+def gateway(result: Result) -> Figure:
+    fig, (rounds, aims) = figure("gateway: two workers behind it vs one worker directly", 2)
+    rounds.plot(rounds_of(result, "latency_direct", "p50_ms"), "o-", label="direct p50")
+    rounds.plot(rounds_of(result, "latency_gateway", "p50_ms"), "o-", label="gateway p50")
+    rounds.set_xlabel("round")
+    rounds.set_ylabel("ms (one client, 4 new tokens)")
+    rounds.legend(fontsize=8)
+    aims_panel(aims, result, [Aim("gateway added p50", "added_p50_ms", 1.0, "ms")])
+    return fig
+
+
+def backends(result: Result) -> Figure:
+    fig, (speeds, aims) = figure("backends: embedded, vLLM behind MinT, vLLM alone", 2)
+    targets = ("embedded", "vllm_mint", "vllm_direct")
+    bars_panel(speeds, {t: result.get(f"{t}_tok_s") for t in targets}, "tokens/s (median)")
+    throughput = result.get("vllm_mint_tok_s", 0) / max(result.get("vllm_direct_tok_s", 1), 1e-9)
+    aims_panel(
+        aims,
+        {**result, "throughput_ratio": throughput},
+        [
+            Aim("vLLM behind MinT, p50 overhead", "gateway_p50_overhead", 5, "%", scale=100),
+            Aim("throughput / vLLM alone", "throughput_ratio", 0.97, "x", True),
+        ],
+    )
+    return fig
+
+
+def packing(result: Result) -> Figure:
+    fig, (times,) = figure("packing: loading the reference MoE LoRA", 1)
+    bars_panel(times, result.get("median_s", {}), "seconds (median)", log=True)
+    return fig
+
+
+def recipe(result: Result) -> Figure:
+    fig, (runs,) = figure("recipe: held-out accuracy per run", 1)
+    adapters = result.get("adapters", [])
+    runs.plot([a["accuracy"] for a in adapters], "o", color=NEUTRAL)
+    runs.set_xlabel("run (threads x base seed x seed)")
+    runs.set_ylabel("held-out exact")
+    runs.set_ylim(0, 1.05)
+    return fig
+
+
+def rl(result: Result) -> Figure:
+    fig, (seeds,) = figure("rl: held-out exact before and after RL", 1)
+    for i, run in enumerate(result.get("runs", [])):
+        stages = ("held_out_exact_base", "held_out_exact_start", "held_out_exact_after")
+        seeds.plot(["base", "SFT start", "after RL"], [run[s] for s in stages], "o-", label=i)
+    seeds.set_ylabel("held-out exact")
+    seeds.legend(title="seed", fontsize=8)
+    return fig
+
+
+def tenants(result: Result) -> Figure:
+    fig, (memory, speed, aims) = figure("tenants: one trainer vs separate trainings", 3, 15)
+    for mode in ("shared", "separate"):
+        cases = [c for c in result.get("cases", []) if c["mode"] == mode]
+        memory.plot([c["tenants"] for c in cases], [c["rss_mb"] for c in cases], "o-", label=mode)
+        speed.plot([c["tenants"] for c in cases], [c["tokens_per_s"] for c in cases], "o-")
+    memory.set(xlabel="tenants", ylabel="peak RSS (MB)")
+    memory.legend(fontsize=8)
+    speed.set(xlabel="tenants", ylabel="trained tokens/s")
+    most = max(result.get("ratios", []), key=lambda r: r["tenants"], default={})
+    aims_panel(
+        aims,
+        most,
+        [
+            Aim("shared / separate tokens/s", "throughput_ratio", 1.5, "x", True),
+        ],
+    )
+    return fig
+
+
+def tiers(result: Result) -> Figure:
+    fig, (latency, aims) = figure("tiers: 10,000 adapters over two workers", 2, 14)
+    samples = result.get("samples", {})
+    cdf_panel(
+        latency,
+        {
+            "ready requests": samples.get("warm_s", []),
+            "ready-only baseline": samples.get("baseline_warm_s", []),
+            "cold: first 503 to answer": samples.get("cold_s", []),
+        },
+        "s",
+    )
+    latency.set_xscale("log")
+    aims_panel(
+        aims,
+        result,
+        [
+            Aim("cold time to first answer, p50", "cold_p50_s", 1, "s"),
+            Aim("cold time to first answer, p99", "cold_p99_s", 3, "s"),
+            Aim("ready p95 / baseline", "warm_p95_ratio", 1.10, "x"),
+        ],
+    )
+    return fig
+
+
+def tiers_sim(result: Result) -> Figure:
+    fig, (hits,) = figure("tiers_sim: host hit ratio at 10^6 adapters x 100 workers", 1)
+    policies = ("host_hit_ratio", "belady_hit_ratio", "lru_hit_ratio", "static_top_hit_ratio")
+    by_zipf = result.get("by_zipf", {})
+    width = 0.8 / len(policies)
+    for i, policy in enumerate(policies):
+        xs = [z + (i - (len(policies) - 1) / 2) * width for z in range(len(by_zipf))]
+        hits.bar(xs, [figures[policy] for figures in by_zipf.values()], width * 0.9)
+    hits.set_xticks(range(len(by_zipf)), [f"Zipf s = {z}" for z in by_zipf])
+    hits.legend(["MinT", "Belady", "LRU", "static top"], fontsize=8)
+    hits.set_ylabel("host hit ratio")
+    return fig
+
+
+DRAWINGS: dict[str, Callable[[Result], Figure]] = {
+    "register": register,
+    "admission": admission,
+    "sync": sync_paths("sync: adapter path vs merged checkpoint", 18.3, "adapter / merged"),
+    "rl_sync": sync_paths("rl_sync: adapter vs full weights, MoE", 2.85, "adapter / full"),
+    "batching": batching,
+    "catalog": catalog,
+    "gateway": gateway,
+    "backends": backends,
+    "packing": packing,
+    "recipe": recipe,
+    "rl": rl,
+    "tenants": tenants,
+    "tiers": tiers,
+    "tiers_sim": tiers_sim,
+}
+
+
+def draw(name: str, result: Result, png: Path) -> Path | None:
+    """Draw benchmark `name`'s picture of `result` to `png`; None for a benchmark without one."""
+    drawing = DRAWINGS.get(name)
+    if drawing is None:
+        return None
+    fig = drawing(result)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def main(paths: Sequence[str]) -> None:
+    for path in map(Path, paths or sorted((Path(__file__).parent / "results").glob("*.json"))):
+        # A result's benchmark is its file's name up to any variant (`admission-one-thread`).
+        png = draw(
+            path.stem.partition("-")[0], json.loads(path.read_text()), path.with_suffix(".png")
+        )
+        print(f"drew {png}" if png else f"no picture for {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
