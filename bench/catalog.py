@@ -8,9 +8,13 @@ Two catalogs, one run:
   hours here), in a child process, and published in a local artifact store. A catalog in this
   process then starts from it, its pages evicted from the page cache first: cold start is
   fetching it from the store (copy + digest check) and opening it, up to its first answer. Then
-  resolves of a random mix of `name`, `name@alias` and `name:rN` (one thread, each timed; then
-  the same from 8 threads at once), the resident memory the catalog added to this process
-  (RSS after the resolves minus RSS before the cold start), and `desired()` for one base.
+  resolves of a random mix of `name`, `name@alias` and `name:rN`, uniform over every adapter
+  (one thread, each timed; then another such mix from 8 threads at once); a skewed mix from 8
+  threads, as traffic is: the adapters drawn Zipf-distributed (s = `ZIPF_S`, popularity in a
+  random order), the forms as before (the catalog keeps recent answers in memory, its hot map,
+  which serve the popular ones without sqlite, while the uniform mix is nearly all misses); the
+  resident memory the catalog added to this process (RSS after all those resolves minus RSS
+  before the cold start: anonymous and file-backed pages both); and `desired()` for one base.
 - 10,000 versions over 1,000 adapters in a real `mlflow server` (the tags a release writes,
   production on r9; written by MLflow's client into the server's database, while the million
   is built, timed but not a catalog figure). A fresh catalog's first sync reads them all over
@@ -48,7 +52,7 @@ from control.services import ManagedProcess, start_mlflow
 from mint_core.artifacts.digests import sha256_json
 from mint_core.artifacts.stores import LocalArtifactStore
 from mint_core.catalog import snapshot as catalog_snapshot
-from mint_core.catalog.catalog import Catalog
+from mint_core.catalog.catalog import HOT_ANSWERS, Catalog
 from mint_core.catalog.index import CatalogIndex, check
 from mint_core.registry import KIND_TAG, STAGE_TAG, AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import (
@@ -64,6 +68,9 @@ from mint_core.states import Stage
 SYNC_INTERVAL_S = 1.0
 """A worker's default (serving.worker.worker.DEFAULT_SYNC_INTERVAL_S)."""
 THREADS = 8
+ZIPF_S = 1.0
+"""The skew of the 8-thread skewed mix: the k-th most popular adapter is asked 1/k as often as
+the first (Zipf's law with s = 1; at 100,000 adapters the top 1,000 take ~62% of requests)."""
 
 
 def base_digest(number: int) -> str:
@@ -128,7 +135,17 @@ def build_synthetic(path: Path, adapters: int, revisions: int, bases: int) -> di
 
 
 def rss() -> int:
+    """Resident pages, anonymous and file-backed (a mapped file's pages count)."""
     return psutil.Process().memory_info().rss
+
+
+def rss_file() -> int:
+    """Of `rss`, the file-backed pages (mapped files: libraries, and any index mapped)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def quantiles_us(samples_ns: list[int]) -> dict[str, float]:
@@ -137,12 +154,21 @@ def quantiles_us(samples_ns: list[int]) -> dict[str, float]:
     return {"p50_us": at(0.50), "p99_us": at(0.99), "max_us": ordered[-1] / 1000}
 
 
-def lookups(count: int, adapters: int, revisions: int, seed: int) -> list[RevisionRef]:
-    """A random mix of the three forms over every adapter."""
+def lookups(
+    count: int, adapters: int, revisions: int, seed: int, zipf_s: float | None = None
+) -> list[RevisionRef]:
+    """A random mix of the three forms, over every adapter uniformly, or (`zipf_s`) drawn
+    Zipf-distributed with the adapters' popularity in a random order."""
     rng = random.Random(seed)
+    if zipf_s is None:
+        drawn = [rng.randrange(adapters) for _ in range(count)]
+    else:
+        popular = list(range(adapters))
+        rng.shuffle(popular)
+        weights = [1 / (rank + 1) ** zipf_s for rank in range(adapters)]
+        drawn = [popular[r] for r in rng.choices(range(adapters), weights, k=count)]
     refs = []
-    for _ in range(count):
-        a = rng.randrange(adapters)
+    for a in drawn:
         name = f"bench-{a:06d}"
         form = rng.randrange(3)
         if form == 0:
@@ -152,6 +178,19 @@ def lookups(count: int, adapters: int, revisions: int, seed: int) -> list[Revisi
         else:
             refs.append(RevisionRef(name, revision=rng.randint(1, revisions)))
     return refs
+
+
+def threaded_resolves(catalog: Catalog, refs: list[RevisionRef]) -> tuple[float, list[int]]:
+    """Resolves per second of `refs` shared among `THREADS` threads at once, and each one's
+    time. The threads are started before the clock."""
+    shares = [refs[n::THREADS] for n in range(THREADS)]
+    with ThreadPoolExecutor(THREADS) as pool:
+        list(pool.map(lambda _: None, range(THREADS)))
+        start = time.perf_counter()
+        samples = [s for part in pool.map(lambda p: timed_resolves(catalog, p), shares)
+                   for s in part]  # fmt: skip
+        took = time.perf_counter() - start
+    return len(refs) / took, samples
 
 
 def timed_resolves(catalog: Catalog, refs: list[RevisionRef]) -> list[int]:
@@ -291,7 +330,7 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
           f"published in {publish_s:.1f} s", flush=True)  # fmt: skip
 
     harness.evict([store.root / snapshot.name])
-    before = rss()
+    before, before_file = rss(), rss_file()
     start = time.perf_counter()
     catalog = Catalog(registry, base_digest=base_digest(0), folder=work)
     if catalog.start_from_snapshot(store) != snapshot:
@@ -301,15 +340,19 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
 
     refs = lookups(args.lookups, args.adapters, args.revisions, seed=0)
     single = quantiles_us(timed_resolves(catalog, refs))
-    catalog_rss = rss() - before
-    shares = [refs[n::THREADS] for n in range(THREADS)]
-    start = time.perf_counter()
-    with ThreadPoolExecutor(THREADS) as pool:
-        threaded_samples = [s for part in pool.map(lambda p: timed_resolves(catalog, p), shares)
-                            for s in part]  # fmt: skip
-    threaded_s = time.perf_counter() - start
+    # Another uniform mix: not the one just asked, whose answers the catalog keeps.
+    uniform = lookups(args.lookups, args.adapters, args.revisions, seed=1)
+    threaded_per_s, threaded_samples = threaded_resolves(catalog, uniform)
     threaded = quantiles_us(threaded_samples)
+    skewed = lookups(args.lookups, args.adapters, args.revisions, seed=2, zipf_s=ZIPF_S)
+    skewed_per_s, skewed_samples = threaded_resolves(catalog, skewed)
+    zipf = quantiles_us(skewed_samples)
     hot = quantiles_us(timed_resolves(catalog, refs[:1000] * 10))
+    recent_refs = refs[:1000] * max(1, len(refs) // 1000)  # as many resolves as the others
+    recent_per_s, recent_samples = threaded_resolves(catalog, recent_refs)
+    recent = quantiles_us(recent_samples)
+    # After every resolve above: the answers the catalog keeps in memory included.
+    catalog_rss, catalog_rss_file = rss() - before, rss_file() - before_file
 
     # desired(): the index is queried after a change (here: another base each time), and
     # the answer kept until the next one.
@@ -327,11 +370,20 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
     every_base = catalog.desired()
     desired_every_base_s = time.perf_counter() - start
     catalog.base_digest = base_digest(0)
-    print(f"cold start from the snapshot {cold_start_s:.2f} s; resolve (one thread) p50 "
-          f"{single['p50_us']:.1f} us, p99 {single['p99_us']:.1f} us; {THREADS} threads: p50 "
+    print(f"cold start from the snapshot {cold_start_s:.2f} s; resolve (one thread, uniform "
+          f"over {total:,}) p50 {single['p50_us']:.1f} us, p99 {single['p99_us']:.1f} us; "
+          f"recently used: p99 {hot['p99_us']:.1f} us; catalog RSS "
+          f"{catalog_rss / 2**20:.0f} MiB (of it file-backed {catalog_rss_file / 2**20:.0f} "
+          "MiB)", flush=True)  # fmt: skip
+    print(f"{THREADS} threads, uniform over {total:,} ({len(set(uniform)):,} distinct refs in "
+          f"{len(uniform):,}; the catalog keeps at most {HOT_ANSWERS:,} answers): p50 "
           f"{threaded['p50_us']:.1f} us, p99 {threaded['p99_us']:.1f} us, "
-          f"{len(refs) / threaded_s:,.0f} resolves/s; recently used: p99 {hot['p99_us']:.1f} "
-          f"us; catalog RSS {catalog_rss / 2**20:.0f} MiB", flush=True)  # fmt: skip
+          f"{threaded_per_s:,.0f} resolves/s; Zipf s={ZIPF_S} over the adapters "
+          f"({len(set(skewed)):,} distinct refs in {len(skewed):,}): p50 {zipf['p50_us']:.1f} "
+          f"us, p99 {zipf['p99_us']:.1f} us, {skewed_per_s:,.0f} resolves/s; recently used "
+          f"({len(set(recent_refs)):,} refs, {len(recent_refs):,} resolves): p50 "
+          f"{recent['p50_us']:.1f} us, p99 {recent['p99_us']:.1f} us, {recent_per_s:,.0f} "
+          "resolves/s", flush=True)  # fmt: skip
     print(f"desired() for one base: {len(desired)} revisions; after a change (the index "
           f"queried) {statistics.median(queried_s) * 1000:.2f} ms, else (kept) "
           f"{statistics.median(kept_s) * 1000:.3f} ms (medians of 20); for every base: "
@@ -381,10 +433,22 @@ def run(args: argparse.Namespace, work: Path, mlflow: ManagedProcess) -> None:
         "resolve_threads": THREADS,
         "resolve_threaded_p50_us": threaded["p50_us"],
         "resolve_threaded_p99_us": threaded["p99_us"],
-        "resolve_threaded_per_s": len(refs) / threaded_s,
+        "resolve_threaded_per_s": threaded_per_s,
+        "resolve_threaded_workload": "uniform over every adapter, another draw than one thread's",
+        "resolve_threaded_distinct_refs": len(set(uniform)),
+        "resolve_kept_answers_max": HOT_ANSWERS,
+        "resolve_zipf_s": ZIPF_S,
+        "resolve_zipf_distinct_refs": len(set(skewed)),
+        "resolve_zipf_p50_us": zipf["p50_us"],
+        "resolve_zipf_p99_us": zipf["p99_us"],
+        "resolve_zipf_per_s": skewed_per_s,
+        "resolve_recent_threaded_p50_us": recent["p50_us"],
+        "resolve_recent_threaded_p99_us": recent["p99_us"],
+        "resolve_recent_threaded_per_s": recent_per_s,
         "resolve_recent_p50_us": hot["p50_us"],
         "resolve_recent_p99_us": hot["p99_us"],
         "catalog_rss_mb": catalog_rss / 2**20,
+        "catalog_rss_file_mb": catalog_rss_file / 2**20,
         "catalog_rss_end_mb": end_rss / 2**20,
         "desired_revisions": len(desired),
         "desired_ms": statistics.median(kept_s) * 1000,

@@ -210,7 +210,15 @@ def catalog(result: Result) -> Figure:
         result,
         [
             Aim("resolve p99, one thread", "resolve_p99_us", 100, "µs"),
-            Aim("resolves/s, 8 threads", "resolve_threaded_per_s", 100_000, "/s", True),
+            Aim("resolves/s, 8 threads, uniform", "resolve_threaded_per_s", 100_000, "/s", True),
+            Aim("resolves/s, 8 threads, Zipf", "resolve_zipf_per_s", 100_000, "/s", True),
+            Aim(
+                "resolves/s, 8 threads, recent",
+                "resolve_recent_threaded_per_s",
+                100_000,
+                "/s",
+                True,
+            ),
             Aim("catalog memory", "catalog_rss_mb", 1024, "MiB"),
             Aim("cold start", "cold_start_s", 5, "s"),
             Aim("alias move seen, max", "alias_visible_max_s", 1, "s"),

@@ -10,8 +10,12 @@ asked of a registry that is known not to answer, which would hold the request fo
 MLflow's client retries.
 
 What the catalog holds lives in a sqlite index (`catalog.index`), not in Python objects, so a
-million revisions cost what sqlite's page cache is allowed, plus a few thousand recently used
-records. A worker starts from the snapshot the control plane publishes in the artifact store
+million revisions cost what sqlite's page cache is allowed, plus the answers to recent questions,
+kept as objects (`catalog.hot`, bounded by `HOT_ANSWERS`): a request for a revision asked about
+recently is answered from a dict, without a lock and without sqlite, from any number of threads.
+A sync drops the kept answers about every adapter it changed before it returns.
+
+A worker starts from the snapshot the control plane publishes in the artifact store
 (`build_snapshot`, `start_from_snapshot`) and syncs on from the snapshot's cursor; without one,
 its first sync reads every revision from MLflow. A revision registered after that is read from
 MLflow when first named, and kept.
@@ -23,7 +27,6 @@ import tempfile
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,7 @@ from pathlib import Path
 from mint_core.alias_intents import HeldMove
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.catalog import snapshot as catalog_snapshot
+from mint_core.catalog.hot import HotMap
 from mint_core.catalog.index import CatalogIndex
 from mint_core.catalog.snapshot import Snapshot
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS
@@ -54,9 +58,10 @@ DEFAULT_AUDIT_INTERVAL_S = 30.0
 """How often a catalog reads every adapter's aliases, changed or not: an alias moved by hand
 (the MLflow UI) does not change the adapter's last-updated time, so only a full read finds
 it (one request per thousand adapters)."""
-RECENT_RECORDS = 4096
-"""Records kept as objects, most recently used: the revisions a worker serves, without a
-lookup in the index each time."""
+HOT_ANSWERS = 32768
+"""Answers (records by revision or by alias, canaries) kept as objects: the revisions a worker
+serves, without a lookup in the index each time. A record takes about 2 KB, so at most ~70 MB
+(an answer by alias shares its revision's record)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +109,8 @@ class Catalog:
         os.close(handle)
         self._index = CatalogIndex(Path(name))
         self._close = weakref.finalize(self, _close_index, self._index)
-        self._recent: OrderedDict[RevisionId, RegisteredRevision] = OrderedDict()
+        self._hot: HotMap[object] = HotMap(HOT_ANSWERS)
+        """Recent answers, read without a lock (see `catalog.hot`)."""
         self._changes = 0
         """How many times what the index holds has changed: `wanted()`'s answer is kept
         until it does (or the base is changed)."""
@@ -146,8 +152,8 @@ class Catalog:
         if snapshot is None:
             log.info("no catalog snapshot in the store; the first sync reads the whole registry")
             return None
+        self._hot.invalidate()
         with self._lock:
-            self._recent.clear()
             self._changes += 1
             self.snapshot = snapshot
         return snapshot
@@ -164,6 +170,8 @@ class Catalog:
         if audit:
             self._last_audit = time.monotonic()
         if changed:
+            # Committed to the index: no answer kept from before is given after this returns.
+            self._hot.invalidate(adapter.adapter for adapter in changed)
             with self._lock:
                 self._changes += 1
         self.last_sync = time.time()
@@ -234,49 +242,58 @@ class Catalog:
     def canary(self, adapter: str) -> tuple[RevisionId, float] | None:
         """The revision that takes a share of `adapter@production`'s requests, and the share
         in percent, as of the last sync; None when the adapter has no canary."""
+        key = ("canary", adapter)  # keys are tuples: hashed in C (see `catalog.hot`)
+        kept = self._hot.get(adapter, key)
+        if kept is not None:  # asked for every request to adapter@production
+            return kept[0]  # type: ignore[index,no-any-return]
+        stamp = self._hot.stamp(adapter)
         found = self._index.canary(adapter)
-        if found is None:
-            return None
-        number, percent = found
-        return RevisionId(adapter, number), percent
+        answer = None if found is None else (RevisionId(adapter, found[0]), found[1])
+        self._hot.put(stamp, key, (answer,))  # kept even when None: the map keeps no None
+        return answer
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         """The revision `ref` names, from the catalog when it knows; asks the registry only for
         what it has not seen (NotFoundError, or RegistryError if MLflow is down)."""
         if ref.revision is not None:
+            kept = self._hot.get(ref.adapter, ("r", ref.adapter, ref.revision))
+            if kept is not None:  # as `record` would, without making a RevisionId first
+                return kept  # type: ignore[return-value]
             return self.record(RevisionId(ref.adapter, ref.revision))
+        key = ("@", ref.adapter, ref.alias)
+        kept = self._hot.get(ref.adapter, key)
+        if kept is not None:
+            return kept  # type: ignore[return-value]
+        stamp = self._hot.stamp(ref.adapter)  # before the index is read: see `catalog.hot`
         number = self.alias_target(ref.adapter, str(ref.alias))
         if number is None:
             for held in self._index.held_moves(ref.adapter):
                 if held.alias == ref.alias:  # set outside the pipeline, never by it
                     raise NotFoundError(f"{held.describe()}; nothing serves {ref} here")
+            # Not kept by alias: the registry is asked again until a sync brings the alias.
             registered = self._ask_registry(ref).resolve(ref)
             self._index.put_revisions([registered])
-            self._remember(registered)
+            self._hot.put(stamp, ("r", ref.adapter, registered.id.number), registered)
             return registered
-        return self.record(RevisionId(ref.adapter, number))
+        registered = self.record(RevisionId(ref.adapter, number))
+        self._hot.put(stamp, key, registered)
+        return registered
 
     def record(self, revision: RevisionId) -> RegisteredRevision:
         """A revision's registry record, fetched once: a revision's bytes and policy never
-        change (its stage and aliases in the copy kept here may be old, and the index keeps no
-        history tags: `mint history` reads those from the registry)."""
-        with self._lock:
-            known = self._recent.get(revision)
-            if known is not None:
-                self._recent.move_to_end(revision)
-                return known
+        change (its stage in the copy kept here may be old, and the index keeps no history
+        tags: `mint history` reads those from the registry)."""
+        key = ("r", revision.adapter, revision.number)
+        kept = self._hot.get(revision.adapter, key)
+        if kept is not None:
+            return kept  # type: ignore[return-value]
+        stamp = self._hot.stamp(revision.adapter)
         known = self._index.revision(revision)
         if known is None:
             known = self._ask_registry(revision).get(revision)
             self._index.put_revisions([known])
-        self._remember(known)
+        self._hot.put(stamp, key, known)
         return known
-
-    def _remember(self, registered: RegisteredRevision) -> None:
-        with self._lock:
-            self._recent[registered.id] = registered
-            if len(self._recent) > RECENT_RECORDS:
-                self._recent.popitem(last=False)
 
     def adapters(self) -> list[str]:
         return self._index.adapters()
