@@ -8,6 +8,8 @@ requests submitted at once, as a serving worker runs them. Every
 request has the same prompt length and generates the same number of tokens (EOS is masked), on
 a model large enough that matmuls dominate. Prints tokens/s and ratios (medians of several
 runs), checks (b), (c) and (d) give the same tokens, and writes bench/results/batching.json.
+Where a CUDA device exists everything runs on it (`--device`), and the run also times one slot
+load against a pinned copy of as many bytes (`bench/transfer.py`).
 
     .venv/bin/python bench/batching.py               # hidden 1024, 4 layers, 64 adapters
     .venv/bin/python bench/batching.py --scale 0.25  # a smoke run
@@ -25,7 +27,7 @@ from transformers import LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import harness
+from bench import harness, transfer
 from mint_core.model.base import DEFAULT_TARGETS, BaseIdentity, BaseModel, BaseText
 from mint_core.model.generate import greedy_generate, seeded
 from mint_core.model.text import TextCodec
@@ -38,7 +40,7 @@ from serving.engine.scheduler import Scheduler
 from serving.worker.metrics import WorkerMetrics
 
 
-def build_base(scale: float) -> tuple[BaseModel, TinySpec]:
+def build_base(scale: float, device: str = "cpu") -> tuple[BaseModel, TinySpec]:
     """A random Llama (no pretraining: only the arithmetic counts here) with the byte
     tokenizer, as the worker would hold it."""
     hidden = max(64, int(1024 * scale) // 16 * 16)
@@ -50,10 +52,10 @@ def build_base(scale: float) -> tuple[BaseModel, TinySpec]:
         pretrain_steps=0,
     )
     with seeded(0):
-        model = LlamaForCausalLM(spec.model_config()).eval().requires_grad_(False)
+        model = LlamaForCausalLM(spec.model_config()).eval().requires_grad_(False).to(device)
     codec = TextCodec(byte_tokenizer(), None, spec.name)
     # Never end early: every request generates exactly its --new-tokens in every mode.
-    eos = torch.tensor(sorted(codec.eos_ids))
+    eos = torch.tensor(sorted(codec.eos_ids), device=device)
     model.lm_head.register_forward_hook(lambda _m, _i, logits: logits.index_fill(-1, eos, -1e9))
     identity = BaseIdentity(spec.name, "sha256:bench")
     context = int(model.config.max_position_embeddings)
@@ -79,10 +81,11 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=8, help="per request")
     parser.add_argument("--new-tokens", type=int, default=48, help="per request (EOS masked)")
+    transfer.device_option(parser)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
 
-    base, spec = build_base(args.scale)
+    base, spec = build_base(args.scale, args.device)
     params = sum(p.numel() for p in base.model.parameters())
     print(
         f"base: hidden {spec.hidden_size}, {spec.num_layers} layers, "
@@ -109,6 +112,8 @@ def main() -> None:
     host = {
         name: engine.prepare(name, config, state) for name, state in zip(names, states, strict=True)
     }
+    link = transfer.slot_load_bandwidth(engine, host[names[0]])  # before the scheduler loads any
+    transfer.report(link)
     residency: Residency[AdapterWeights] = Residency(
         sum(w.nbytes for w in host.values()), device_slots=args.adapters
     )
@@ -170,6 +175,8 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "runs": args.runs,
         "threads": torch.get_num_threads(),
+        "device": str(engine.device),
+        "host_to_device_copy": link,
         "tokens_per_s": per_s,
         "samples_s": samples,
         "same_tokens": same,

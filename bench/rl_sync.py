@@ -135,7 +135,7 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
           f"parameters, {args.dtype}, {folder_bytes(base_folder) / 1e9:.2f} GB on disk "
           f"(built in {time.perf_counter() - start:.0f} s)", flush=True)  # fmt: skip
 
-    served = serve_base(work, base_folder, args.dtype, services)
+    served = serve_base(work, base_folder, args.dtype, services, args.device)
     trained = partial(finished_step, base_folder, dtype, args.rank)
     side = side_by_side(served, work, services, args.runs, "full", trained, "rl")
 

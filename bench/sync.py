@@ -24,6 +24,9 @@ which path goes first, so drift hits both alike; the figures are medians. Bytes 
 exported artifact's files against the merged folder's files. The disk's raw read speed, cold
 (pages evicted) and warm, gives each path's floor: its bytes read once at that speed.
 
+Where a CUDA device exists the workers run on it (`--device`) and the run also times one slot
+load of the adapter against a pinned copy of as many bytes (`bench/transfer.py`).
+
 float32 by default: what a worker on a CPU runs unless MINT_DTYPE says otherwise. `--dtype
 bfloat16` (Qwen3's own) halves the merged bytes; the adapter stays float32, as PEFT trains it.
 Prints the figures and writes bench/results/sync.json.
@@ -58,7 +61,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
-from bench import harness
+from bench import harness, transfer
 from bench.harness import Clock
 from control.services import ManagedProcess, start_mlflow
 from control.worker_client import WorkerClient
@@ -142,8 +145,9 @@ def finished_training(base: PreTrainedModel, seed: int, folder: Path) -> PeftMod
 
 
 def path_options(parser: argparse.ArgumentParser, runs: int) -> None:
-    """The options both sync benchmarks take: the base's dtype and how many runs."""
+    """The options both sync benchmarks take: the base's dtype and device, how many runs."""
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    transfer.device_option(parser)
     parser.add_argument("--runs", type=int, default=runs, help="runs of each path (medians)")
 
 
@@ -325,13 +329,15 @@ class Served:
     load_at_start: float
 
 
-def serve_base(work: Path, folder: Path, dtype: str, services: list[ManagedProcess]) -> Served:
-    """A real `mlflow server` and a worker serving the base in `folder`."""
+def serve_base(
+    work: Path, folder: Path, dtype: str, services: list[ManagedProcess], device: str = ""
+) -> Served:
+    """A real `mlflow server` and a worker serving the base in `folder` (on `device`; "": the
+    worker's default)."""
     mlflow = start_mlflow(work / "registry")
     services.append(mlflow)
-    config = MintConfig(
-        home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder), dtype)
-    )
+    source = BaseSource(str(folder), dtype, device)
+    config = MintConfig(home=work / "home", tracking_uri=mlflow.url, base=source)
     start = time.perf_counter()
     worker = start_worker(config)
     services.append(worker)
@@ -409,7 +415,7 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
     if args.layers != QWEN3_0_6B_LAYERS:
         print(f"NOTE: {args.layers} layers, not Qwen3-0.6B's {QWEN3_0_6B_LAYERS}")
 
-    served = serve_base(work, base_folder, args.dtype, services)
+    served = serve_base(work, base_folder, args.dtype, services, args.device)
     trained = partial(finished_training, base)
     side = side_by_side(served, work, services, args.runs, "merged", trained, "sync")
 
@@ -420,6 +426,12 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
     print(f"\nfrom training finished to a running worker answering ({args.runs} runs, medians):")
     side.report(cold, warm)
     print(f"  of the merged start, hashing the new base's weights: {merged_digest_s:.2f} s")
+    # The workers have stopped: on a CUDA device, one slot load of the last adapter against
+    # a pinned copy of as many bytes, on an engine over the same base in this process.
+    link = transfer.peft_folder_bandwidth(
+        served.config.base, served.config.home, work / "adapters" / f"sync-{args.runs - 1}"
+    )
+    transfer.report(link)
 
     result = side.figures(served, cold, warm) | {
         "peft_adapter_bytes": side.peft_bytes,
@@ -434,6 +446,8 @@ def run(args: argparse.Namespace, work: Path, services: list[ManagedProcess]) ->
         },
         "adapter": {"rank": RANK, "alpha": ALPHA, "target_modules": list(DEFAULT_TARGETS)},
         "merged_digest_s": merged_digest_s,
+        "device": args.device,
+        "host_to_device_copy": link,
     }
     harness.write(args.out, result)
 

@@ -13,7 +13,7 @@ benchmarks). Each takes the engine lock.
 """
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
@@ -49,6 +49,11 @@ class AdapterWeights:
     )
     """Experts module name -> fused parameter name -> (A `[experts, rank, in]`, B
     `[experts, out, rank]`, scaling)."""
+    staged: torch.Tensor | None = None
+    """One flat buffer in the base's dtype that every tensor above is a view of, laid out as
+    the slots hold them (`A.T`, `B.T`, expert stacks as they are); pinned where the engine runs
+    on a CUDA device, so that a slot load is one host-to-device copy at the link's speed
+    instead of hundreds of small ones."""
 
     @property
     def nbytes(self) -> int:
@@ -66,10 +71,11 @@ class TorchEngine:
         self.codec = base.codec
         self.slots = slots
         self.batch = SlotBatch()
-        # One slot more than adapters: slot 0 stays all zeros for base rows.
+        # Slots 1..slots hold adapters (allocated when filled, for their own rank); slot 0,
+        # the base, holds nothing.
         modules = servable_modules(base.model, output=True)
-        self._wrappers = wrap_linears(base.model, modules, slots + 1, self.batch)
-        self._experts = wrap_experts(base.model, slots + 1, self.batch)
+        self._wrappers = wrap_linears(base.model, modules, self.batch)
+        self._experts = wrap_experts(base.model, self.batch)
         self._slot_of: dict[str, int] = {}
         self.lock = threading.Lock()
         """Held for each forward pass and each slot copy: a copy waits for at most one step."""
@@ -110,7 +116,39 @@ class TorchEngine:
         experts: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = {}
         for target, (a, b, scaling) in self._expert_pairs(key, config, targets, fused).items():
             experts.setdefault(target.module, {})[target.parameter] = (a, b, scaling)
-        return AdapterWeights(key, self._pairs(key, config, linear), experts)
+        return self._staged(key, self._pairs(key, config, linear), experts)
+
+    def _staged(
+        self,
+        key: str,
+        pairs: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]],
+        experts: Mapping[str, Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]],
+    ) -> AdapterWeights:
+        """`key`'s pairs and expert stacks copied into one flat host buffer (see
+        `AdapterWeights.staged`), as views of it. Done once, off the request path."""
+        # A linear slot holds A.T [in, rank] and B.T [rank, out], the batched matmuls' layout.
+        stacks = [stack for by_name in experts.values() for stack in by_name.values()]
+        slot_layout = [t for a, b, _ in pairs.values() for t in (a.T, b.T)]
+        slot_layout += [t for a, b, _ in stacks for t in (a, b)]
+        flat = torch.empty(
+            sum(t.numel() for t in slot_layout),
+            dtype=self.base.model.dtype,
+            pin_memory=self.device.type == "cuda",
+        )
+        offset = 0
+
+        def place(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal offset
+            view = flat[offset : offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+            offset += tensor.numel()
+            return view
+
+        staged_pairs = {m: (place(a.T).T, place(b.T).T, s) for m, (a, b, s) in pairs.items()}
+        staged_experts = {
+            module: {name: (place(a), place(b), s) for name, (a, b, s) in by_name.items()}
+            for module, by_name in experts.items()
+        }
+        return AdapterWeights(key, staged_pairs, staged_experts, flat)
 
     def load(self, weights: AdapterWeights, slot: int | None = None) -> int:
         """Copy an adapter into device slot `slot` (whatever held it is dropped), or into the
@@ -131,12 +169,14 @@ class TorchEngine:
             self._slot_of = {
                 k: s for k, s in self._slot_of.items() if s != slot and k != weights.key
             }
+            on_device = _on_device(weights, self.device)
             for module, (a, b, scaling) in weights.pairs.items():
-                self._wrappers[module].fill(slot, a, b, scaling)
+                self._wrappers[module].fill(slot, on_device(a.T), on_device(b.T), scaling)
             for module in self._wrappers.keys() - weights.pairs.keys():
                 self._wrappers[module].clear(slot)
             for module, experts in self._experts.items():
-                experts.fill(slot, weights.experts.get(module, {}))
+                stacks = weights.experts.get(module, {}).items()
+                experts.fill(slot, {n: (on_device(a), on_device(b), s) for n, (a, b, s) in stacks})
             self._slot_of[weights.key] = slot
             # The same rows may now mean different weights: gather them again.
             self.batch.reset()
@@ -298,6 +338,20 @@ class TorchEngine:
             logits = self.base.model(input_ids=input_ids).logits[0, :-1]
         picked = torch.log_softmax(logits.float(), dim=-1).gather(-1, input_ids[0, 1:, None])
         return [float("nan"), *picked[:, 0].tolist()]
+
+
+def _on_device(
+    weights: AdapterWeights, device: torch.device
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Maps a view of `weights.staged` to the same view of its copy on `device`, made here in
+    one copy (non-blocking from pinned memory: the forward passes that read it queue behind it
+    on the same stream). Where the host is the device, the slots read the host tier's buffer
+    itself: it never changes, and a copy would only double the memory."""
+    staged = weights.staged
+    if staged is None or staged.device == device:
+        return lambda view: view
+    copy = staged.to(device, non_blocking=staged.is_pinned())
+    return lambda view: copy.as_strided(view.shape, view.stride(), view.storage_offset())
 
 
 def _module_of(name: str) -> tuple[str, str]:

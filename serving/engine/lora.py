@@ -1,20 +1,26 @@
 """Many LoRA adapters in one batch, by gathered batched matmuls (Punica's and S-LoRA's idea).
 
 Every linear layer of the resident base that an adapter may target is wrapped once. The wrapper
-keeps the adapters' weights stacked in device slots, `A: [slots, rank_max, in]` and `B`
-transposed, `Bt: [slots, rank_max, out]`, and each batch row names its slot. A forward pass
-computes the base projection for the whole batch and adds, per row,
-`scaling[slot] * (x @ A[slot].T) @ Bt[slot]` with two batched matmuls over the rows' slots.
-Slot 0 is all zeros: the base alone. Adapters of lower rank are zero-padded to `rank_max`,
-which adds exact zeros and so changes nothing.
+holds, per device slot in use, that adapter's pair in the layout the matmuls read, `A.T:
+[in, rank]` and `B.T: [rank, out]`, sized for the adapter's own rank: views of the buffer the
+engine staged the adapter in (on the CPU the host tier's own, on a CUDA device its one copy
+there), taken when the slot is filled and dropped when it is cleared. A worker with 64 slots and
+one adapter loaded holds one adapter's bytes, not 64 slots at the largest rank seen. Each batch
+row names its slot; slot 0 (the base) holds nothing. A forward pass computes the base projection
+for the whole batch and adds, per row, `scaling[row] * (x @ A.T[row]) @ B.T[row]` with two
+batched matmuls over the rows.
 
-The rows' slots are gathered into contiguous per-row stacks once per batch, at its first forward
-(the prefill), and reused at every decode step: a step then reads each row's adapter once, as
-the base reads its weights, instead of copying them again.
+The rows' pairs are gathered into contiguous per-row stacks (`[batch, in, rank]`, zero-padded to
+the widest rank among the rows, zeros for rows whose slot does not adapt this layer: exact zeros
+that change nothing) once per batch, at its first forward (the prefill), and reused at every
+decode step: a step then reads each row's adapter once, as the base reads its weights. A layer
+that no row's adapter targets is skipped. Per-row stacks beat one matmul per distinct adapter
+when the adapters differ row by row (64 adapters in a batch of 64: measured here, 64 small
+matmuls per layer cost several times the two batched ones).
 
-A fused MoE experts module (PEFT's `target_parameters`) is wrapped likewise, with stacks per
-slot and expert, `A: [slots, experts, rank_max, in]`, `B: [slots, experts, out, rank_max]`;
-each token gets, for each expert it is routed to, that expert's delta from its row's slot.
+A fused MoE experts module (PEFT's `target_parameters`) is wrapped likewise, with per-slot stacks
+`A: [experts, rank, in]`, `B: [experts, out, rank]`, gathered per batch over the batch's distinct
+slots; each token gets, for each expert it is routed to, that expert's delta from its row's slot.
 """
 
 import math
@@ -31,6 +37,8 @@ from mint_core.model.experts import EXPERT_PARAMETERS, experts_modules
 
 BASE_SLOT = 0
 _Module = TypeVar("_Module", bound=nn.Module)
+_UNGATHERED = object()
+Pair = tuple[torch.Tensor, torch.Tensor, float]
 
 
 class SlotBatch:
@@ -39,9 +47,14 @@ class SlotBatch:
     def __init__(self) -> None:
         self.slot_ids: torch.Tensor | None = None
         """[batch] slot indices, or None when every row is served by the base alone."""
-        self.gathered: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        """Per wrapper: its slots gathered for this batch's rows (A.T, Bt, scaling)."""
+        self.gathered: dict[int, object] = {}
+        """Per wrapper: its pairs gathered for this batch's rows (None: no row uses it)."""
         self._rows: list[int] = []
+
+    @property
+    def row_slots(self) -> list[int]:
+        """The slot of each row, as a list."""
+        return self._rows
 
     def use(self, slot_ids: list[int], device: torch.device) -> None:
         """Run the next forward passes with these rows; a change of rows drops the gathers."""
@@ -67,75 +80,80 @@ class SlotBatch:
             self.reset()
 
 
+def _padded(tensor: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
+    """`tensor` zero-padded along its rank dimension `dim` to `rank` (itself when it has it)."""
+    if tensor.shape[dim] == rank:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = rank
+    wider = tensor.new_zeros(shape)
+    wider.narrow(dim, 0, tensor.shape[dim]).copy_(tensor)
+    return wider
+
+
 class SlotLoraLinear(nn.Module):
     """A frozen base projection plus the per-row LoRA delta of each row's slot."""
 
-    def __init__(self, base: nn.Linear, slots: int, batch: SlotBatch) -> None:
+    def __init__(self, base: nn.Linear, batch: SlotBatch) -> None:
         super().__init__()
         self.base = base
         self.batch = batch
-        like = {"dtype": base.weight.dtype, "device": base.weight.device}
-        self.register_buffer("lora_A", torch.zeros(slots, 0, base.in_features, **like), False)
-        self.register_buffer("lora_Bt", torch.zeros(slots, 0, base.out_features, **like), False)
-        self.register_buffer("scaling", torch.zeros(slots, **like), False)
+        self.pairs: dict[int, Pair] = {}
+        """Slot -> (A.T `[in, rank]`, B.T `[rank, out]`, scaling), only for slots that hold a
+        pair for this layer."""
 
     @property
     def rank_max(self) -> int:
-        return self.lora_A.shape[1]
+        """The widest rank held in any slot (0: none)."""
+        return max((a_t.shape[1] for a_t, _, _ in self.pairs.values()), default=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         slot_ids = self.batch.slot_ids
-        if slot_ids is None or self.rank_max == 0:
+        if slot_ids is None or not self.pairs:
             return out
-        gathered = self.batch.gathered.get(id(self))
+        gathered = self.batch.gathered.get(id(self), _UNGATHERED)
+        if gathered is _UNGATHERED:
+            gathered = self.batch.gathered[id(self)] = self._gather(self.batch.row_slots)
         if gathered is None:
-            gathered = self.batch.gathered[id(self)] = (
-                self.lora_A.index_select(0, slot_ids).transpose(1, 2),  # [batch, in, rank]
-                self.lora_Bt.index_select(0, slot_ids),  # [batch, rank, out]
-                self.scaling.index_select(0, slot_ids)[:, None, None],
-            )
-        a_t, b_t, scaling = gathered
+            return out
+        a_t, b_t, scaling = gathered  # type: ignore[misc]
         rows = x.reshape(slot_ids.shape[0], -1, x.shape[-1])  # [batch, tokens, in]
         delta = torch.bmm(torch.bmm(rows, a_t), b_t)  # [batch, tokens, out]
         return out + (delta * scaling).reshape(out.shape)
 
-    def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Put one adapter's pair (`a`: [rank, in], `b`: [out, rank]) into `slot`."""
-        rank = a.shape[0]
-        if rank > self.rank_max:
-            self._grow(rank)
-        self.clear(slot)
-        self.lora_A[slot, :rank].copy_(a)
-        self.lora_Bt[slot, :rank].copy_(b.T)
-        self.scaling[slot] = scaling
+    def _gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The rows' pairs stacked, `[batch, in, rank]`, `[batch, rank, out]` and scalings
+        `[batch, 1, 1]`; None when no row's slot holds a pair for this layer."""
+        held = [self.pairs.get(slot) for slot in slots]
+        rank = max((pair[0].shape[1] for pair in held if pair is not None), default=0)
+        if rank == 0:
+            return None
+        weight = self.base.weight
+        zero_a = weight.new_zeros(self.base.in_features, rank)
+        zero_b = weight.new_zeros(rank, self.base.out_features)
+        a_t = torch.stack([zero_a if p is None else _padded(p[0], 1, rank) for p in held])
+        b_t = torch.stack([zero_b if p is None else _padded(p[1], 0, rank) for p in held])
+        scalings = [0.0 if p is None else p[2] for p in held]
+        scaling = torch.tensor(scalings, dtype=weight.dtype, device=weight.device)
+        return a_t, b_t, scaling[:, None, None]
+
+    def fill(self, slot: int, a_t: torch.Tensor, b_t: torch.Tensor, scaling: float) -> None:
+        """Put one adapter's pair into `slot`, as the engine staged it on the device:
+        `a_t` = A.T `[in, rank]`, `b_t` = B.T `[rank, out]`, contiguous, in the base's dtype."""
+        self.pairs[slot] = (a_t, b_t, scaling)
 
     def clear(self, slot: int) -> None:
-        self.lora_A[slot].zero_()
-        self.lora_Bt[slot].zero_()
-        self.scaling[slot] = 0.0
-
-    def _grow(self, rank: int) -> None:
-        """Widen every slot to `rank` (at load time, never during a batch)."""
-        self.lora_A, self.lora_Bt = _widened(self.lora_A, 1, rank), _widened(self.lora_Bt, 1, rank)
-
-
-def _widened(stack: torch.Tensor, dim: int, rank: int) -> torch.Tensor:
-    """`stack` zero-padded along its rank dimension `dim` to `rank`."""
-    shape = list(stack.shape)
-    shape[dim] = rank
-    wider = stack.new_zeros(shape)
-    wider.narrow(dim, 0, stack.shape[dim]).copy_(stack)
-    return wider
+        self.pairs.pop(slot, None)
 
 
 def wrap_linears(
-    model: nn.Module, modules: Mapping[str, nn.Linear], slots: int, batch: SlotBatch
+    model: nn.Module, modules: Mapping[str, nn.Linear], batch: SlotBatch
 ) -> dict[str, SlotLoraLinear]:
     """Replace each of `modules` (linear layers of `model`, by module name as `named_modules`
     gives it) with a slot wrapper, in place; returns the wrappers by the same names."""
     return {
-        name: _replace(model, name, SlotLoraLinear(linear, slots, batch))
+        name: _replace(model, name, SlotLoraLinear(linear, batch))
         for name, linear in modules.items()
     }
 
@@ -148,44 +166,58 @@ def _replace(model: nn.Module, name: str, module: _Module) -> _Module:
 
 
 class SlotExpertLora(nn.Module):
-    """The LoRA pairs of one fused expert parameter (`[experts, out, in]`) in every slot:
-    `A: [slots, experts, rank_max, in]`, `B: [slots, experts, out, rank_max]`."""
+    """The LoRA pairs of one fused expert parameter (`[experts, out, in]`) in the slots that
+    hold one: per slot `A: [experts, rank, in]`, `B: [experts, out, rank]`."""
 
-    def __init__(self, parameter: torch.Tensor, slots: int) -> None:
+    def __init__(self, parameter: torch.Tensor) -> None:
         super().__init__()
-        experts, out_features, in_features = parameter.shape
-        like = {"dtype": parameter.dtype, "device": parameter.device}
-        self.register_buffer("lora_A", torch.zeros(slots, experts, 0, in_features, **like), False)
-        self.register_buffer("lora_B", torch.zeros(slots, experts, out_features, 0, **like), False)
-        self.register_buffer("scaling", torch.zeros(slots, **like), False)
+        # The fused parameter gives dtype, device and shape; kept outside the module tree so
+        # that it is not listed as a parameter of this module too.
+        self.__dict__["like"] = parameter
+        self.pairs: dict[int, Pair] = {}
 
     @property
     def rank_max(self) -> int:
-        return self.lora_A.shape[2]
+        return max((a.shape[1] for a, _, _ in self.pairs.values()), default=0)
 
-    def delta(self, x: torch.Tensor, slots: torch.Tensor, expert: int) -> torch.Tensor:
+    def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The pairs of `slots` (a batch's distinct slots) stacked, `[len(slots), experts, rank,
+        in]`, `[len(slots), experts, out, rank]`, with their scalings; zeros for a slot that
+        holds none; None when none of them holds one."""
+        held = [self.pairs.get(slot) for slot in slots]
+        rank = max((pair[0].shape[1] for pair in held if pair is not None), default=0)
+        if rank == 0:
+            return None
+        experts, out_features, in_features = self.like.shape
+        zero_a = self.like.new_zeros(experts, rank, in_features)
+        zero_b = self.like.new_zeros(experts, out_features, rank)
+        a = torch.stack([zero_a if p is None else _padded(p[0], 1, rank) for p in held])
+        b = torch.stack([zero_b if p is None else _padded(p[1], 2, rank) for p in held])
+        scalings = [0.0 if p is None else p[2] for p in held]
+        return a, b, torch.tensor(scalings, dtype=self.like.dtype, device=self.like.device)
+
+    @staticmethod
+    def delta(
+        gathered: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        expert: int,
+    ) -> torch.Tensor:
         """`scaling * B @ (A @ x)` of `expert` for each token of `x` (`[tokens, in]`), through
-        the pair in the token's slot (`slots`: `[tokens]`); `[tokens, out]`."""
-        a = self.lora_A[slots, expert]  # [tokens, rank, in]
-        b = self.lora_B[slots, expert]  # [tokens, out, rank]
-        return torch.bmm(b, torch.bmm(a, x[:, :, None]))[:, :, 0] * self.scaling[slots, None]
+        the pair of the token's slot (`slots`: `[tokens]`, indices into `gathered`'s stacks);
+        `[tokens, out]`."""
+        stack_a, stack_b, scaling = gathered
+        a = stack_a[slots, expert]  # [tokens, rank, in]
+        b = stack_b[slots, expert]  # [tokens, out, rank]
+        return torch.bmm(b, torch.bmm(a, x[:, :, None]))[:, :, 0] * scaling[slots, None]
 
     def fill(self, slot: int, a: torch.Tensor, b: torch.Tensor, scaling: float) -> None:
-        """Put one adapter's stacks (`a`: [experts, rank, in], `b`: [experts, out, rank]) into
-        `slot`."""
-        rank = a.shape[1]
-        if rank > self.rank_max:
-            self.lora_A = _widened(self.lora_A, 2, rank)
-            self.lora_B = _widened(self.lora_B, 3, rank)
-        self.clear(slot)
-        self.lora_A[slot, :, :rank].copy_(a)
-        self.lora_B[slot, :, :, :rank].copy_(b)
-        self.scaling[slot] = scaling
+        """Put one adapter's stacks (`a`: [experts, rank, in], `b`: [experts, out, rank]), as
+        the engine staged them on the device, into `slot`."""
+        self.pairs[slot] = (a, b, scaling)
 
     def clear(self, slot: int) -> None:
-        self.lora_A[slot].zero_()
-        self.lora_B[slot].zero_()
-        self.scaling[slot] = 0.0
+        self.pairs.pop(slot, None)
 
 
 class SlotLoraExperts(nn.Module):
@@ -194,7 +226,7 @@ class SlotLoraExperts(nn.Module):
     each expert it is routed to, that expert's LoRA delta in the token's row slot: on
     `gate_up_proj` before the activation, on `down_proj` after it."""
 
-    def __init__(self, experts: nn.Module, slots: int, batch: SlotBatch) -> None:
+    def __init__(self, experts: nn.Module, batch: SlotBatch) -> None:
         super().__init__()
         layout = {"has_bias": False, "is_concatenated": True, "has_post_expert_norm": False}
         if any(getattr(experts, flag, value) != value for flag, value in layout.items()):
@@ -211,17 +243,34 @@ class SlotLoraExperts(nn.Module):
         self.down_proj = experts.down_proj
         self.batch = batch
         self.lora = nn.ModuleDict(
-            {name: SlotExpertLora(getattr(experts, name), slots) for name in EXPERT_PARAMETERS}
+            {name: SlotExpertLora(getattr(experts, name)) for name in EXPERT_PARAMETERS}
         )
+
+    def _gathered(self) -> tuple[torch.Tensor, dict[str, object]]:
+        """Each row's index into this batch's distinct slots, and per fused parameter its
+        pairs gathered over them (None: no row's slot adapts it); once per batch."""
+        gathered = self.batch.gathered.get(id(self))
+        if gathered is None:
+            rows = self.batch.row_slots
+            distinct = sorted(set(rows))
+            index = {slot: i for i, slot in enumerate(distinct)}
+            local = torch.tensor([index[s] for s in rows], device=self.gate_up_proj.device)
+            stacks = {name: lora.gather(distinct) for name, lora in self.lora.items()}
+            gathered = self.batch.gathered[id(self)] = (local, stacks)
+        return gathered  # type: ignore[return-value]
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         slot_ids = self.batch.slot_ids
-        if slot_ids is None or all(lora.rank_max == 0 for lora in self.lora.values()):
+        if slot_ids is None or not any(lora.pairs for lora in self.lora.values()):
+            return self.base(hidden_states, top_k_index, top_k_weights)
+        local, stacks = self._gathered()
+        gate_up_lora, down_lora = stacks["gate_up_proj"], stacks["down_proj"]
+        if gate_up_lora is None and down_lora is None:
             return self.base(hidden_states, top_k_index, top_k_weights)
         # `hidden_states` is the batch flattened row by row: [rows * tokens, hidden].
-        token_slots = slot_ids.repeat_interleave(hidden_states.shape[0] // slot_ids.shape[0])
+        token_slots = local.repeat_interleave(hidden_states.shape[0] // slot_ids.shape[0])
         # transformers' eager loop (Qwen3MoeExperts.forward) step for step, so that the tokens
         # of rows in slot 0 (all zeros) get the base's bits.
         experts = self.gate_up_proj.shape[0]
@@ -234,10 +283,13 @@ class SlotLoraExperts(nn.Module):
             top_k_pos, token_idx = torch.where(expert_mask[expert])
             x, slots = hidden_states[token_idx], token_slots[token_idx]
             gate_up = F.linear(x, self.gate_up_proj[expert])
-            gate, up = (gate_up + self.lora["gate_up_proj"].delta(x, slots, expert)).chunk(2, -1)
+            if gate_up_lora is not None:
+                gate_up = gate_up + SlotExpertLora.delta(gate_up_lora, x, slots, expert)  # type: ignore[arg-type]
+            gate, up = gate_up.chunk(2, -1)
             inner = self.base.act_fn(gate) * up
             out = F.linear(inner, self.down_proj[expert])
-            out = out + self.lora["down_proj"].delta(inner, slots, expert)
+            if down_lora is not None:
+                out = out + SlotExpertLora.delta(down_lora, inner, slots, expert)  # type: ignore[arg-type]
             out = out * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, out.to(final.dtype))
         return final
@@ -246,7 +298,7 @@ class SlotLoraExperts(nn.Module):
         self, slot: int, stacks: Mapping[str, tuple[torch.Tensor, torch.Tensor, float]]
     ) -> None:
         """Put one adapter's stacks (parameter name -> (A, B, scaling)) into `slot`; the
-        parameters it does not adapt get zeros there."""
+        parameters it does not adapt hold nothing there."""
         for name, lora in self.lora.items():
             if name in stacks:
                 lora.fill(slot, *stacks[name])
@@ -258,11 +310,11 @@ class SlotLoraExperts(nn.Module):
             lora.clear(slot)
 
 
-def wrap_experts(model: nn.Module, slots: int, batch: SlotBatch) -> dict[str, SlotLoraExperts]:
+def wrap_experts(model: nn.Module, batch: SlotBatch) -> dict[str, SlotLoraExperts]:
     """Replace every fused experts module of `model` with a slot wrapper, in place; returns
     the wrappers by module name."""
     return {
-        name: _replace(model, name, SlotLoraExperts(experts, slots, batch))
+        name: _replace(model, name, SlotLoraExperts(experts, batch))
         for name, experts in experts_modules(model).items()
     }
 

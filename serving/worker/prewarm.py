@@ -33,9 +33,14 @@ from serving.worker.readiness import ReadinessTable
 
 log = logging.getLogger(__name__)
 
-WARMUP_TEXT = "Hello"
-"""A neutral prompt for the warm-up generation, in the base's own tokens (whatever the base)."""
-WARMUP_TOKENS = 2
+WARMUP_TEXT = "H"
+"""A neutral prompt for the warm-up generation, in the base's own tokens (whatever the base):
+one character, one token on any tokenizer (two with a BOS), since its forward pass costs
+arithmetic per prompt token and proves nothing more for a longer prompt."""
+WARMUP_TOKENS = 1
+"""One token: the prefill that makes it runs every layer through the adapter's slot and samples
+from its logits, which is what the warm-up must prove; each further token is one more full
+forward pass (a whole read of the base's weights) that proves nothing more."""
 WARMUP_TIMEOUT_S = 120.0
 PREWARM_NICENESS = 10
 _LOADED = frozenset({Readiness.FETCHING, Readiness.WARMING, Readiness.READY})

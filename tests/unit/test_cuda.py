@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.transfer import slot_load_bandwidth
 from mint_core.artifacts.freezing import freeze
 from mint_core.artifacts.packing import load, pack
 from mint_core.model.base import BaseSource, load_base
@@ -56,3 +57,19 @@ def test_training_runs_on_cuda_and_a_packed_adapter_loads_pinned(tmp_path: Path)
     pack(freeze(trained.path, tmp_path / "frozen"), packed)
     loaded = load(packed)
     assert all(tensor.is_pinned() for tensor in loaded.tensors.values())
+
+
+def test_a_slot_load_copies_one_pinned_staged_buffer_to_the_device(tmp_path: Path) -> None:
+    folder = str(ensure_tiny(ENGINE_SPEC, tmp_path / "base"))
+    cpu = load_base(BaseSource(folder, device="cpu"), tmp_path)
+    lora, peft = random_adapter(cpu, rank=4, seed=1)
+    engine = TorchEngine(load_base(BaseSource(folder, dtype="float32", device="cuda"), tmp_path))
+    weights = engine.prepare("a", config_of(lora), weights_of(peft))
+    assert weights.staged is not None and weights.staged.is_pinned()
+    engine.load(weights)
+    held = [t for w in engine._wrappers.values() for a, b, _ in w.pairs.values() for t in (a, b)]
+    assert held and all(t.device.type == "cuda" for t in held)
+    engine.unload("a")
+    figures = slot_load_bandwidth(engine, weights)
+    assert figures is not None and figures["bytes"] == weights.staged.nbytes
+    assert figures["slot_load_bytes_per_s"] > 0 and figures["pinned_copy_bytes_per_s"] > 0

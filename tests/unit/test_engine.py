@@ -144,6 +144,31 @@ def test_adapters_that_do_not_fit_or_exceed_the_slots_are_refused(home: Path) ->
     assert engine.adapters == frozenset({"three"})
 
 
+def slot_bytes(engine: TorchEngine) -> int:
+    """Bytes the engine's linear wrappers hold in device slots."""
+    return sum(
+        a_t.nbytes + b_t.nbytes
+        for wrapper in engine._wrappers.values()
+        for a_t, b_t, _ in wrapper.pairs.values()
+    )
+
+
+def test_device_slots_are_allocated_when_filled_each_for_its_own_rank(home: Path) -> None:
+    llama = family_folder("llama", home)
+    engine = TorchEngine(fresh_base(llama, home), slots=64)
+    assert slot_bytes(engine) == 0  # 64 slots, none allocated before an adapter fills one
+    nbytes = {}
+    for rank in (16, 2):
+        lora, model = random_adapter(fresh_base(llama, home), rank=rank, seed=rank)
+        weights = engine.prepare(f"r{rank}", config_of(lora), weights_of(model))
+        engine.load(weights)
+        nbytes[rank] = weights.nbytes
+    # The rank-2 adapter is not widened to the rank-16 one's rank, and no other slot is.
+    assert slot_bytes(engine) == nbytes[16] + nbytes[2]
+    engine.unload("r16")
+    assert slot_bytes(engine) == nbytes[2]
+
+
 @pytest.mark.parametrize(
     ("bad", "counts"), [(float("nan"), "1 NaN and 0"), (float("inf"), "0 NaN and 1")]
 )
