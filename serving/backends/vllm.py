@@ -23,26 +23,27 @@ How MinT's lifecycle maps onto vLLM:
   that engine generation are lost, and starts vLLM again with backoff, as the next
   generation; the worker's watcher then prewarms again what the registry wants. No operator
   action.
-- **threads**: generations run on a bounded pool (`MAX_GENERATIONS` at once, each waiting on
-  its HTTP stream); more wait for a free thread and count as the queue.
+- **generations**: coroutines on one event loop thread (`serving.backends.vllm_calls`),
+  `MAX_GENERATIONS` at once over kept-alive connections; more wait and count as the queue.
 
 vLLM lives in an environment of its own (it pins an older transformers): `make vllm` builds
 `.venv-vllm`; `MINT_VLLM_PYTHON` names another.
 """
 
+import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 import httpx
+import orjson
 
 from control.services import LOOPBACK, ManagedProcess, free_port, responds_ok, start_process
 from mint_core.artifacts.folders import publish_folder
@@ -52,11 +53,11 @@ from mint_core.errors import (
     ConfigurationError,
     EngineUnavailableError,
     MintError,
-    NotReadyError,
     ServiceError,
 )
 from mint_core.model.base import BaseText
 from mint_core.planning.residency import Residency
+from serving.backends.vllm_calls import Calls, choice_of, error_message, events, generation_error
 from serving.engine.engine import BASE
 from serving.engine.generation import Request, check_prompt
 from serving.engine.sampling import SamplingParams
@@ -79,10 +80,6 @@ CPU_KV_CACHE = "256M"
 """KV cache on CPU machines (vLLM's default takes a fraction of host memory)."""
 CONTROL_TIMEOUT_S = 120.0
 """Loading an adapter, or anything but a generation, answers within this."""
-MAX_GENERATIONS = 256
-"""Generations sent to vLLM at once, each on a thread of its own waiting for its stream: as
-many as the worker's HTTP layer runs handlers (`serving.http.app.HANDLER_THREADS`), far more
-than vLLM batches (`--max-num-seqs`), so vLLM's own queue stays fed."""
 
 
 @dataclass(frozen=True)
@@ -235,11 +232,9 @@ class VllmBackend:
         self._problem: str | None = None
         self._lost: list[Callable[[int], None]] = []
         self._running = 0
-        self._waiting = 0
-        self._lock = threading.Lock()
-        """Guards the counts of generations running and waiting."""
+        """Generations talking to vLLM (only the loop thread of `_calls` writes it)."""
         self._closed = threading.Event()
-        self._generations = ThreadPoolExecutor(MAX_GENERATIONS, thread_name_prefix="vllm-gen")
+        self._calls = Calls(self._server.url, self._server.api_key)
         self.generation = 0
         """Which vLLM runs now: 0 for the first, one more at each restart."""
         self._supervisor = threading.Thread(target=self._supervise, name="vllm", daemon=True)
@@ -317,9 +312,8 @@ class VllmBackend:
         # string may end the generation early (vLLM is not told MinT's stop strings: the
         # stream is closed where MinT's rules end it).
         stream = streamed or bool(params.stop)
-        with self._lock:
-            self._waiting += 1
-        self._generations.submit(self._run, request, stream)
+        closed = EngineUnavailableError("the worker is closing; send the request again")
+        self._calls.start(lambda: self._run(request, stream), lambda: request.fail(closed))
         return request
 
     def _payload(self, request: Request, stream: bool) -> dict[str, object]:
@@ -343,64 +337,70 @@ class VllmBackend:
                 payload["top_k"] = params.top_k
         return payload
 
-    def _run(self, request: Request, stream: bool) -> None:
-        """Generate `request` through vLLM into its events (on a thread of the pool)."""
-        with self._lock:
-            self._waiting -= 1
-            self._running += 1
+    async def _run(self, request: Request, stream: bool) -> None:
+        """Generate `request` through vLLM into its events (on the loop of `_calls`)."""
+        self._running += 1
         held = False
         try:
             if request.key != BASE:  # held while it runs: never evicted (unloaded) under it
                 self.residency.hold(request.key, use=not request.warm_up)
                 held = True
             if not request.done:  # else cancelled while it waited: vLLM never hears of it
-                self._generate(request, stream)
-        except httpx.TransportError as e:
+                await self._generate(request, stream)
+        except (aiohttp.ClientError, TimeoutError) as e:
             request.fail(EngineUnavailableError(f"vLLM stopped answering: {e}"))
+        except asyncio.CancelledError:  # the worker closes
+            request.fail(EngineUnavailableError("the worker is closing; send the request again"))
+            raise
         except MintError as e:
             request.fail(e)
         except Exception as e:  # the client must hear of any failure, not wait forever
             log.exception("generation for %s failed", request.key)
             request.fail(ServiceError(f"generation through vLLM failed: {type(e).__name__}: {e}"))
         finally:
+            self._running -= 1
             if held and self.residency.unhold(request.key):
-                self._unload(request.key)  # it was asked to leave while this ran
-            with self._lock:
-                self._running -= 1
+                # It was asked to leave while this ran: unloading blocks, the loop must not.
+                await asyncio.to_thread(self._unload, request.key)
 
-    def _generate(self, request: Request, stream: bool) -> None:
-        timeout = httpx.Timeout(None, connect=5.0)  # a long generation is not a hang
-        payload = self._payload(request, stream)
-        with self._client.stream("POST", "/v1/completions", json=payload, timeout=timeout) as (
+    async def _generate(self, request: Request, stream: bool) -> None:
+        async with await self._calls.post("/v1/completions", self._payload(request, stream)) as (
             response
         ):
-            if response.status_code != 200:
-                response.read()
-                if response.status_code >= 500:
-                    self._check_alive(f"generating for {request.key}")
-                raise _generation_error(request.key, response)
+            if response.status != 200:
+                body = await response.read()
+                if response.status >= 500:
+                    await asyncio.to_thread(self._check_alive, f"generating for {request.key}")
+                raise generation_error(request.key, response.status, body)
             if stream:
-                choices = (_choice(request.key, chunk) for chunk in _events(response.iter_lines()))
+                async for chunk in events(response.content):
+                    if self._took(request, choice_of(request.key, chunk)):
+                        return  # a client gone: closing the stream aborts it in vLLM
             else:
-                choices = iter([_choice(request.key, json.loads(response.read()))])
-            first = True
-            for choice in choices:
-                logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
-                for token, logprob in zip(choice["token_ids"], logprobs, strict=True):
-                    if first:
-                        self.metrics.first_token(request.submitted)
-                        first = False
-                    self.metrics.generated_tokens.inc()
-                    if request.push(token, float(logprob)):
-                        self.metrics.finished(request)
-                        return
-                if request.done:
-                    return  # the client went away: closing the stream aborts it in vLLM
+                answer = orjson.loads(await response.read())
+                if self._took(request, choice_of(request.key, answer)):
+                    return
         if not request.done:
             raise ServiceError(
                 f"vLLM ended the generation for {request.key} after {len(request.token_ids)} "
                 "tokens without an end-of-sequence token, stop string or length limit"
             )
+
+    def _took(self, request: Request, choice: dict) -> bool:
+        """Push a choice's tokens into `request`; True once it needs no more."""
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if not request.token_ids and logprobs:
+            self.metrics.first_token(request.submitted)
+        took = 0  # counted once per choice: a Prometheus counter takes a lock per call
+        try:
+            for token, logprob in zip(choice["token_ids"], logprobs, strict=True):
+                took += 1
+                if request.push(token, float(logprob)):
+                    self.metrics.finished(request)
+                    return True
+            return request.done
+        finally:
+            self.metrics.generated_tokens.inc(took)
 
     # Health.
 
@@ -457,8 +457,8 @@ class VllmBackend:
 
     @property
     def queue_depth(self) -> int:
-        # Waiting for a thread of the pool; vLLM's own queue counts as running.
-        return self._waiting
+        # Waiting for one of MAX_GENERATIONS; vLLM's own queue counts as running.
+        return self._calls.waiting
 
     @property
     def batch_size(self) -> int:
@@ -474,47 +474,11 @@ class VllmBackend:
     def close(self) -> None:
         self._closed.set()
         self._supervisor.join(timeout=10)
-        # Generations still waiting run and fail at once on the closed client: every caller
-        # hears an error.
-        self._generations.shutdown(wait=False)
+        self._calls.close()  # every generation running or waiting fails: its caller hears
         self._client.close()
         self._process.stop(grace_s=5.0)  # within the grace a stopping worker has
         shutil.rmtree(self._adapters, ignore_errors=True)
 
 
-def _events(lines: Iterator[str]) -> Iterator[dict]:
-    """The JSON objects of a server-sent event stream, up to `[DONE]`."""
-    for line in lines:
-        if not line.startswith("data:"):
-            continue
-        data = line[len("data:") :].strip()
-        if data == "[DONE]":
-            return
-        yield json.loads(data)
-
-
-def _choice(key: str, answer: dict) -> dict:
-    """The one choice of a completion answer or stream chunk; an error event raises."""
-    if "error" in answer:
-        raise ServiceError(f"vLLM failed {key}: {answer['error']}")
-    return answer["choices"][0]
-
-
 def _error_message(response: httpx.Response) -> str:
-    """vLLM's message in an error answer (`{"error": {"message": ...}}`), else its body."""
-    try:
-        error = response.json()["error"]
-        return str(error["message"] if isinstance(error, dict) else error)
-    except (ValueError, KeyError, TypeError):
-        return response.text or f"HTTP {response.status_code}"
-
-
-def _generation_error(key: str, response: httpx.Response) -> MintError:
-    message = _error_message(response)
-    if response.status_code == 404:
-        return NotReadyError(f"{key} is not loaded in vLLM: {message}")
-    if response.status_code == 503:  # vLLM's answer while its engine is dead
-        return EngineUnavailableError(f"vLLM cannot generate for {key}: {message}")
-    if response.status_code in (400, 422):
-        return ConfigurationError(f"vLLM refused the request for {key}: {message}")
-    return ServiceError(f"vLLM answered {response.status_code} for {key}: {message}")
+    return error_message(response.status_code, response.content)

@@ -28,7 +28,7 @@ from mint_core.errors import (
     ServiceError,
 )
 from mint_core.planning.placement import Demand
-from mint_core.registry import Registry
+from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from serving.gateway.fleet import Fleet, WorkerView
 from serving.http.common import (
@@ -52,6 +52,8 @@ CONNECT_TIMEOUT_S = 2.0
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
 GENERATION_TIMEOUT_S = 600.0
+RESOLVED_KEPT = 100_000
+"""Model names whose resolution the gateway keeps (all are dropped when it is full)."""
 _PASSED_ON = (
     "content-type",
     "retry-after",
@@ -92,6 +94,10 @@ class Gateway:
         )
         self._closed = threading.Event()
         self._http: aiohttp.ClientSession | None = None
+        self._catalog_changes = 0
+        """Syncs that changed the catalog: a resolution made before the last one is stale."""
+        self._resolved: dict[str, tuple[int, RegisteredRevision]] = {}
+        """Model name -> (`_catalog_changes` when resolved, what it resolved to)."""
 
     # Keeping the copies fresh.
 
@@ -116,14 +122,20 @@ class Gateway:
             await self.refresh()
             await asyncio.sleep(self.refresh_s)
 
+    def sync_catalog(self) -> None:
+        """Catch the catalog up with the registry once; a change makes every resolution the
+        gateway keeps stale."""
+        try:
+            if self.catalog.sync():
+                self._catalog_changes += 1
+        except RegistryError:
+            pass  # the catalog keeps what it had and says why (`unreachable`)
+        except Exception:  # the loop must outlive any one bad sync
+            log.exception("sync with the registry failed")
+
     def _sync_loop(self) -> None:
         while not self._closed.is_set():
-            try:
-                self.catalog.sync()
-            except RegistryError:
-                pass  # the catalog keeps what it had and says why (`unreachable`)
-            except Exception:  # the loop must outlive any one bad sync
-                log.exception("sync with the registry failed")
+            self.sync_catalog()
             self._closed.wait(self.sync_interval_s)
 
     def _client(self) -> aiohttp.ClientSession:
@@ -165,10 +177,7 @@ class Gateway:
             if not workers:
                 raise NotFoundError(f"no worker up serves the base {model!r}")
             return workers, None
-        ref = RevisionRef.parse(str(model))
-        # The catalog answers from memory what it has synced; asking the registry for what it
-        # has not must not block the event loop.
-        registered = await asyncio.to_thread(self.catalog.resolve, ref)
+        registered = await self._resolve(str(model))
         digest = registered.policy.base_digest
         revision = str(registered.id)
         own = self.catalog.replicas(registered.id.adapter) or self.replicas
@@ -186,6 +195,21 @@ class Gateway:
             for worker in asked:
                 self._ask_admit(worker, registered.id)
         return choices.workers, revision
+
+    async def _resolve(self, model: str) -> RegisteredRevision:
+        """The revision `model` names. What the catalog answered since its last change is
+        answered again here, on the event loop: a thread hop (two wake-ups, most of a resolve's
+        cost) is only for what the catalog may have to read from its index or the registry,
+        which must not block the loop."""
+        changes = self._catalog_changes  # read first: a change meanwhile makes this one stale
+        kept = self._resolved.get(model)
+        if kept is not None and kept[0] == changes:
+            return kept[1]
+        registered = await asyncio.to_thread(self.catalog.resolve, RevisionRef.parse(model))
+        if len(self._resolved) >= RESOLVED_KEPT:
+            self._resolved.clear()
+        self._resolved[model] = (changes, registered)
+        return registered
 
     def _ask_admit(self, worker: WorkerView, revision: RevisionId) -> None:
         """Ask `worker` to admit `revision` by demand, in the background, at most every

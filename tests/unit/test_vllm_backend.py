@@ -2,12 +2,15 @@
 line (what each MinT tier maps to), and how vLLM's answers become MinT's errors. The backend
 itself runs against a real vLLM in `test_backends.py`."""
 
+import asyncio
 import dataclasses
+import json
 import re
 import sys
+import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from mint_core.artifacts.packing import FusedExperts, PackedAdapter, PackedIndex, StoredTensor
@@ -19,14 +22,8 @@ from mint_core.errors import (
     ServiceError,
 )
 from mint_core.model.base import BaseIdentity, BaseText
-from serving.backends.vllm import (
-    VllmBackend,
-    VllmServer,
-    VllmSettings,
-    _events,
-    _generation_error,
-    refuse_expert_lora,
-)
+from serving.backends.vllm import VllmBackend, VllmServer, VllmSettings, refuse_expert_lora
+from serving.backends.vllm_calls import Calls, events, generation_error
 
 
 def text(path: Path) -> BaseText:
@@ -90,16 +87,16 @@ def test_bad_vllm_configuration_is_refused_naming_the_fix(tmp_path: Path) -> Non
 
 
 def test_vllms_answers_become_mints_errors() -> None:
-    def answer(status: int, message: str) -> httpx.Response:
-        return httpx.Response(status, json={"error": {"message": message, "code": status}})
+    def answer(status: int, message: str) -> tuple[int, bytes]:
+        return status, json.dumps({"error": {"message": message, "code": status}}).encode()
 
-    dead = _generation_error("bot:r1", answer(503, "EngineCore encountered an issue"))
+    dead = generation_error("bot:r1", *answer(503, "EngineCore encountered an issue"))
     assert isinstance(dead, EngineUnavailableError)
-    missing = _generation_error("bot:r1", answer(404, "The model `bot:r1` does not exist."))
+    missing = generation_error("bot:r1", *answer(404, "The model `bot:r1` does not exist."))
     assert isinstance(missing, NotReadyError) and "does not exist" in str(missing)
-    refused = _generation_error("bot:r1", answer(400, "max_tokens must be at least 1"))
+    refused = generation_error("bot:r1", *answer(400, "max_tokens must be at least 1"))
     assert isinstance(refused, ConfigurationError) and "max_tokens" in str(refused)
-    broken = _generation_error("bot:r1", httpx.Response(500, text="engine dead"))
+    broken = generation_error("bot:r1", 500, b"engine dead")
     assert (
         isinstance(broken, ServiceError) and "500" in str(broken) and "engine dead" in str(broken)
     )
@@ -107,14 +104,22 @@ def test_vllms_answers_become_mints_errors() -> None:
 
 def test_server_sent_events_are_read_up_to_done() -> None:
     lines = [
-        'data: {"a": 1}',
-        "",
-        ": keep-alive",
-        'data: {"b": 2}',
-        "data: [DONE]",
-        'data: {"c": 3}',
+        b'data: {"a": 1}\n',
+        b"\n",
+        b": keep-alive\n",
+        b'data: {"b": 2}\n',
+        b"data: [DONE]\n",
+        b'data: {"c": 3}\n',
     ]
-    assert list(_events(iter(lines))) == [{"a": 1}, {"b": 2}]
+
+    async def read() -> list[dict]:
+        async def stream() -> AsyncIterator[bytes]:
+            for line in lines:
+                yield line
+
+        return [event async for event in events(stream())]
+
+    assert asyncio.run(read()) == [{"a": 1}, {"b": 2}]
 
 
 def test_an_expert_lora_is_refused_before_it_reaches_vllm() -> None:
@@ -134,3 +139,24 @@ def test_an_expert_lora_is_refused_before_it_reaches_vllm() -> None:
         ):
             backend.stage("moe-bot:r1", refused)
     refuse_expert_lora("dense-bot:r1", adapter({"target_modules": ["q_proj"]}, {}))
+
+
+def test_closing_fails_every_generation_running_or_sent_after() -> None:
+    calls = Calls("http://127.0.0.1:9", "key")
+    heard: list[str] = []
+    running = threading.Event()
+
+    async def forever() -> None:
+        try:
+            running.set()
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            heard.append("cancelled while running")
+            raise
+
+    calls.start(forever, lambda: heard.append("cancelled before it ran"))
+    assert running.wait(10)
+    calls.close()
+    calls.start(forever, lambda: heard.append("refused after close"))
+    calls.close()  # idempotent
+    assert heard == ["cancelled while running", "refused after close"]
