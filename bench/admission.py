@@ -5,7 +5,9 @@ Closed-loop clients keep 8 established adapters busy (one client each, `name@pro
 TGI `/generate`); their latencies are measured over a baseline window, then again while 32 new
 adapters are registered and promoted (admit -> prewarm -> activate) one after another. For each
 new adapter it also measures the not-ready answer (requests sent while it is queued or
-prewarming) and the activation latency (alias move -> first answer from the new revision).
+prewarming) and the activation latency: from the activate step's start (the fleet has it ready,
+as the prewarm step leaves it) to the first answer from the new revision to a client asking for
+`name@production` all along (`activate_step_p50_s`: until the step returns, its records done).
 Adapters are random LoRAs packed and exported before the baseline windows, so the measured window
 holds what a release does on the serving side. Prints the figures, writes
 bench/results/admission.json.
@@ -62,8 +64,8 @@ from tasks.pipeline import (
     export_adapter,
     freeze_adapter,
     pack_adapter,
+    prewarm_revision,
     register_revision,
-    wait_fleet_ready,
 )
 
 PROMPT = "admission="
@@ -124,6 +126,34 @@ def promote_elsewhere(config: MintConfig, prepared: Prepared, worker_url: str) -
     admitted = WorkerClient(worker_url).sync()
     if admitted:
         raise SystemExit(f"the worker admitted {admitted} after {revision} of another base")
+
+
+class FirstAnswer:
+    """A client asking for `name@production` over and over from its own thread, as users
+    would, from before the activate step starts: when it first gets an answer from the new
+    revision is when users see it (the step nudges the workers as soon as the alias moves and
+    goes on writing its records after)."""
+
+    def __init__(self, url: str, body: dict[str, object], revision: str) -> None:
+        self._url, self._body, self._revision = url, body, revision
+        self._at: float | None = None
+        self._thread = threading.Thread(target=self._ask, daemon=True)
+        self._thread.start()
+
+    def _ask(self) -> None:
+        with httpx.Client(base_url=self._url, timeout=60) as http:
+            while True:
+                response = http.post("/generate", json=self._body)
+                if response.headers.get("X-Mint-Revision") == self._revision:
+                    self._at = time.monotonic()
+                    return
+                time.sleep(0.01)  # a client's pace, not a second load on the worker's cores
+
+    def wait(self) -> float:
+        """The monotonic time of the first answer from the new revision."""
+        self._thread.join()
+        assert self._at is not None
+        return self._at
 
 
 def not_ready(http: httpx.Client, body: dict[str, object]) -> float:
@@ -270,6 +300,7 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
 
     not_ready_ms: list[float] = []
     activation_s: list[float] = []
+    activate_step_s: list[float] = []
     with httpx.Client(base_url=url, timeout=60) as http:
         for name in newcomers:
             revision = register(config, prepared[name])
@@ -277,19 +308,21 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
                                                      "max_new_tokens": 2}}  # fmt: skip
             for _ in range(5):  # registered, not ready here: the gate answers at once
                 not_ready_ms.append(not_ready(http, body))
-            admit_revision.fn(config, revision)
+            fleet = admit_revision.fn(config, revision)
             while True:  # and while it is queued or prewarming
                 try:
                     not_ready_ms.append(not_ready(http, body))
                 except AssertionError:
                     break
-            wait_fleet_ready(config, revision, timeout_s=300)
-            moved = time.monotonic()
-            activate_revision.fn(config, revision)
+            # As a roll-out does (`flows.rollout`): the prewarm step records the stages and waits
+            # until the fleet has it ready; the activate step gets the fleet admit worked out.
+            prewarm_revision.fn(config, revision, timeout_s=300, fleet=fleet)
             body["parameters"]["adapter_id"] = f"{name}@production"
-            while http.post("/generate", json=body).headers.get("X-Mint-Revision") != str(revision):
-                time.sleep(0.005)
-            activation_s.append(time.monotonic() - moved)
+            answered = FirstAnswer(url, body, str(revision))
+            moved = time.monotonic()
+            activate_revision.fn(config, revision, fleet=fleet)
+            activate_step_s.append(time.monotonic() - moved)
+            activation_s.append(answered.wait() - moved)
     during_end = time.monotonic()
     cpu_at_end = cpu_seconds(pids)
     load.stop()
@@ -327,6 +360,8 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
         "request_path_loads": health["request_path_loads"],
         "activation_p50_s": statistics.median(activation_s),
         "activation_max_s": max(activation_s),
+        "activation_samples_s": activation_s,
+        "activate_step_p50_s": statistics.median(activate_step_s),
         "not_ready_answers": len(not_ready_ms),
         "not_ready_p50_ms": statistics.median(not_ready_ms) if not_ready_ms else None,
         "not_ready_p99_ms": percentile(not_ready_ms, 0.99) if not_ready_ms else None,

@@ -1,6 +1,9 @@
 """Register benchmark: the register step alone (artifacts already exported) against a real
-`mlflow server` on loopback, over many revisions; median, p95 and the ratio to the reference
-system's 1.66 s. Writes bench/results/register.json.
+`mlflow server` on loopback, over many revisions; median, p95, the MLflow requests each
+registration makes, and the ratio to the reference system's 1.66 s. Two kinds, interleaved:
+an imported adapter (no training run: registering makes one; `register_p50_s`, the headline)
+and a trained one (its training run exists, made before the clock starts). Writes
+bench/results/register.json.
 
     .venv/bin/python bench/register.py                  # 60 revisions over 6 adapters
     .venv/bin/python bench/register.py --revisions 5    # a smoke run
@@ -9,20 +12,24 @@ system's 1.66 s. Writes bench/results/register.json.
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime
-from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
+import requests
+
 from bench import harness
 from control.services import start_mlflow
 from mint_core.artifacts.digests import sha256_json
-from mint_core.registry import Registry
+from mint_core.registry import DatasetLog, Registry
 from mint_core.revisions import PolicyRecord
 
 REFERENCE_S = 1.66
+KINDS = ("imported", "trained")
 BASE_DIGEST = sha256_json("bench-base")
 
 
@@ -45,37 +52,97 @@ def policy(adapter: str, number: int) -> PolicyRecord:
     )
 
 
+class RequestCount:
+    """Every HTTP request this process sends (MLflow's client sends through `requests`),
+    counted where requests sends it: what one registration costs in round trips."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        send = requests.Session.send
+
+        def counted(session: requests.Session, request: Any, **kwargs: Any) -> Any:
+            self.sent += 1
+            return send(session, request, **kwargs)
+
+        requests.Session.send = counted  # type: ignore[method-assign]
+
+    def during(self, run: Callable[[], object]) -> tuple[float, int]:
+        """Seconds `run` took and the requests it sent."""
+        before = self.sent
+        seconds = harness.seconds(run)
+        return seconds, self.sent - before
+
+
+def summary(times: list[float], sent: list[int]) -> dict[str, Any]:
+    return {
+        "p50_s": statistics.median(times),
+        "p95_s": statistics.quantiles(times, n=20)[-1] if len(times) >= 2 else times[0],
+        "requests_median": statistics.median(sent),
+        "requests_min": min(sent),
+        "requests_max": max(sent),
+    }
+
+
 def main() -> None:
     parser = harness.command_line(__doc__, "register")
-    parser.add_argument("--revisions", type=int, default=60, help="revisions to register")
+    parser.add_argument("--revisions", type=int, default=60, help="revisions of each kind")
     parser.add_argument("--adapters", type=int, default=6, help="adapters they are spread over")
     args = parser.parse_args()
 
+    count = RequestCount()
+    dataset = DatasetLog("/data/bench.jsonl", sha256_json("data"), 100)
     with harness.scratch("register") as (home, services):
         server = start_mlflow(home)
         services.append(server)
         registry = Registry(server.url)
-        registry.register(policy("warm-up", 1), "mint-local://sha256/" + "0" * 64, BASE_DIGEST)
-        times = []
+        warm_up = policy("warm-up", 1)
+        _, first_sent = count.during(
+            lambda: registry.register(warm_up, "mint-local://sha256/" + "0" * 64, BASE_DIGEST)
+        )
+        kinds: dict[str, tuple[list[float], list[int]]] = {kind: ([], []) for kind in KINDS}
         for n in range(args.revisions):
-            adapter = f"bench-{n % args.adapters}"
-            record = policy(adapter, n // args.adapters + 1)
-            uri = "mint-local://sha256/" + record.content_digest.removeprefix("sha256:")
-            times.append(harness.seconds(partial(registry.register, record, uri, BASE_DIGEST)))
+            for kind in harness.alternating(n, KINDS):
+                adapter = f"bench-{kind}-{n % args.adapters}"
+                record = policy(adapter, n // args.adapters + 1)
+                uri = "mint-local://sha256/" + record.content_digest.removeprefix("sha256:")
+                run_id = None
+                if kind == "trained":  # what training made, before the clock starts
+                    run_id = registry.start_training_run(adapter, {"rank": "8"}, dataset)
+                    registry.finish_training_run(run_id, record.eval_metrics, 400)
+                times, sent = kinds[kind]
+                seconds, requests_sent = count.during(
+                    lambda: registry.register(record, uri, BASE_DIGEST, run_id)  # noqa: B023
+                )
+                times.append(seconds)
+                sent.append(requests_sent)
 
-    p50 = statistics.median(times)
-    p95 = statistics.quantiles(times, n=20)[-1] if len(times) >= 2 else times[0]
-    print(f"register over {len(times)} revisions ({args.adapters} adapters), real mlflow server:")
-    print(f"  p50 {p50 * 1e3:.0f} ms   p95 {p95 * 1e3:.0f} ms   "
-          f"reference {REFERENCE_S:.2f} s -> {REFERENCE_S / p50:.1f}x faster at p50")  # fmt: skip
+    imported, trained = (summary(*kinds[kind]) for kind in KINDS)
+    p50 = imported["p50_s"]
+    print(f"register over {args.revisions} revisions of each kind ({args.adapters} adapters), "
+          "real mlflow server:")  # fmt: skip
+    for kind, figures in (("imported", imported), ("trained", trained)):
+        print(f"  {kind:<9} p50 {figures['p50_s'] * 1e3:.0f} ms   "
+              f"p95 {figures['p95_s'] * 1e3:.0f} ms   "
+              f"MLflow requests {figures['requests_median']:g} "
+              f"({figures['requests_min']}-{figures['requests_max']})")  # fmt: skip
+    print(f"  first registration in the process (a new adapter): {first_sent} requests")
+    print(f"  reference {REFERENCE_S:.2f} s -> {REFERENCE_S / p50:.1f}x faster at p50")
     result = {
-        "revisions": len(times),
+        "revisions": args.revisions,
         "adapters": args.adapters,
         "register_p50_s": p50,
-        "register_p95_s": p95,
+        "register_p95_s": imported["p95_s"],
+        "requests_per_registration": imported["requests_median"],
+        "trained_register_p50_s": trained["p50_s"],
+        "trained_register_p95_s": trained["p95_s"],
+        "trained_requests_per_registration": trained["requests_median"],
+        "first_registration_requests": first_sent,
         "reference_s": REFERENCE_S,
         "reference_over_p50": REFERENCE_S / p50,
-        "samples_s": times,
+        "samples_s": kinds["imported"][0],
+        "trained_samples_s": kinds["trained"][0],
+        "requests_sent": kinds["imported"][1],
+        "trained_requests_sent": kinds["trained"][1],
     }
     harness.write(args.out, result)
 

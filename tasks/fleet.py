@@ -12,6 +12,7 @@ called without one (a test, a benchmark) works it out.
 """
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from prefect import task
@@ -167,9 +168,10 @@ def activate_revision(
 ) -> None:
     """Move `alias` to `revision` once every worker that is to hold it reports it ready
     (waiting up to `timeout_s`); if one fails it or time runs out, the alias stays where it
-    was. Then nudge the workers, so they switch new requests at once instead of at their next
-    sync. `approver` (who approved this roll-out, if its gates asked) is recorded on the
-    move."""
+    was. The workers are nudged as soon as the alias has moved, so they switch new requests at
+    once instead of at their next sync, and again once the roll-out's records are finished
+    (the candidate alias dropped, the stages moved). `approver` (who approved this roll-out, if
+    its gates asked) is recorded on the move."""
     registry = Registry(config.tracking_uri)
     check_activatable(registry.get(revision))
     try:
@@ -179,11 +181,28 @@ def activate_revision(
     # Read again after the wait (minutes, perhaps): the activation writes on from this record.
     registered = registry.get(revision)
     check_activatable(registered)
-    previous = registry.activate(registered, alias, actor, reason, approver)
+    previous = registry.activate(
+        registered, alias, actor, reason, approver, moved=lambda: nudge_workers(config)
+    )
     before = "none" if previous is None else f"r{previous}"
     run_log().info("%s@%s %s → r%d (%s)", revision.adapter, alias, before, revision.number, reason)
-    for url in config.worker_urls:  # every base's: a worker that does not serve it syncs fast
+    nudge_workers(config)
+
+
+def nudge_workers(config: MintConfig) -> None:
+    """Have every worker in `config` (every base's: one that does not serve the adapter syncs
+    fast) catch up with the registry now, all at once: the slowest, not their sum, is how long
+    users wait for an alias move. A worker that does not answer catches up at its next sync."""
+
+    def nudge(url: str) -> None:
         try:
             WorkerClient(url, config.worker_api_key).sync()
-        except ServiceError as e:  # it catches up at its next sync all the same
+        except ServiceError as e:
             log.warning("could not nudge worker %s to sync: %s", url, e)
+
+    if len(config.worker_urls) <= 1:  # no thread for the common case
+        for url in config.worker_urls:
+            nudge(url)
+        return
+    with ThreadPoolExecutor(max_workers=min(16, len(config.worker_urls))) as pool:
+        list(pool.map(nudge, config.worker_urls))

@@ -95,10 +95,11 @@ def register_revision(
     )
     serving_base = identity(config.base, config.home).digest
     run_id = source.run_id if isinstance(source, TrainedAdapter) else None
-    revision = registry.register(policy, exported.uri, serving_base, run_id).id
-    if held_out is not None:
+    tags = {}
+    if held_out is not None:  # named by their content: stored again alike if this is retried
         name = store_rows(open_store(config), config.work_root / "eval-rows", held_out.rows)
-        registry.set_revision_tag(revision, EVAL_ROWS_TAG, name)
+        tags[EVAL_ROWS_TAG] = name  # written with the revision: never one without them
+    revision = registry.register(policy, exported.uri, serving_base, run_id, tags).id
     run_log().info("registered %s (%s)", revision, exported.content_digest)
     return revision
 

@@ -4,7 +4,7 @@ one, and activation, the stage walk and alias move that puts a ready revision in
 Every move the pipeline makes is also recorded as an intent (`mint_core.alias_intents`), so that
 workers follow only the moves the pipeline made."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from mlflow.entities.model_registry import RegisteredModel
@@ -58,9 +58,12 @@ class Aliases(Stages):
         reason: str,
         approver: str,
         registered: RegisteredRevision | None = None,
+        moved: Callable[[], None] | None = None,
     ) -> tuple[AliasMove, RegisteredRevision]:
         """`move_alias`; the move and the revision as now recorded. `registered`: the revision
-        as already read (its tags and description), saving a read."""
+        as already read (its tags and description), saving a read. `moved` is called as soon
+        as workers can see the move (alias, intent and the adapter's change time written),
+        before the move's own records are finished."""
         model = self._model(revision.adapter)
         before = (model.aliases or {}).get(alias)
         records = self._move_records(revision.adapter)
@@ -87,6 +90,8 @@ class Aliases(Stages):
             aliases = {a: int(v) for a, v in (model.aliases or {}).items()}
             aliases[alias] = move.to_revision  # the move has happened: the table shows it
             self._touch(adapter, model, moves_made([*records, record], aliases))
+            if moved is not None:
+                moved()
             if alias != CANARY:  # a canary's moves (its start, its end) activate nothing
                 self._client.set_model_version_tag(adapter, version, ACTIVATED_AT_TAG, move.at)
                 written[ACTIVATED_AT_TAG] = move.at
@@ -105,7 +110,7 @@ class Aliases(Stages):
         """Set `adapter@alias` to `revision` with no history: for working aliases such as
         `candidate`. Workers see the change at their next sync."""
         adapter = revision.adapter
-        model = self._model_or_none(adapter)
+        model = self._model(adapter)
         intent = _intent_from(model, alias, revision.number, actor)
         with self._failing(f"point {adapter}@{alias} at {revision}"):
             self._intend(adapter, alias, intent)
@@ -163,16 +168,23 @@ class Aliases(Stages):
         actor: str = "mint",
         reason: str = "release",
         approver: str = "",
+        moved: Callable[[], None] | None = None,
     ) -> int | None:
         """Put `registered`, ready on every worker of its base, in front of users: its stage
         walks on to `ready`, `alias` moves to it (`move_alias`), its roll-out ends (`candidate`
         is dropped if it names it), its stage becomes `active`, and the revision `production`
         named before, if another, is `retired`. The revision `alias` named before. The caller
-        has checked that its stage is one of `ACTIVATABLE` (`check_activatable`)."""
+        has checked that its stage is one of `ACTIVATABLE` (`check_activatable`).
+
+        `moved` is called as soon as workers can see the alias move, before the records that
+        follow it: a caller nudges the workers then, so users get the revision without waiting
+        for the rest of this."""
         revision = registered.id
-        for step in ACTIVATABLE[ACTIVATABLE.index(registered.stage) + 1 :]:
-            registered = self.set_stage(registered, step, actor, "every worker reports it ready")
-        move, registered = self._move_alias(revision, alias, actor, reason, approver, registered)
+        steps = ACTIVATABLE[ACTIVATABLE.index(registered.stage) + 1 :]
+        registered = self.walk_stages(registered, steps, actor, "every worker reports it ready")
+        move, registered = self._move_alias(
+            revision, alias, actor, reason, approver, registered, moved
+        )
         if CANDIDATE in registered.aliases:
             self.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over
         self.set_stage(registered, Stage.ACTIVE, actor, reason)

@@ -1,22 +1,21 @@
 """Revisions in the registry: registering one (a model version whose tags are its policy
 record), resolving a name to one, and listing them."""
 
+import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Self
 
-from mlflow.entities.model_registry import ModelVersion
+from mlflow.entities.model_registry import ModelVersion, RegisteredModel
 from mlflow.exceptions import MlflowException
 
-from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError
+from mint_core.errors import BaseMismatchError, ConfigurationError, NotFoundError, RegistryError
 from mint_core.history import version_description
 from mint_core.registry._mlflow import (
     ADAPTER_KIND,
     BASE_DIGEST_TAG,
     KIND_TAG,
-    REVISION_RUN_TAG,
-    RUN_NAME_TAG,
     STAGE_TAG,
     missing,
 )
@@ -97,11 +96,20 @@ class Revisions(Runs):
         artifact_uri: str,
         serving_base_digest: str,
         run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> RegisteredRevision:
         """Create the next revision of `policy.adapter`, linked to its training run `run_id`
-        (`start_training_run`; a run is made for an imported adapter). Nothing is written
-        unless the policy's base matches the serving base and, if the adapter exists, the
-        adapter's base."""
+        (`start_training_run`; a run is made for an imported adapter), with `tags` beside its
+        policy record. Nothing is written unless the policy's base matches the serving base
+        and, if the adapter exists, the adapter's base.
+
+        The model version is created whole, every tag with it, in one request: it is the step
+        that makes the revision exist, so a registration that fails or is killed leaves either
+        no revision or a complete one. MLflow requests: 4 for a trained adapter (look up the
+        adapter, write the policy artifact, create the version, name the run), 6 for an
+        imported one (create its run, end it), one more for a new adapter, and one more for the
+        first import in a process (the experiment's id); a training run whose artifact location
+        this process does not know yet costs MLflow's client one read of it."""
         if policy.base_digest != serving_base_digest:
             raise BaseMismatchError(
                 f"adapter {policy.adapter!r} was trained on base {policy.base_digest} but the "
@@ -115,35 +123,50 @@ class Revisions(Runs):
                     f"adapter {policy.adapter!r} is registered on base {adapter_base}; this "
                     f"revision was trained on {policy.base_digest}"
                 )
+        imported = run_id is None
         with self._failing(f"register {policy.adapter!r}"):
-            run_id = self._log_release_run(policy, run_id)
-            if existing is None:
-                # MLflow keeps registered-model tag values in String(5000), which PostgreSQL
-                # enforces: MinT's are a word and the serving base's sha256 digest, and history
-                # goes to model-version tags (Text).
-                self._client.create_registered_model(
-                    policy.adapter,
-                    tags={KIND_TAG: ADAPTER_KIND, BASE_DIGEST_TAG: policy.base_digest},
-                    description=f"MinT adapter over base {policy.base_model_id}",
-                )
-            version = self._client.create_model_version(
-                policy.adapter,
-                source=artifact_uri,
-                run_id=run_id,
-                tags={**policy.to_tags(), STAGE_TAG: Stage.REGISTERED.value},
-                description=version_description(
-                    f"trained on {policy.dataset or 'data from elsewhere (imported)'}, "
-                    f"content {policy.content_digest}",
-                    [],
-                    [],
-                ),
-            )
-            # The revision's number exists only now: the run is named after it, so the
-            # experiment's runs list reads `upper-bot:r2`, not one name for every revision.
+            run_id = self._start_release_run(policy, run_id)
+            try:
+                version = self._create_version(policy, artifact_uri, run_id, existing, tags or {})
+            except Exception:
+                if imported:  # its run made nothing: say so rather than leave it running
+                    with contextlib.suppress(MlflowException, RegistryError):
+                        self._answering.end_run(run_id, "FAILED")
+                raise
             revision = str(RevisionId(policy.adapter, int(version.version)))
-            self._client.set_tag(run_id, RUN_NAME_TAG, revision)
-            self._client.set_tag(run_id, REVISION_RUN_TAG, revision)
+            self._finish_release_run(run_id, policy, revision, imported)
         return RegisteredRevision.from_version(version, aliases=())
+
+    def _create_version(
+        self,
+        policy: PolicyRecord,
+        artifact_uri: str,
+        run_id: str,
+        existing: RegisteredModel | None,
+        tags: Mapping[str, str],
+    ) -> ModelVersion:
+        """The model version of a new revision (and its registered model, for a new adapter)."""
+        if existing is None:
+            # MLflow keeps registered-model tag values in String(5000), which PostgreSQL
+            # enforces: MinT's are a word and the serving base's sha256 digest, and history
+            # goes to model-version tags (Text).
+            self._client.create_registered_model(
+                policy.adapter,
+                tags={KIND_TAG: ADAPTER_KIND, BASE_DIGEST_TAG: policy.base_digest},
+                description=f"MinT adapter over base {policy.base_model_id}",
+            )
+        return self._client.create_model_version(
+            policy.adapter,
+            source=artifact_uri,
+            run_id=run_id,
+            tags={**tags, **policy.to_tags(), STAGE_TAG: Stage.REGISTERED.value},
+            description=version_description(
+                f"trained on {policy.dataset or 'data from elsewhere (imported)'}, "
+                f"content {policy.content_digest}",
+                [],
+                [],
+            ),
+        )
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         """The revision `ref` names now. NotFoundError names the adapter, alias or revision."""

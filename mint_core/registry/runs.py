@@ -2,18 +2,33 @@
 evaluation metrics), and the run a revision's policy record is kept in."""
 
 import json
+import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, Run, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
 
-from mint_core.registry._mlflow import EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT, MlflowStore
+from mint_core.registry._mlflow import (
+    EXPERIMENT_KIND_TAG,
+    MODEL_DEVELOPMENT,
+    REVISION_RUN_TAG,
+    RUN_NAME_TAG,
+    MlflowStore,
+    missing,
+)
 from mint_core.revisions import POLICY_FILE, TAG_PREFIX, PolicyRecord
 
 EXPERIMENT = "mint-releases"
 """The MLflow experiment every training and import run goes to."""
+
+_EXPERIMENT_IDS: dict[str, str] = {}
+"""`EXPERIMENT`'s id per tracking URI, looked up once per process: it does not change while the
+experiment exists, and every registration of an imported adapter would ask for it again. A run
+that cannot be created in the remembered one looks it up again (`_create_run`)."""
 
 
 @dataclass(frozen=True)
@@ -53,17 +68,36 @@ class Runs(MlflowStore):
     """Training runs and the runs policy records are kept in."""
 
     def _experiment_id(self) -> str:
+        known = _EXPERIMENT_IDS.get(self.tracking_uri)
+        if known is not None:
+            return known
         experiment = self._client.get_experiment_by_name(EXPERIMENT)
         if experiment is None:
-            return self._client.create_experiment(
+            experiment_id = self._client.create_experiment(
                 EXPERIMENT, tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT}
             )
-        if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_DEVELOPMENT:
-            # An experiment made before MinT set its kind (MLflow would open it as GenAI).
-            self._client.set_experiment_tag(
-                experiment.experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT
-            )
-        return experiment.experiment_id
+        else:
+            experiment_id = experiment.experiment_id
+            if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_DEVELOPMENT:
+                # An experiment made before MinT set its kind (MLflow would open it as GenAI).
+                self._client.set_experiment_tag(
+                    experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT
+                )
+        _EXPERIMENT_IDS[self.tracking_uri] = experiment_id
+        return experiment_id
+
+    def _create_run(self, run_name: str, tags: Mapping[str, str]) -> Run:
+        """A new run in `EXPERIMENT`. The remembered experiment may have been deleted (or the
+        server's database replaced) since it was looked up: then it is looked up again, once."""
+        remembered = self.tracking_uri in _EXPERIMENT_IDS
+        try:
+            return self._client.create_run(self._experiment_id(), run_name=run_name, tags=tags)
+        except MlflowException as e:
+            # A deleted experiment is refused as an invalid parameter, an unknown one as missing.
+            if not remembered or not (missing(e) or e.error_code == "INVALID_PARAMETER_VALUE"):
+                raise
+            _EXPERIMENT_IDS.pop(self.tracking_uri, None)
+            return self._client.create_run(self._experiment_id(), run_name=run_name, tags=tags)
 
     def start_training_run(
         self, adapter: str, params: Mapping[str, str], dataset: DatasetLog
@@ -72,10 +106,8 @@ class Runs(MlflowStore):
         its dataset as the run's input (with the file as an artifact when it is local). The
         loss curve follows (`log_losses`), then `finish_training_run`."""
         with self._failing(f"start a training run for {adapter!r}"):
-            run_id = self._client.create_run(
-                self._experiment_id(),
-                run_name=f"{adapter}-train",
-                tags={TAG_PREFIX + "adapter": adapter},
+            run_id = self._create_run(
+                f"{adapter}-train", {TAG_PREFIX + "adapter": adapter}
             ).info.run_id
             self._client.log_batch(run_id, params=_params(params))
             self._client.log_inputs(run_id, [dataset.input()])
@@ -102,22 +134,44 @@ class Runs(MlflowStore):
     def finish_training_run(
         self, run_id: str, metrics: Mapping[str, float], step: int, failed: bool = False
     ) -> None:
-        """Record the evaluation metrics and end the run (FAILED when training failed)."""
-        for name, value in metrics.items():
-            self._client.log_metric(run_id, name, value, step=step)
-        self._client.set_terminated(run_id, "FAILED" if failed else "FINISHED")
+        """Record the evaluation metrics and end the run (FAILED when training failed): two
+        requests, whatever the number of metrics."""
+        self.log_metrics(run_id, step, metrics)
+        self._answering.end_run(run_id, "FAILED" if failed else "FINISHED")
 
-    def _log_release_run(self, policy: PolicyRecord, run_id: str | None) -> str:
-        """The policy record as a JSON artifact of the training run, or of a new run (an
-        imported adapter, which has no training run)."""
-        if run_id is None:
-            run_id = self._client.create_run(
-                self._experiment_id(),
-                run_name=f"{policy.adapter}-{policy.content_digest[7:19]}",
-                tags={TAG_PREFIX + "adapter": policy.adapter},
-            ).info.run_id
-            for name, value in policy.eval_metrics.items():
-                self._client.log_metric(run_id, name, value, step=policy.training_steps)
-            self._client.set_terminated(run_id)
-        self._client.log_text(run_id, policy.to_json(), POLICY_FILE)
-        return run_id
+    def _start_release_run(self, policy: PolicyRecord, run_id: str | None) -> str:
+        """The run the policy record is kept in, the record written as its JSON artifact: the
+        training run `run_id`, or a new run for an imported adapter (which has no training
+        run), which `_finish_release_run` ends."""
+        if run_id is not None:
+            self._client.log_text(run_id, policy.to_json(), POLICY_FILE)
+            return run_id
+        name = f"{policy.adapter}-{policy.content_digest[7:19]}"
+        run = self._create_run(name, {TAG_PREFIX + "adapter": policy.adapter})
+        # The new run says where its artifacts go: writing there saves the read of the run
+        # that `log_text` makes to find out.
+        repository = get_artifact_repository(run.info.artifact_uri, tracking_uri=self.tracking_uri)
+        with tempfile.TemporaryDirectory(prefix="mint-policy-") as folder:
+            path = Path(folder) / POLICY_FILE
+            path.write_text(policy.to_json(), encoding="utf-8")
+            repository.log_artifact(str(path))
+        return run.info.run_id
+
+    def _finish_release_run(
+        self, run_id: str, policy: PolicyRecord, revision: str, imported: bool
+    ) -> None:
+        """Name the run after the revision it made, which exists only once its model version
+        does, so that the experiment's runs list reads `upper-bot:r2`, not one name for every
+        revision; an imported adapter's run also gets the policy's evaluation metrics and ends.
+        One request, two for an import."""
+        metrics = []
+        if imported:
+            now = _now_ms()
+            metrics = [
+                Metric(name, value, now, policy.training_steps)
+                for name, value in sorted(policy.eval_metrics.items())
+            ]
+        tags = [RunTag(RUN_NAME_TAG, revision), RunTag(REVISION_RUN_TAG, revision)]
+        self._client.log_batch(run_id, metrics=metrics, tags=tags)
+        if imported:
+            self._answering.end_run(run_id, "FINISHED")

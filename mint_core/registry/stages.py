@@ -6,6 +6,7 @@ The operations take a revision by id (read here) or as a record already read, an
 record as written: a caller walking a revision through several steps reads it once."""
 
 import json
+from collections.abc import Sequence
 from dataclasses import replace
 
 from mint_core.history import version_description
@@ -35,13 +36,32 @@ class Stages(Revisions):
         """Move a revision's recorded stage, refusing moves the stage table forbids, and append
         the move to the revision's stage history (shown by the MLflow UI as a tag). The
         revision as it is now recorded."""
+        return self.walk_stages(revision, (stage,), actor, reason)
+
+    def walk_stages(
+        self,
+        revision: RevisionId | RegisteredRevision,
+        stages: Sequence[Stage],
+        actor: str = "mint",
+        reason: str = "",
+    ) -> RegisteredRevision:
+        """`set_stage` to each of `stages` in turn, every move checked and in the history,
+        written as one: the stage, the history and the description once each (three requests
+        however many moves). The revision as it is now recorded."""
         registered = self._record(revision)
-        transition(registered.stage, stage)
+        if not stages:
+            return registered
+        history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
+        current = registered.stage
+        for stage in stages:
+            transition(current, stage)
+            history.append(_history_entry(current, stage, actor, reason))
+            current = stage
         self._client.set_model_version_tag(
-            registered.id.adapter, str(registered.id.number), STAGE_TAG, stage.value
+            registered.id.adapter, str(registered.id.number), STAGE_TAG, current.value
         )
-        written = self._append_stage_history(registered, stage, actor, reason)
-        return replace(written, stage=stage, tags={**written.tags, STAGE_TAG: stage.value})
+        written = self._write_stage_history(registered, history)
+        return replace(written, stage=current, tags={**written.tags, STAGE_TAG: current.value})
 
     def note_stage(self, revision: RevisionId, actor: str, reason: str, approver: str = "") -> None:
         """Add a note to a revision's stage history, its stage staying as it is (from = to):
@@ -69,10 +89,12 @@ class Stages(Revisions):
         approver: str = "",
     ) -> RegisteredRevision:
         history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
-        history.append(
-            {"at": now(), "from": registered.stage.value, "to": stage.value, "actor": actor,
-             "reason": reason[:REASON_CHARS]} | ({"approver": approver} if approver else {})
-        )  # fmt: skip
+        history.append(_history_entry(registered.stage, stage, actor, reason, approver))
+        return self._write_stage_history(registered, history)
+
+    def _write_stage_history(
+        self, registered: RegisteredRevision, history: list[dict[str, str]]
+    ) -> RegisteredRevision:
         value = json.dumps(history)
         self._client.set_model_version_tag(
             registered.id.adapter, str(registered.id.number), STAGE_HISTORY_TAG, value
@@ -92,3 +114,12 @@ class Stages(Revisions):
             registered.id.adapter, str(registered.id.number), description=description
         )
         return replace(registered, description=description)
+
+
+def _history_entry(
+    before: Stage, after: Stage, actor: str, reason: str, approver: str = ""
+) -> dict[str, str]:
+    """One move in a stage history."""
+    entry = {"at": now(), "from": before.value, "to": after.value, "actor": actor}
+    entry["reason"] = reason[:REASON_CHARS]
+    return entry | ({"approver": approver} if approver else {})
