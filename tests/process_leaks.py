@@ -48,6 +48,11 @@ tearing nothing down)."""
 WATCH_INTERVAL_S = 0.2
 KILL_GRACE_S = 5.0
 """How long the watchdog gives what it stops to exit on SIGTERM before SIGKILL."""
+EXEC_WAIT_S = 1.0
+"""How long a process whose environment reads empty while it runs may take to finish an exec
+(see `environ_of`)."""
+PF_KTHREAD = 0x00200000
+"""The kernel thread flag in /proc/PID/stat: a kernel thread has no environment at all."""
 
 SPAWNS: tuple[tuple[object, str], ...] = (
     (subprocess.Popen, "_execute_child"),  # subprocess.run and friends, asyncio's subprocesses
@@ -189,13 +194,33 @@ def carrying(mark: str) -> dict[int, str]:
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            environ = (entry / "environ").read_bytes()
+            environ = environ_of(entry)
             command = (entry / "cmdline").read_bytes()
         except OSError:  # exited while we looked, or another user's
             continue
         if mark in marks_in(environ):
             found[int(entry.name)] = command.replace(b"\0", b" ").decode(errors="replace").strip()
     return found
+
+
+def environ_of(process: Path) -> bytes:
+    """The environment of the process at /proc/PID. Read while the process execs, it comes
+    back empty (the old memory is gone, the new one not set up yet): a grandchild that a test
+    left mid-exec (`bash -c "setsid sleep 300 &"` under load) would not be counted. So an
+    empty read of a live process that is not a kernel thread is read again until the exec is
+    done."""
+    deadline = time.monotonic() + EXEC_WAIT_S
+    while not (environ := (process / "environ").read_bytes()) and time.monotonic() < deadline:
+        state, flags = _state_and_flags(process)
+        if state in ("Z", "X") or flags & PF_KTHREAD:
+            break
+        time.sleep(0.01)
+    return environ
+
+
+def _state_and_flags(process: Path) -> tuple[str, int]:
+    fields = (process / "stat").read_text().rpartition(")")[2].split()
+    return fields[0], int(fields[6])
 
 
 def marks_in(environ: bytes) -> list[str]:
