@@ -1,11 +1,13 @@
 """Helpers several test modules of every lane share (fixtures stay in the conftest.py files; a
 test module imports nothing from another test module): synthetic adapters, tiny bases and
-tiny members of each model family built in-process, tiny engines' adapters, and a policy
-record. Nothing here starts a process or imports the process machinery (services, workers,
-Prefect, S3, PostgreSQL): tests/unit imports it; what integration tests share besides is
-tests/integration/helpers.py."""
+tiny members of each model family built in-process, tiny engines' adapters, a policy
+record, and a registry held in memory. Nothing here starts a process or imports the process
+machinery (services, workers, Prefect, S3, PostgreSQL): tests/unit imports it; what
+integration tests share besides is tests/integration/helpers.py."""
 
 import copy
+import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,11 +24,14 @@ from transformers import (
 )
 
 from mint_core.artifacts.folders import publish_folder
+from mint_core.errors import NotFoundError
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec, ensure_tiny, save_base_folder
 from mint_core.model.toy import held_out_words, prompt_for
-from mint_core.revisions import PolicyRecord
+from mint_core.registry import AdapterAliases, RegisteredRevision
+from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
+from mint_core.states import Stage
 
 # --- Adapters made for tests ---------------------------------------------------------------
 
@@ -143,3 +148,48 @@ def config_of(lora: LoraConfig) -> dict[str, object]:
 
 def weights_of(model: PeftModel) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+BASE_DIGEST = "sha256:" + "e" * 64
+"""The base every revision of a `MemoryRegistry` is for."""
+
+
+class MemoryRegistry:
+    """What a catalog reads of MLflow, held in memory: each change moves the adapter's
+    last-updated time, as MLflow's does."""
+
+    def __init__(self) -> None:
+        self.revisions: dict[RevisionId, RegisteredRevision] = {}
+        self.adapters: dict[str, AdapterAliases] = {}
+        self.clock_ms = 1000
+
+    def add(self, adapter: str, number: int) -> None:
+        policy = make_policy(adapter=adapter, content_digest=f"sha256:{number:064d}")
+        uri = f"mint-local://sha256/{number:064d}"
+        self.revisions[RevisionId(adapter, number)] = RegisteredRevision(
+            RevisionId(adapter, number), policy, uri, Stage.REGISTERED, (), {}
+        )
+        self.set(adapter)
+
+    def set(self, adapter: str, share: float | None = None, **aliases: int) -> None:
+        old = self.adapters.get(adapter)
+        kept = dict(old.aliases) if old else {}
+        kept.update(aliases)
+        self.clock_ms += 10
+        self.adapters[adapter] = AdapterAliases(adapter, kept, self.clock_ms, BASE_DIGEST, share)
+
+    def adapters_changed_since(self, since_ms: int) -> list[AdapterAliases]:
+        return [a for a in self.adapters.values() if a.updated_ms >= since_ms]
+
+    def all_revisions(self) -> Iterator[list[RegisteredRevision]]:
+        yield list(self.revisions.values())
+
+    def get(self, revision: RevisionId) -> RegisteredRevision:
+        if revision not in self.revisions:
+            raise NotFoundError(f"{revision} is not registered")
+        named = self.adapters[revision.adapter].aliases.items()
+        aliases = tuple(sorted(alias for alias, n in named if n == revision.number))
+        return dataclasses.replace(self.revisions[revision], aliases=aliases)
+
+    def resolve(self, ref: RevisionRef) -> RegisteredRevision:
+        raise NotFoundError(f"{ref} names nothing")

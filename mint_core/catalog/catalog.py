@@ -252,18 +252,24 @@ class Catalog:
         self._hot.put(stamp, key, (answer,))  # kept even when None: the map keeps no None
         return answer
 
+    def kept(self, ref: RevisionRef) -> RegisteredRevision | None:
+        """What `resolve(ref)` answered recently, if it still holds; None when answering would
+        read the index or the registry. Never blocks: an event loop asks this first and takes
+        a thread only for what `resolve` has to read."""
+        if ref.revision is not None:
+            key: tuple[str, str, object] = ("r", ref.adapter, ref.revision)
+        else:
+            key = ("@", ref.adapter, ref.alias)
+        return self._hot.get(ref.adapter, key)  # type: ignore[return-value]
+
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         """The revision `ref` names, from the catalog when it knows; asks the registry only for
         what it has not seen (NotFoundError, or RegistryError if MLflow is down)."""
-        if ref.revision is not None:
-            kept = self._hot.get(ref.adapter, ("r", ref.adapter, ref.revision))
-            if kept is not None:  # as `record` would, without making a RevisionId first
-                return kept  # type: ignore[return-value]
-            return self.record(RevisionId(ref.adapter, ref.revision))
-        key = ("@", ref.adapter, ref.alias)
-        kept = self._hot.get(ref.adapter, key)
+        kept = self.kept(ref)
         if kept is not None:
-            return kept  # type: ignore[return-value]
+            return kept
+        if ref.revision is not None:
+            return self.record(RevisionId(ref.adapter, ref.revision))
         stamp = self._hot.stamp(ref.adapter)  # before the index is read: see `catalog.hot`
         number = self.alias_target(ref.adapter, str(ref.alias))
         if number is None:
@@ -276,7 +282,7 @@ class Catalog:
             self._hot.put(stamp, ("r", ref.adapter, registered.id.number), registered)
             return registered
         registered = self.record(RevisionId(ref.adapter, number))
-        self._hot.put(stamp, key, registered)
+        self._hot.put(stamp, ("@", ref.adapter, ref.alias), registered)
         return registered
 
     def record(self, revision: RevisionId) -> RegisteredRevision:

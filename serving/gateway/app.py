@@ -52,8 +52,6 @@ CONNECT_TIMEOUT_S = 2.0
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
 GENERATION_TIMEOUT_S = 600.0
-RESOLVED_KEPT = 100_000
-"""Model names whose resolution the gateway keeps (all are dropped when it is full)."""
 _PASSED_ON = (
     "content-type",
     "retry-after",
@@ -94,10 +92,6 @@ class Gateway:
         )
         self._closed = threading.Event()
         self._http: aiohttp.ClientSession | None = None
-        self._catalog_changes = 0
-        """Syncs that changed the catalog: a resolution made before the last one is stale."""
-        self._resolved: dict[str, tuple[int, RegisteredRevision]] = {}
-        """Model name -> (`_catalog_changes` when resolved, what it resolved to)."""
 
     # Keeping the copies fresh.
 
@@ -123,11 +117,9 @@ class Gateway:
             await asyncio.sleep(self.refresh_s)
 
     def sync_catalog(self) -> None:
-        """Catch the catalog up with the registry once; a change makes every resolution the
-        gateway keeps stale."""
+        """Catch the catalog up with the registry once."""
         try:
-            if self.catalog.sync():
-                self._catalog_changes += 1
+            self.catalog.sync()
         except RegistryError:
             pass  # the catalog keeps what it had and says why (`unreachable`)
         except Exception:  # the loop must outlive any one bad sync
@@ -197,19 +189,15 @@ class Gateway:
         return choices.workers, revision
 
     async def _resolve(self, model: str) -> RegisteredRevision:
-        """The revision `model` names. What the catalog answered since its last change is
-        answered again here, on the event loop: a thread hop (two wake-ups, most of a resolve's
-        cost) is only for what the catalog may have to read from its index or the registry,
-        which must not block the loop."""
-        changes = self._catalog_changes  # read first: a change meanwhile makes this one stale
-        kept = self._resolved.get(model)
-        if kept is not None and kept[0] == changes:
-            return kept[1]
-        registered = await asyncio.to_thread(self.catalog.resolve, RevisionRef.parse(model))
-        if len(self._resolved) >= RESOLVED_KEPT:
-            self._resolved.clear()
-        self._resolved[model] = (changes, registered)
-        return registered
+        """The revision `model` names. What the catalog answered recently (and still holds) is
+        answered on the event loop: a thread hop (two wake-ups, most of a resolve's cost) is
+        only for what the catalog has to read from its index or the registry, which must not
+        block the loop."""
+        ref = RevisionRef.parse(model)
+        kept = self.catalog.kept(ref)
+        if kept is not None:
+            return kept
+        return await asyncio.to_thread(self.catalog.resolve, ref)
 
     def _ask_admit(self, worker: WorkerView, revision: RevisionId) -> None:
         """Ask `worker` to admit `revision` by demand, in the background, at most every

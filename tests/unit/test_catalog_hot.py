@@ -4,7 +4,6 @@ canary set), not even by an answer computed from the index while the sync was wr
 threads read at once; a replaced index file is read by every thread from then on. Against a
 registry held in memory: what the catalog asks of MLflow is the same two calls."""
 
-import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -16,54 +15,10 @@ import pytest
 from mint_core.catalog.catalog import Catalog
 from mint_core.catalog.hot import HotMap
 from mint_core.catalog.index import CatalogIndex
-from mint_core.errors import NotFoundError
-from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
+from mint_core.registry import AdapterAliases, Registry
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, RevisionRef
-from mint_core.states import Stage
-from tests.helpers import make_policy
-
-BASE = "sha256:" + "e" * 64
-
-
-class MemoryRegistry:
-    """What a catalog reads of MLflow, held in memory: each change moves the adapter's
-    last-updated time, as MLflow's does."""
-
-    def __init__(self) -> None:
-        self.revisions: dict[RevisionId, RegisteredRevision] = {}
-        self.adapters: dict[str, AdapterAliases] = {}
-        self.clock_ms = 1000
-
-    def add(self, adapter: str, number: int) -> None:
-        policy = make_policy(adapter=adapter, content_digest=f"sha256:{number:064d}")
-        uri = f"mint-local://sha256/{number:064d}"
-        self.revisions[RevisionId(adapter, number)] = RegisteredRevision(
-            RevisionId(adapter, number), policy, uri, Stage.REGISTERED, (), {}
-        )
-        self.set(adapter)
-
-    def set(self, adapter: str, share: float | None = None, **aliases: int) -> None:
-        old = self.adapters.get(adapter)
-        kept = dict(old.aliases) if old else {}
-        kept.update(aliases)
-        self.clock_ms += 10
-        self.adapters[adapter] = AdapterAliases(adapter, kept, self.clock_ms, BASE, share)
-
-    def adapters_changed_since(self, since_ms: int) -> list[AdapterAliases]:
-        return [a for a in self.adapters.values() if a.updated_ms >= since_ms]
-
-    def all_revisions(self) -> Iterator[list[RegisteredRevision]]:
-        yield list(self.revisions.values())
-
-    def get(self, revision: RevisionId) -> RegisteredRevision:
-        if revision not in self.revisions:
-            raise NotFoundError(f"{revision} is not registered")
-        named = self.adapters[revision.adapter].aliases.items()
-        aliases = tuple(sorted(alias for alias, n in named if n == revision.number))
-        return dataclasses.replace(self.revisions[revision], aliases=aliases)
-
-    def resolve(self, ref: RevisionRef) -> RegisteredRevision:
-        raise NotFoundError(f"{ref} names nothing")
+from tests.helpers import BASE_DIGEST as BASE
+from tests.helpers import MemoryRegistry
 
 
 @pytest.fixture
