@@ -51,7 +51,8 @@ SERVED_ALIASES = (PRODUCTION, *ROLLOUT_ALIASES)
 """Aliases whose revisions the fleet serves."""
 _OVERLAP_MS = 2000
 """Each sync asks again for this much of the time before the last change it saw: two changes
-in one millisecond, or a commit that lands late, are not missed. Seeing one twice is harmless."""
+in one millisecond, or a commit that lands late, are not missed. One seen again unchanged is
+not counted as a change (`CatalogIndex.put_adapters`)."""
 INDEX_PREFIX = "mint-catalog-"
 """How a catalog's index file is named in its folder: then the pid of its process."""
 DEFAULT_AUDIT_INTERVAL_S = 30.0
@@ -337,16 +338,15 @@ def catch_up(
     index: CatalogIndex, registry: Registry, every_adapter: bool = False
 ) -> list[AdapterAliases]:
     """Write into `index` what changed in `registry` since its cursor (everything, every
-    revision included, when it holds nothing yet); the adapters that changed (with
-    `every_adapter`, every adapter, changed or not)."""
+    revision included, when it holds nothing yet; with `every_adapter`, every adapter's
+    aliases are read); the adapters whose aliases, canary, replicas or base changed."""
     cursor = index.cursor_ms
     since = 0 if every_adapter else max(0, cursor - _OVERLAP_MS)
-    changed = registry.adapters_changed_since(since)
+    reported = registry.adapters_changed_since(since)
     if cursor == 0:
         for page in registry.all_revisions():
             index.put_revisions(page)
-    index.put_adapters(changed)  # last: the cursor moves only once the revisions are in
-    return changed
+    return index.put_adapters(reported)  # last: the cursor moves once the revisions are in
 
 
 def build_snapshot(

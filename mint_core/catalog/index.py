@@ -95,6 +95,19 @@ SELECT aliases.number, adapters.canary_percent FROM adapters JOIN aliases
 ON aliases.adapter = adapters.name AND aliases.alias = ?
 WHERE adapters.name = ? AND adapters.canary_percent IS NOT NULL
 """
+_NAMES_PER_QUERY = 500
+"""Adapters named in one `IN (...)` query: well under sqlite's limit on bound values."""
+
+_SERVED_COLUMNS = {
+    "adapters": ("name", "base", "canary_percent", "replicas"),
+    "aliases": ("adapter", "alias", "number"),
+    "held_moves": ("adapter", "alias", "registry_number", "serving_number"),
+}
+"""What the index holds of an adapter, by table, its name first (`adapters.updated_ms` aside:
+the registry moves it without a change workers see, and leaves it when an alias is moved by
+hand)."""
+
+
 # `revisions` keeps sqlite's rowid: its rows (~1 KB) are too large for a WITHOUT ROWID table
 # to pay off, so a small unique index finds them.
 
@@ -215,44 +228,67 @@ class CatalogIndex:
             found = self._db.execute("SELECT value FROM meta WHERE key = 'cursor_ms'").fetchone()
         return int(found[0]) if found else 0
 
-    def put_adapters(self, adapters: Sequence[AdapterAliases]) -> None:
+    def put_adapters(self, adapters: Sequence[AdapterAliases]) -> list[AdapterAliases]:
         """These adapters' bases, aliases and canary shares as the registry has them now; moves
         the cursor to the newest of their last-updated times. The aliases kept are those the
-        pipeline moved; the others are kept as held moves."""
+        pipeline moved; the others are kept as held moves. Returns those that changed: an
+        adapter the registry reports again as the index holds it (a sync's overlap, an audit's
+        full read) is neither written nor returned."""
         if not adapters:
-            return
+            return []
         newest = max(adapter.updated_ms for adapter in adapters)
         sanctioned = {a.adapter: a.sanctioned() for a in adapters}
+        served = {
+            "adapters": [(a.adapter, a.base_digest, a.canary_percent, a.replicas)
+                         for a in adapters],
+            "aliases": [(name, alias, n) for name, (aliases, _) in sanctioned.items()
+                        for alias, n in aliases.items()],
+            "held_moves": [(h.adapter, h.alias, h.registry_revision, h.serving_revision)
+                           for _, held in sanctioned.values() for h in held],
+        }  # fmt: skip
         with self._lock, self._db:
             self._db.execute("BEGIN")
+            if self._db.execute("SELECT 1 FROM adapters LIMIT 1").fetchone() is None:
+                changed = {a.adapter for a in adapters}  # a first sync: nothing to compare
+            else:
+                changed = self._differing([a.adapter for a in adapters], served)
+            names = [(name,) for name in changed]
             self._db.executemany(
                 "INSERT OR REPLACE INTO adapters VALUES (?, ?, ?, ?, ?)",
-                [
-                    (a.adapter, a.base_digest, a.updated_ms, a.canary_percent, a.replicas)
-                    for a in adapters
-                ],
-            )
-            self._db.executemany(
-                "DELETE FROM aliases WHERE adapter = ?", [(a.adapter,) for a in adapters]
-            )
-            self._db.executemany(
-                "INSERT INTO aliases VALUES (?, ?, ?)",
-                [(name, alias, n) for name, (served, _) in sanctioned.items()
-                 for alias, n in served.items()],
+                [(a.adapter, a.base_digest, a.updated_ms, a.canary_percent, a.replicas)
+                 for a in adapters if a.adapter in changed],
             )  # fmt: skip
-            self._db.executemany(
-                "DELETE FROM held_moves WHERE adapter = ?", [(a.adapter,) for a in adapters]
-            )
-            self._db.executemany(
-                "INSERT INTO held_moves VALUES (?, ?, ?, ?)",
-                [(h.adapter, h.alias, h.registry_revision, h.serving_revision)
-                 for _, held in sanctioned.values() for h in held],
-            )  # fmt: skip
+            for table in ("aliases", "held_moves"):
+                self._db.executemany(f"DELETE FROM {table} WHERE adapter = ?", names)
+                marks = ", ".join("?" * len(_SERVED_COLUMNS[table]))
+                self._db.executemany(
+                    f"INSERT INTO {table} VALUES ({marks})",
+                    [row for row in served[table] if row[0] in changed],
+                )
             self._db.execute(
                 "INSERT INTO meta VALUES ('cursor_ms', ?) ON CONFLICT (key) DO UPDATE "
                 "SET value = max(CAST(value AS INTEGER), excluded.value)",
                 (newest,),
             )
+        return [a for a in adapters if a.adapter in changed]
+
+    def _differing(self, names: Sequence[str], served: Mapping[str, list[tuple]]) -> set[str]:
+        """Those of `names` whose rows in the index differ from `served` (table -> the rows
+        the adapters should have there, each starting with the adapter's name), or that the
+        index does not hold. Under the writing lock."""
+        differing: set[str] = set()
+        for table, rows in served.items():
+            columns = _SERVED_COLUMNS[table]
+            stored: set[tuple] = set()
+            for start in range(0, len(names), _NAMES_PER_QUERY):
+                chunk = names[start : start + _NAMES_PER_QUERY]
+                query = (
+                    f"SELECT {', '.join(columns)} FROM {table} "
+                    f"WHERE {columns[0]} IN ({', '.join('?' * len(chunk))})"
+                )
+                stored.update(self._db.execute(query, chunk))
+            differing.update(row[0] for row in stored.symmetric_difference(rows))
+        return differing
 
     def put_revisions(self, revisions: Iterable[RegisteredRevision]) -> None:
         """Keep these revisions' records. Of their tags, the policy's are kept once, as the

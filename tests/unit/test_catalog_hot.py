@@ -4,6 +4,7 @@ canary set), not even by an answer computed from the index while the sync was wr
 threads read at once; a replaced index file is read by every thread from then on. Against a
 registry held in memory: what the catalog asks of MLflow is the same two calls."""
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -89,6 +90,36 @@ def test_a_sync_is_never_answered_stale_once_it_returns(
     assert catalog.resolve(RevisionRef("bot", alias=PRODUCTION)).id == RevisionId("bot", 3)
     assert catalog.canary("bot") is None
     assert catalog.alias_target("bot", PRODUCTION) == 3
+
+
+def test_an_adapter_reported_again_unchanged_is_no_change_and_keeps_its_answers(
+    registry: MemoryRegistry, tmp_path: Path
+) -> None:
+    """A sync asks again for the last changes it saw (its overlap) and an audit reads every
+    adapter: what comes back as the index holds it is not a change, so its answers stay."""
+    catalog = Catalog(
+        cast(Registry, registry), base_digest=BASE, folder=tmp_path, audit_interval_s=0
+    )  # every sync an audit
+    production = RevisionRef.parse("bot@production")
+    try:
+        assert catalog.sync() == ["bot"]
+        assert catalog.resolve(production).id == RevisionId("bot", 1)
+        assert catalog.sync() == []
+        assert catalog.kept(production) is not None
+
+        registry.set("bot", production=2)
+        assert catalog.sync() == ["bot"]
+        assert catalog.kept(production) is None
+        assert catalog.resolve(production).id == RevisionId("bot", 2)
+
+        # Moved without moving the last-updated time (as by hand in MLflow's UI): the audit's
+        # full read finds it.
+        moved = dataclasses.replace(registry.adapters["bot"], aliases={PRODUCTION: 3})
+        registry.adapters["bot"] = moved
+        assert catalog.sync() == ["bot"]
+        assert catalog.resolve(production).id == RevisionId("bot", 3)
+    finally:
+        catalog.close()
 
 
 def test_an_answer_read_while_a_sync_writes_is_not_kept_past_it(
