@@ -115,13 +115,13 @@ class _Answering:
 
         return call
 
-    def end_run(self, run_id: str, status: str, name: str | None = None) -> None:
-        """End run `run_id` with `status` (and rename it to `name`, if given) in one request.
+    def end_run(self, run_id: str, status: str) -> None:
+        """End run `run_id` with `status` in one request.
         MLflow's `set_terminated` and `update_run` each read the run back first (the one to
         print a link to it, the other to keep its status): one round trip more for nothing."""
         store = self._client._tracking_client.store
         self._answered("update_run_info", store.update_run_info)(
-            run_id, RunStatus.from_string(status), int(time.time() * 1000), name
+            run_id, RunStatus.from_string(status), int(time.time() * 1000), None
         )
 
 

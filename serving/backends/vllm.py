@@ -259,7 +259,7 @@ class VllmBackend:
         response = self._control("/v1/load_lora_adapter", body)
         if response.status_code == 200:
             return
-        message = _error_message(response)
+        message = error_message(response.status_code, response.content)
         if response.status_code == 400 and "already been loaded" in message:
             return  # a revision is immutable: the name loaded is these weights
         self._check_alive(f"loading {key}: {message}")
@@ -478,7 +478,3 @@ class VllmBackend:
         self._client.close()
         self._process.stop(grace_s=5.0)  # within the grace a stopping worker has
         shutil.rmtree(self._adapters, ignore_errors=True)
-
-
-def _error_message(response: httpx.Response) -> str:
-    return error_message(response.status_code, response.content)

@@ -102,11 +102,6 @@ class SlotLoraLinear(nn.Module):
         """Slot -> (A.T `[in, rank]`, B.T `[rank, out]`, scaling), only for slots that hold a
         pair for this layer."""
 
-    @property
-    def rank_max(self) -> int:
-        """The widest rank held in any slot (0: none)."""
-        return max((a_t.shape[1] for a_t, _, _ in self.pairs.values()), default=0)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         slot_ids = self.batch.slot_ids
@@ -175,10 +170,6 @@ class SlotExpertLora(nn.Module):
         # that it is not listed as a parameter of this module too.
         self.__dict__["like"] = parameter
         self.pairs: dict[int, Pair] = {}
-
-    @property
-    def rank_max(self) -> int:
-        return max((a.shape[1] for a, _, _ in self.pairs.values()), default=0)
 
     def gather(self, slots: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """The pairs of `slots` (a batch's distinct slots) stacked, `[len(slots), experts, rank,
