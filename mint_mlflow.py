@@ -1,6 +1,17 @@
 """MinT's MLflow server app (`mlflow server --app-name mint`, as `mint registry`, `mint up` and
 the tests start it): MLflow's own app, guarded by MLflow's basic-auth app when AUTH_VARIABLE is
-set, whose UI opens on model training.
+set, whose UI opens on model training and shows description tables with room in their cells.
+
+Guarded, it differs from MLflow's basic-auth app in three ways:
+
+- Credentials are checked by `authenticate_request` (the auth app's `authorization_function`):
+  the stored hash's slow key derivation runs once per password and hash, not on every request
+  (MLflow's app runs it once per call of its own function, several times per request: about
+  0.3 s a request on two cores). `VerifiedCredentials` says why that weakens nothing.
+- MinT's accounts (`ACCOUNTS_VARIABLE`) are created in the server before it answers anything,
+  `/health` included: a client that waits for `/health` can sign in at once.
+- A refusal (403) is MLflow's JSON error (`PERMISSION_DENIED` and a message), which MLflow's
+  client and UI read, not a bare "Permission denied" the UI shows as INTERNAL_ERROR.
 
 MLflow 3.17's UI does not read an experiment's kind tag to choose between its GenAI and its
 model-training views: it takes the choice the browser remembers (localStorage
@@ -13,9 +24,16 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from flask import Response, request
+from flask import Flask, Response, g, request
+from werkzeug.datastructures import Authorization
+from werkzeug.security import check_password_hash
 
-from mint_core.registry_accounts import AUTH_VARIABLE
+from mint_core.registry_accounts import (
+    ACCOUNTS_VARIABLE,
+    AUTH_VARIABLE,
+    RegistryAccounts,
+    VerifiedCredentials,
+)
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -30,15 +48,112 @@ _REMEMBER = (
     "catch(e){{}}</script>"
 ).format(key=json.dumps(WORKFLOW_KEY), value=json.dumps(json.dumps(MODEL_TRAINING)))
 
+_TABLE_CELLS = (
+    "<style>.note-view-outer-container :is(th,td),.note-editor-preview-content :is(th,td)"
+    "{padding:4px 12px;border-bottom:1px solid rgba(128,128,128,.3);text-align:left}</style>"
+)
+"""Room in the cells of description tables (a version's and an adapter's history, MinT's
+`history` module): MLflow's UI gives them none, so columns run together. The description
+cannot carry it: the UI's sanitizer drops every style and class attribute of a table."""
+
 
 def _open_on_model_training(response: Response) -> Response:
-    """The UI's index page, with model training remembered as the view where none is."""
+    """The UI's index page, with model training remembered as the view where none is, and
+    description tables given room in their cells."""
     if request.path != "/" or response.status_code != 200 or response.mimetype != "text/html":
         return response
     response.direct_passthrough = False  # a file sent as it is: read it to change it
     page = response.get_data(as_text=True)
-    response.set_data(page.replace("<head>", "<head>" + _REMEMBER, 1))
+    response.set_data(page.replace("<head>", "<head>" + _REMEMBER + _TABLE_CELLS, 1))
     return response
+
+
+_verified = VerifiedCredentials(check_password_hash)
+"""This server process's checks that passed (its HMAC key is drawn once per process)."""
+
+
+def authenticate_request() -> Authorization | Response:
+    """MinT's authorization function (`mint_core.registry_accounts.AUTHORIZATION_FUNCTION`):
+    the request's basic credentials if they are an account's, else the auth app's 401. The
+    account is read on every request, so a changed password or a removed account is refused
+    from the next request on; only the hash check is remembered (`VerifiedCredentials`)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.server import auth
+
+    # MLflow's auth app calls this several times for one request (the check, then each
+    # permission lookup): once is enough.
+    known = g.get("mint_authorization")
+    if known is not None:
+        return known
+    credentials = request.authorization
+    if credentials is None or not credentials.username or credentials.password is None:
+        return auth.make_basic_auth_response()
+    username, password = credentials.username, credentials.password
+    try:
+        user = auth.store.get_user(username)
+    except MlflowException:  # no such account (any more)
+        return auth.make_basic_auth_response()
+    # The account may hold MLflow's old default password, which MLflow refuses (its own check).
+    if not _verified.verify(username, password, user.password_hash) or (
+        auth._is_disabled_legacy_admin_login(username, password, user)
+    ):
+        return auth.make_basic_auth_response()
+    g.mint_authorization = credentials
+    return credentials
+
+
+def _permission_denied_as_json(response: Response) -> Response:
+    """A 403 of the auth app (text "Permission denied") as MLflow's JSON error, which its
+    client and UI read; with who was refused what, and what to do."""
+    if response.status_code != 403 or response.is_json:
+        return response
+    from mlflow.protos.databricks_pb2 import PERMISSION_DENIED, ErrorCode
+
+    who = request.authorization.username if request.authorization else "anonymous"
+    message = (
+        f"Permission denied: {who} may not {request.method} {request.path}. In MinT only the "
+        "pipeline's account changes the registry: register, promote or roll back with `mint` "
+        "or its Prefect deployments"
+    )
+    body = {"error_code": ErrorCode.Name(PERMISSION_DENIED), "message": message}
+    response.set_data(json.dumps(body))
+    response.mimetype = "application/json"
+    return response
+
+
+def _create_accounts(accounts: RegistryAccounts) -> None:
+    """The accounts that do not exist yet in the auth app's store, and the pipeline's MANAGE
+    on every registered model and experiment, present and future. Idempotent: a restarted
+    server keeps what exists (a password changed since is not reset)."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+    from mlflow.server import auth
+
+    for account in (accounts.pipeline, accounts.worker, *accounts.auditors):
+        if not auth.store.has_user(account.username, use_primary=True):
+            auth.store.create_user(account.username, account.password)
+    for resource_type in ("registered_model", "experiment"):
+        try:
+            auth.store.grant_user_resource_permission(
+                accounts.pipeline.username, resource_type, "*", "MANAGE"
+            )
+        except MlflowException as e:
+            if e.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+                raise
+
+
+def _guarded(app: Flask) -> "FastAPI":
+    """`app` behind MLflow's basic-auth app, as the module's docstring says."""
+    from mlflow.server.auth import create_app as guarded
+
+    # Before the auth app's own hooks: Flask runs them in reverse order, so this one sees
+    # their refusals too (and those of its before-request check, which Flask passes on).
+    app.after_request(_permission_denied_as_json)
+    served = guarded(app)
+    accounts = os.environ.get(ACCOUNTS_VARIABLE)
+    if accounts:
+        _create_accounts(RegistryAccounts.from_json(accounts))
+    return served
 
 
 def create_app() -> "FastAPI":
@@ -48,9 +163,7 @@ def create_app() -> "FastAPI":
 
     app.after_request(_open_on_model_training)
     if os.environ.get(AUTH_VARIABLE):
-        from mlflow.server.auth import create_app as guarded
-
-        return guarded(app)
+        return _guarded(app)
     from mlflow.server.fastapi_app import create_fastapi_app
 
     return create_fastapi_app(app)

@@ -1,6 +1,8 @@
 """Admission benchmark: do new adapters disturb the tenants already being served?
 
-One run against a real `mlflow server` and a real worker process (admission K=1) on loopback.
+One run against a real `mlflow server` and a real worker process (admission K=1) on loopback,
+MLflow run as `mint registry` runs it: its basic-auth app, the pipeline (this process) and the
+worker each signed in with their own account.
 Closed-loop clients keep 8 established adapters busy (one client each, `name@production`,
 TGI `/generate`); their latencies are measured over a baseline window, then again while 32 new
 adapters are registered and promoted (admit -> prewarm -> activate) one after another. For each
@@ -53,6 +55,7 @@ from mint_core.model.base import BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.registry import Registry
+from mint_core.registry_accounts import RegistryAccounts
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId
 from mint_core.states import Stage
 from serving.worker.server import start_worker
@@ -241,13 +244,16 @@ def main() -> None:
     args = parser.parse_args()
 
     with harness.scratch("admission") as (work, services):
-        mlflow = start_mlflow(work / "registry")
+        accounts = RegistryAccounts.generate()
+        mlflow = start_mlflow(work / "registry", accounts=accounts)
         services.append(mlflow)
+        # MLflow's client reads its credentials from the environment at each request.
+        os.environ.update(accounts.pipeline.env())
         config = MintConfig(
             home=args.home.absolute(), tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5
         )
         load_base(config.base, config.home)  # pretrained once, before any worker starts
-        worker = start_worker(config)
+        worker = start_worker(config, env=accounts.worker.env())
         services.append(worker)
         config = dataclasses.replace(config, worker_urls=(worker.url,))
         run(args, config, work, {"worker": worker.process.pid, "mlflow": mlflow.process.pid})

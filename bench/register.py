@@ -1,9 +1,15 @@
 """Register benchmark: the register step alone (artifacts already exported) against a real
-`mlflow server` on loopback, over many revisions; median, p95, the MLflow requests each
+`mlflow server` on loopback, run as `mint registry` runs it (MLflow's basic-auth app, the
+pipeline's account signed in), over many revisions; median, p95, the MLflow requests each
 registration makes, and the ratio to the reference system's 1.66 s. Two kinds, interleaved:
 an imported adapter (no training run: registering makes one; `register_p50_s`, the headline)
-and a trained one (its training run exists, made before the clock starts). Writes
-bench/results/register.json.
+and a trained one (its training run exists, made before the clock starts).
+
+Then what authentication adds to one request: the same read (`registered-models/search`,
+one model) sent in turn on one connection each as the worker's account, with no credentials
+(the 401 answer) and to an MLflow without authentication (`auth_added_p50_ms`: signed in
+minus unguarded, the cost of being authenticated; `auth_over_refused_p50_ms`: signed in
+minus the 401). Writes bench/results/register.json.
 
     .venv/bin/python bench/register.py                  # 60 revisions over 6 adapters
     .venv/bin/python bench/register.py --revisions 5    # a smoke run
@@ -12,6 +18,7 @@ bench/results/register.json.
 import os
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,6 +33,7 @@ from bench import harness
 from control.services import start_mlflow
 from mint_core.artifacts.digests import sha256_json
 from mint_core.registry import DatasetLog, Registry
+from mint_core.registry_accounts import RegistryAccounts
 from mint_core.revisions import PolicyRecord
 
 REFERENCE_S = 1.66
@@ -73,6 +81,13 @@ class RequestCount:
         return seconds, self.sent - before
 
 
+def read_figures(times: list[float]) -> dict[str, float]:
+    return {
+        "p50_ms": statistics.median(times) * 1e3,
+        "p99_ms": harness.percentile(times, 0.99) * 1e3,
+    }
+
+
 def summary(times: list[float], sent: list[int]) -> dict[str, Any]:
     return {
         "p50_s": statistics.median(times),
@@ -83,17 +98,53 @@ def summary(times: list[float], sent: list[int]) -> dict[str, Any]:
     }
 
 
+SEARCH = "/api/2.0/mlflow/registered-models/search"
+AUTH_CASES = ("signed in", "refused", "unguarded")
+
+
+def request_costs(guarded: str, unguarded: str, accounts: RegistryAccounts, rounds: int) -> dict:
+    """Seconds of one small registry read in each of AUTH_CASES, taking turns, each case on a
+    connection of its own kept open (as a worker's client keeps one)."""
+    worker = accounts.worker
+    targets = {
+        "signed in": (guarded, (worker.username, worker.password), 200),
+        "refused": (guarded, None, 401),
+        "unguarded": (unguarded, None, 200),
+    }
+    sessions = {case: requests.Session() for case in AUTH_CASES}
+    times: dict[str, list[float]] = {case: [] for case in AUTH_CASES}
+    try:
+        for n in range(rounds + 1):
+            for case in harness.alternating(n, AUTH_CASES):
+                url, auth, status = targets[case]
+                start = time.perf_counter()
+                answer = sessions[case].get(url + SEARCH, params={"max_results": 1}, auth=auth)
+                seconds = time.perf_counter() - start
+                assert answer.status_code == status, (case, answer.status_code, answer.text)
+                if n:  # the first round opens the connections
+                    times[case].append(seconds)
+    finally:
+        for session in sessions.values():
+            session.close()
+    return times
+
+
 def main() -> None:
     parser = harness.command_line(__doc__, "register")
     parser.add_argument("--revisions", type=int, default=60, help="revisions of each kind")
     parser.add_argument("--adapters", type=int, default=6, help="adapters they are spread over")
+    parser.add_argument("--requests", type=int, default=200, help="reads of each auth case")
     args = parser.parse_args()
 
+    load_at_start = os.getloadavg()[0]
     count = RequestCount()
     dataset = DatasetLog("/data/bench.jsonl", sha256_json("data"), 100)
+    accounts = RegistryAccounts.generate()
     with harness.scratch("register") as (home, services):
-        server = start_mlflow(home)
+        server = start_mlflow(home / "guarded", accounts=accounts)
         services.append(server)
+        # MLflow's client reads its credentials from the environment at each request.
+        os.environ.update(accounts.pipeline.env())
         registry = Registry(server.url)
         warm_up = policy("warm-up", 1)
         _, first_sent = count.during(
@@ -115,6 +166,9 @@ def main() -> None:
                 )
                 times.append(seconds)
                 sent.append(requests_sent)
+        open_server = start_mlflow(home / "unguarded")
+        services.append(open_server)
+        costs = request_costs(server.url, open_server.url, accounts, args.requests)
 
     imported, trained = (summary(*kinds[kind]) for kind in KINDS)
     p50 = imported["p50_s"]
@@ -127,6 +181,12 @@ def main() -> None:
               f"({figures['requests_min']}-{figures['requests_max']})")  # fmt: skip
     print(f"  first registration in the process (a new adapter): {first_sent} requests")
     print(f"  reference {REFERENCE_S:.2f} s -> {REFERENCE_S / p50:.1f}x faster at p50")
+    auth = {case: read_figures(costs[case]) for case in AUTH_CASES}
+    for case in AUTH_CASES:
+        print(f"  one read, {case:<9}: p50 {auth[case]['p50_ms']:.1f} ms   "
+              f"p99 {auth[case]['p99_ms']:.1f} ms")  # fmt: skip
+    added = {q: auth["signed in"][q] - auth["unguarded"][q] for q in ("p50_ms", "p99_ms")}
+    print(f"  authentication adds p50 {added['p50_ms']:.1f} ms, p99 {added['p99_ms']:.1f} ms")
     result = {
         "revisions": args.revisions,
         "adapters": args.adapters,
@@ -143,6 +203,13 @@ def main() -> None:
         "trained_samples_s": kinds["trained"][0],
         "requests_sent": kinds["imported"][1],
         "trained_requests_sent": kinds["trained"][1],
+        "auth_requests": args.requests,
+        "auth_added_p50_ms": added["p50_ms"],
+        "auth_added_p99_ms": added["p99_ms"],
+        "auth_over_refused_p50_ms": auth["signed in"]["p50_ms"] - auth["refused"]["p50_ms"],
+        "auth_read_ms": auth,
+        "auth_samples_s": costs,
+        "load_average_1m": {"start": load_at_start, "end": os.getloadavg()[0]},
     }
     harness.write(args.out, result)
 

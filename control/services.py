@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING
 from mint_core.config import LOOPBACK
 from mint_core.errors import ServiceError
 from mint_core.registry_accounts import (
+    ACCOUNTS_VARIABLE,
     AUTH_VARIABLE,
     PASSWORD_VARIABLE,
     USERNAME_VARIABLE,
     RegistryAccounts,
     auth_config,
-    provision,
 )
 
 if TYPE_CHECKING:
@@ -237,7 +237,8 @@ def start_mlflow(
     """An MLflow tracking server on loopback, one worker, artifacts under `home`; its backend
     store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`.
     With `accounts`, MLflow's basic-auth app guards it (users in sqlite under `home`): every
-    account reads, only the pipeline's writes (`mint_core.registry_accounts`). Model-version
+    account reads, only the pipeline's writes (`mint_core.registry_accounts`); the server makes
+    the accounts before it answers `/health`, so each signs in as soon as it is up. Model-version
     pages show revisions' files from the artifact store `store` configures (by default the one
     the environment's MINT_HOME and MINT_S3_* name)."""
     port = port or free_port()
@@ -274,6 +275,7 @@ def start_mlflow(
             AUTH_VARIABLE: "1",
             "MLFLOW_AUTH_CONFIG_PATH": str(ini.absolute()),
             "MLFLOW_FLASK_SERVER_SECRET_KEY": accounts.secret_key,
+            ACCOUNTS_VARIABLE: accounts.to_json(),
             USERNAME_VARIABLE: "",
             PASSWORD_VARIABLE: "",
         }
@@ -289,13 +291,6 @@ def start_mlflow(
         # request cut short leaves nothing half-written.
         grace_s=MLFLOW_SHUTDOWN_S + 0.5,
     )
-    if accounts is None:
-        return server
-    try:
-        provision(server.url, accounts)
-    except BaseException:
-        server.stop()
-        raise
     server.accounts = accounts
     return server
 

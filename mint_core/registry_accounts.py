@@ -8,17 +8,25 @@ account only manages users. Clients pass MLflow's usual variables, `MLFLOW_TRACK
 and `MLFLOW_TRACKING_PASSWORD` (`Account.env`).
 
 Passwords are generated once per state dir and kept, readable by its owner only, in
-`mlflow-accounts.json` beside MLflow's files (`RegistryAccounts.load_or_create`).
+`mlflow-accounts.json` beside MLflow's files (`RegistryAccounts.load_or_create`). The server
+keeps only their hashes (a deliberately slow key derivation), and checks one against its hash
+once per password and hash: `VerifiedCredentials` remembers a check that passed as an HMAC, so
+later requests with the same credentials cost microseconds, not a key derivation each.
 """
 
+import hashlib
+import hmac
 import json
 import os
 import secrets
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
 
-from mint_core.errors import ConfigurationError, RegistryError
+from mint_core.errors import ConfigurationError
 
 ACCOUNTS_FILE = "mlflow-accounts.json"
 """The accounts of one registry, in the folder that holds its files."""
@@ -133,47 +141,76 @@ class RegistryAccounts:
         return accounts
 
 
+class VerifiedCredentials:
+    """Which (username, password, stored hash) triples passed the slow hash check, so the
+    check runs once per triple, not once per request.
+
+    An entry is an HMAC-SHA256 of the triple under a key drawn at random when the object is
+    made (once per server process): neither the password nor anything an attacker could test
+    guesses against offline without that key is kept. The stored hash is part of the triple,
+    so a changed password (a new hash) misses at once and an old password fails its full
+    check; a removed account has no stored hash and is never looked up here. A wrong password
+    misses too and gets the full check, slow by design. At most `capacity` entries, the
+    least recently used leaving first."""
+
+    def __init__(self, check: Callable[[str, str], bool], capacity: int = 1024) -> None:
+        """`check(stored_hash, password)`: the slow check (werkzeug's check_password_hash)."""
+        self._check = check
+        self._capacity = capacity
+        self._key = secrets.token_bytes(32)
+        self._verified: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # the server answers requests on several threads
+
+    def _digest(self, username: str, password: str, stored_hash: str) -> bytes:
+        # Length-prefixed fields: no two different triples join into the same message.
+        message = b"".join(
+            len(field).to_bytes(4, "big") + field
+            for field in (f.encode() for f in (username, password, stored_hash))
+        )
+        return hmac.new(self._key, message, hashlib.sha256).digest()
+
+    def verify(self, username: str, password: str, stored_hash: str) -> bool:
+        """Whether `password` is `username`'s, whose stored hash is `stored_hash` now."""
+        digest = self._digest(username, password, stored_hash)
+        with self._lock:
+            if digest in self._verified:
+                self._verified.move_to_end(digest)
+                return True
+        # Outside the lock: checks of other credentials go on meanwhile.
+        if not self._check(stored_hash, password):
+            return False
+        with self._lock:
+            self._verified[digest] = None
+            while len(self._verified) > self._capacity:
+                self._verified.popitem(last=False)
+        return True
+
+    def __len__(self) -> int:
+        return len(self._verified)
+
+    def entries(self) -> tuple[bytes, ...]:
+        """What it holds: digests only (for tests that look for a password in it)."""
+        with self._lock:
+            return tuple(self._verified)
+
+
+AUTHORIZATION_FUNCTION = "mint_mlflow:authenticate_request"
+"""MinT's authorization function for MLflow's basic-auth app (its `authorization_function`
+setting): MLflow's check, with `VerifiedCredentials` in front of the slow hash."""
+ACCOUNTS_VARIABLE = "MINT_MLFLOW_ACCOUNTS"
+"""Set in an MLflow server's environment: the JSON of the `RegistryAccounts` its auth app
+creates before it answers its first request (`mint_mlflow`)."""
+
+
 def auth_config(accounts: RegistryAccounts, database_uri: str) -> str:
     """The auth app's settings (the ini `MLFLOW_AUTH_CONFIG_PATH` names): every account reads,
-    and the admin is created with its password on the first start."""
+    the admin is created with its password on the first start, and MinT's authorization
+    function checks the credentials."""
     return (
         "[mlflow]\n"
         "default_permission = READ\n"
         f"database_uri = {database_uri}\n"
         f"admin_username = {accounts.admin.username}\n"
         f"admin_password = {accounts.admin.password}\n"
-        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        f"authorization_function = {AUTHORIZATION_FUNCTION}\n"
     )
-
-
-def provision(url: str, accounts: RegistryAccounts) -> None:
-    """Create the accounts that do not exist yet on the auth app at `url` (as its admin), and
-    give the pipeline MANAGE on every registered model and experiment, present and future.
-    Idempotent. RegistryError naming the call if the server refuses."""
-    from mlflow.server.auth.routes import CREATE_USER, GET_USER, GRANT_USER_PERMISSION
-    from mlflow.utils.rest_utils import MlflowHostCreds, http_request
-
-    admin = MlflowHostCreds(url, username=accounts.admin.username, password=accounts.admin.password)
-
-    def call(endpoint: str, method: str, **kwargs: object) -> int:
-        response = http_request(admin, endpoint, method, max_retries=0, **kwargs)
-        if response.status_code >= 400 and response.status_code not in (400, 404):
-            raise RegistryError(
-                f"MLflow's auth app at {url} refused {endpoint} ({response.status_code}): "
-                f"{response.text[:300]}; check {ACCOUNTS_FILE}'s admin password"
-            )
-        return response.status_code
-
-    for account in (accounts.pipeline, accounts.worker, *accounts.auditors):
-        if call(GET_USER, "GET", params={"username": account.username}) == 200:
-            continue
-        body = {"username": account.username, "password": account.password}
-        call(CREATE_USER, "POST", json=body)
-    for resource_type in ("registered_model", "experiment"):
-        grant = {
-            "username": accounts.pipeline.username,
-            "resource_type": resource_type,
-            "resource_id": "*",
-            "permission": "MANAGE",
-        }
-        call(GRANT_USER_PERMISSION, "POST", json=grant)  # 400: granted already

@@ -1,24 +1,68 @@
 """MLflow with its own authentication, as `mint registry` runs it: only the pipeline's account
 writes (register, move aliases, set `mint.*` tags); auditors and workers read; nobody signs
-in anonymously. Against the real `mlflow server --app-name basic-auth`."""
+in anonymously; a refusal is MLflow's JSON error. Credentials are checked as strictly as
+MLflow's own app checks them (a wrong password, a changed one, a removed account: refused at
+once) though the slow hash check runs once per password. Against the real `mlflow server`
+with MLflow's basic-auth app in MinT's (`mint_mlflow`)."""
 
 import signal
 import stat
 import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from mlflow.exceptions import MlflowException
+from mlflow.server.auth.routes import CREATE_USER, DELETE_USER, UPDATE_USER_PASSWORD
 from mlflow.tracking import MlflowClient
 
-from control.services import free_port
+from control.services import ManagedProcess, free_port, start_mlflow
 from mint_core.errors import RegistryError
 from mint_core.registry import Registry
 from mint_core.registry_accounts import ACCOUNTS_FILE, Account, RegistryAccounts
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from tests.helpers import make_policy
 from tests.integration.helpers import mint_env, start_mint, stop_and_check, wait_for
+
+SEARCH = "/api/2.0/mlflow/registered-models/search"
+SET_MODEL_TAG = "/api/2.0/mlflow/registered-models/set-tag"
+CHANGE_SEEN_S = 3.0
+"""How soon a changed password or a removed account must be refused: "within a few seconds"
+(MinT's check refuses it at the next request; the margin is the machine's)."""
+
+
+@pytest.fixture(scope="module")
+def guarded(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[ManagedProcess, RegistryAccounts]]:
+    """A registry with MinT's accounts, started as `mint registry` starts it."""
+    accounts = RegistryAccounts.generate()
+    server = start_mlflow(tmp_path_factory.mktemp("guarded-registry"), accounts=accounts)
+    yield server, accounts
+    server.stop()
+
+
+def reads(url: str, username: str, password: str) -> int:
+    """The status of a small registry read signed in as `username` with `password`."""
+    answer = httpx.get(url + SEARCH, params={"max_results": 1}, auth=(username, password))
+    return answer.status_code
+
+
+def as_admin(url: str, accounts: RegistryAccounts, method: str, path: str, body: dict) -> None:
+    admin = (accounts.admin.username, accounts.admin.password)
+    answer = httpx.request(method, url + path, json=body, auth=admin, timeout=60)
+    assert answer.status_code == 200, answer.text
+
+
+def refused_within(url: str, username: str, password: str, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while reads(url, username, password) != 401:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 def acting_as(monkeypatch: pytest.MonkeyPatch, account: Account) -> None:
@@ -36,7 +80,10 @@ def refused(call: object, *args: object) -> MlflowException:
 
 @pytest.mark.slow
 def test_mint_registry_lets_only_the_pipeline_write(
-    started: list[subprocess.Popen[bytes]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    started: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prefect_api: str,
 ) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -79,8 +126,8 @@ def test_mint_registry_lets_only_the_pipeline_write(
         ):
             error = refused(call, *args)
             assert error.error_code == "PERMISSION_DENIED", (reader.username, call, error)
-            assert "403" in str(error)
-        with pytest.raises(RegistryError, match="403"):
+            assert f"Permission denied: {reader.username} may not" in str(error)
+        with pytest.raises(RegistryError, match="Permission denied"):
             Registry(url).move_alias(r2, PRODUCTION, actor=reader.username)
         assert Registry(url).resolve(RevisionRef("guarded-bot", alias=PRODUCTION)).id == r1
 
@@ -90,4 +137,104 @@ def test_mint_registry_lets_only_the_pipeline_write(
     assert registry.resolve(RevisionRef("guarded-bot", alias=PRODUCTION)).id == RevisionId(
         "guarded-bot", 2
     )
+    stop_and_check(registry_process, signal.SIGTERM, [f"{url}/health"], log)
+
+
+@pytest.mark.slow
+def test_a_wrong_password_or_an_unknown_account_is_refused(
+    guarded: tuple[ManagedProcess, RegistryAccounts],
+) -> None:
+    server, accounts = guarded
+    worker = accounts.worker
+    for _ in range(3):  # the check that passed is remembered; a wrong password is not let in
+        assert reads(server.url, worker.username, worker.password) == 200
+        assert reads(server.url, worker.username, worker.password + "x") == 401
+        assert reads(server.url, worker.username, "") == 401
+        assert reads(server.url, "mint-nobody", worker.password) == 401
+        assert reads(server.url, accounts.pipeline.username, worker.password) == 401
+
+
+@pytest.mark.slow
+def test_a_changed_password_is_refused_within_seconds(
+    guarded: tuple[ManagedProcess, RegistryAccounts],
+) -> None:
+    server, accounts = guarded
+    name, old, new = "rotating-auditor", "first-password-1", "second-password-2"
+    as_admin(server.url, accounts, "POST", CREATE_USER, {"username": name, "password": old})
+    assert reads(server.url, name, old) == 200
+    assert reads(server.url, name, old) == 200  # now remembered
+    as_admin(
+        server.url, accounts, "PATCH", UPDATE_USER_PASSWORD, {"username": name, "password": new}
+    )
+    assert refused_within(server.url, name, old, CHANGE_SEEN_S)
+    assert reads(server.url, name, new) == 200
+
+
+@pytest.mark.slow
+def test_a_removed_account_is_refused_within_seconds(
+    guarded: tuple[ManagedProcess, RegistryAccounts],
+) -> None:
+    server, accounts = guarded
+    name, password = "leaving-auditor", "leaving-password-1"
+    as_admin(server.url, accounts, "POST", CREATE_USER, {"username": name, "password": password})
+    assert reads(server.url, name, password) == 200
+    assert reads(server.url, name, password) == 200
+    as_admin(server.url, accounts, "DELETE", DELETE_USER, {"username": name})
+    assert refused_within(server.url, name, password, CHANGE_SEEN_S)
+
+
+@pytest.mark.slow
+def test_a_refusal_is_mlflows_json_error(
+    guarded: tuple[ManagedProcess, RegistryAccounts], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MLflow's UI shows a refusal with a text body as INTERNAL_ERROR; with MLflow's JSON error
+    it says permission denied, and MLflow's client reads the same code and message."""
+    server, accounts = guarded
+    acting_as(monkeypatch, accounts.pipeline)
+    MlflowClient(server.url, registry_uri=server.url).create_registered_model("refusing-bot")
+    auditor = accounts.auditors[0]
+    answer = httpx.post(
+        server.url + SET_MODEL_TAG,
+        json={"name": "refusing-bot", "key": "mint.note", "value": "by hand"},
+        auth=(auditor.username, auditor.password),
+    )
+    assert answer.status_code == 403
+    assert answer.headers["content-type"].startswith("application/json"), answer.text
+    error = answer.json()
+    assert error["error_code"] == "PERMISSION_DENIED"
+    assert error["message"].startswith("Permission denied")
+    assert auditor.username in error["message"] and "pipeline" in error["message"]
+
+    acting_as(monkeypatch, auditor)
+    client = MlflowClient(server.url, registry_uri=server.url)
+    raised = refused(client.set_registered_model_tag, "refusing-bot", "mint.note", "by hand")
+    assert raised.error_code == "PERMISSION_DENIED"
+    assert f"Permission denied: {auditor.username} may not" in raised.message
+
+
+@pytest.mark.slow
+def test_mint_registry_accepts_its_accounts_as_soon_as_health_says_ok(
+    started: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    """A process started beside the registry (a worker) waits for `/health`, then signs in:
+    it must not get a 401 because the accounts are still being made."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "registry.log"
+    registry_process = start_mint(
+        started, ["registry", "--port", str(port)], mint_env(MINT_HOME=str(tmp_path)), log
+    )
+
+    def healthy() -> bool:
+        try:
+            return httpx.get(f"{url}/health", timeout=5).status_code == 200
+        except httpx.TransportError:
+            time.sleep(0.02)
+            return False
+
+    wait_for(healthy, registry_process, log, timeout_s=180)
+    accounts = RegistryAccounts.load(tmp_path)  # written before the server starts
+    assert accounts is not None
+    for account in (accounts.worker, accounts.pipeline, accounts.auditors[0]):
+        assert reads(url, account.username, account.password) == 200, account.username
     stop_and_check(registry_process, signal.SIGTERM, [f"{url}/health"], log)
