@@ -69,6 +69,7 @@ from tasks.pipeline import (
     pack_adapter,
     prewarm_revision,
     register_revision,
+    rollout_lock,
 )
 
 PROMPT = "admission="
@@ -122,7 +123,8 @@ def promote_elsewhere(config: MintConfig, prepared: Prepared, worker_url: str) -
     registry.get(revision)  # activation checks the stage
     for stage in (Stage.PREWARMING, Stage.READY):
         registry.set_stage(revision, stage, "mint", "every worker reports it ready")
-    registry.move_alias(revision, PRODUCTION, "mint", "release")
+    with rollout_lock(revision.adapter) as slot:  # as every alias move takes it
+        registry.move_alias(revision, PRODUCTION, "mint", "release", slot=slot)
     if CANDIDATE in registry.get(revision).aliases:
         registry.drop_alias(revision.adapter, CANDIDATE)
     registry.set_stage(revision, Stage.ACTIVE, "mint", "release")
@@ -291,7 +293,8 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
     for name in tenants:
         revision = register(config, prepared[name])
         admit_revision.fn(config, revision)
-        activate_revision.fn(config, revision)
+        with rollout_lock(name) as slot:
+            activate_revision.fn(config, revision, slot=slot)
 
     load = Tenants(url, tenants, args.new_tokens)
     time.sleep(2.0)  # let the loop settle
@@ -325,9 +328,10 @@ def run(args: argparse.Namespace, config: MintConfig, work: Path, pids: dict[str
             prewarm_revision.fn(config, revision, timeout_s=300, fleet=fleet)
             body["parameters"]["adapter_id"] = f"{name}@production"
             answered = FirstAnswer(url, body, str(revision))
-            moved = time.monotonic()
-            activate_revision.fn(config, revision, fleet=fleet)
-            activate_step_s.append(time.monotonic() - moved)
+            with rollout_lock(name) as slot:  # taken before the clock starts, as before
+                moved = time.monotonic()
+                activate_revision.fn(config, revision, fleet=fleet, slot=slot)
+                activate_step_s.append(time.monotonic() - moved)
             activation_s.append(answered.wait() - moved)
     during_end = time.monotonic()
     cpu_at_end = cpu_seconds(pids)

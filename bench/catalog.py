@@ -34,6 +34,7 @@ import os
 import random
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -43,6 +44,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# Alias moves take their adapter's roll-out slot, a Prefect limit (Prefect's temporary server).
+os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
 
 import psutil
 from mlflow.tracking import MlflowClient
@@ -64,6 +67,7 @@ from mint_core.revisions import (
     RevisionRef,
 )
 from mint_core.states import Stage
+from tasks.pipeline import rollout_lock
 
 SYNC_INTERVAL_S = 1.0
 """A worker's default (serving.worker.worker.DEFAULT_SYNC_INTERVAL_S)."""
@@ -268,9 +272,10 @@ def alias_moves(
             name = f"mlflow-{move:04d}"
             target = RevisionId(name, revisions)  # production moves to the newest
             time.sleep(rng.uniform(0, SYNC_INTERVAL_S))  # not in step with the watcher
-            start = time.perf_counter()
-            registry.move_alias(target, PRODUCTION, actor="bench", reason="alias visibility")
-            returned = time.perf_counter()
+            with rollout_lock(name) as slot:  # as every alias move takes it; not timed
+                start = time.perf_counter()
+                registry.move_alias(target, PRODUCTION, "bench", "alias visibility", slot=slot)
+                returned = time.perf_counter()
             while catalog.alias_target(name, PRODUCTION) != revisions:
                 time.sleep(0.001)
             seen = time.perf_counter()

@@ -15,19 +15,13 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.approval import await_approval
+from flows.rollout import take_in
 from mint_core.config import CANARY_MIN_REQUESTS, CANARY_PERCENT, CANARY_WINDOW_S, MintConfig
 from mint_core.errors import ConfigurationError, MintError, NotFoundError, RejectedError
 from mint_core.planning.canary_judge import RevisionOutcomes, judge, merge
 from mint_core.registry import Registry, check_canary_percent
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef, check_adapter_name
-from tasks.pipeline import (
-    Fleet,
-    activate_revision,
-    admit_revision,
-    ensure_exported,
-    prewarm_revision,
-    rollout_lock,
-)
+from tasks.pipeline import Fleet, activate_revision, ensure_exported, rollout_lock
 from tasks.runs import label_run, production_move, summarize
 
 POLL_S = 2.0
@@ -82,12 +76,11 @@ def canary(
         )
     gates = registry.gates(adapter)
     ensure_exported(config, candidate)
-    with rollout_lock(adapter):
-        fleet = admit_revision(config, candidate)
-        prewarm_revision(config, candidate, fleet=fleet)
+    with rollout_lock(adapter) as slot:
+        fleet = take_in(config, candidate, slot, actor)
         started = time.time()
         registry.start_canary(
-            candidate, percent, actor, f"canary: {percent:g}% of {adapter}@{PRODUCTION}"
+            candidate, percent, actor, f"canary: {percent:g}% of {adapter}@{PRODUCTION}", slot=slot
         )
     _nudge(fleet)
     try:
@@ -102,7 +95,7 @@ def canary(
         approver = ""
         if verdict.promote and gates.requires_approval:
             approver = await_approval(config, candidate, gates, actor)  # RejectedError: rejected
-        with rollout_lock(adapter):
+        with rollout_lock(adapter) as slot:
             if verdict.promote:
                 activate_revision(
                     config,
@@ -112,16 +105,19 @@ def canary(
                     f"canary {verdict.reason}",
                     approver=approver,
                     fleet=fleet,
+                    slot=slot,
                 )
-            registry.end_canary(adapter, actor, verdict.reason)
+            registry.end_canary(adapter, actor, verdict.reason, slot=slot)
             if not verdict.promote:
                 registry.reject(candidate, actor, verdict.reason)
     except BaseException as e:
         # Whatever stopped it (a worker gone, a rejected approval, Ctrl-C in `mint canary`),
         # the candidate's share goes back to production: nothing decided it should go on.
         stopped = f"stopped: {type(e).__name__}: {e}"
-        with contextlib.suppress(MintError):
-            registry.end_canary(adapter, actor, stopped)
+        # Ending it moves `canary`: in the roll-out slot like every move. A slot still busy
+        # after the usual wait leaves the canary to the next `mint canary` or a rollback.
+        with contextlib.suppress(MintError), rollout_lock(adapter) as slot:
+            registry.end_canary(adapter, actor, stopped, slot=slot)
         if not isinstance(e, RejectedError):
             with contextlib.suppress(MintError):
                 registry.mark_failed(candidate, stopped, actor)

@@ -21,7 +21,7 @@ from flows.approval import approve
 from flows.canary import canary
 from flows.catalog import catalog_snapshot
 from flows.promote import promote, rollback
-from flows.release import release, retrain
+from flows.release import SCHEDULED, release, retrain
 from flows.repair import repair
 from flows.rl import rl
 from mint_core.config import MintConfig
@@ -83,9 +83,18 @@ _SERVED: tuple[tuple[Flow[..., Any], str, str], ...] = (
 """Each flow served, by deployment name, with the description the Prefect UI shows."""
 
 
+RUN_NAMES = (
+    "MinT names each run after what it does (e.g. `release support-bot`), so runs read alike "
+    "in the list and can be found by adapter: a name typed in the run form is not kept."
+)
+"""Said in every form of a flow MinT names the runs of. Why not keep a typed name: the form
+comes filled with a name Prefect made up, which nothing tells apart from one a person typed, and
+a list of runs named `bouncy-lemur` hides what each did."""
+
+
 def _deployments(config: MintConfig) -> list[RunnerDeployment]:
     deployments = [
-        flow.to_deployment(name=name, description=description, **_BY_MODULE)
+        flow.to_deployment(name=name, description=_described(flow, description), **_BY_MODULE)
         for flow, name, description in _SERVED
     ]
     for schedule in config.retrain:
@@ -93,13 +102,20 @@ def _deployments(config: MintConfig) -> list[RunnerDeployment]:
         deployments.append(
             retrain.to_deployment(
                 name=f"retrain-{schedule.adapter}",
-                description=f"Retrain {schedule.adapter} on {schedule.data}, on schedule.",
+                description=_described(
+                    retrain, f"Retrain {schedule.adapter} on {schedule.data}, on schedule."
+                ),
                 cron=schedule.cron,
-                parameters={"adapter": schedule.adapter, "data": schedule.data},
+                parameters={"adapter": schedule.adapter, "data": schedule.data, "actor": SCHEDULED},
                 **_BY_MODULE,
             )
         )
     return deployments
+
+
+def _described(flow: Flow[..., Any], description: str) -> str:
+    """`description`, and RUN_NAMES when MinT names `flow`'s runs."""
+    return f"{description} {RUN_NAMES}" if flow.flow_run_name else description
 
 
 def serve_deployments(config: MintConfig) -> None:

@@ -189,13 +189,19 @@ def _release(config: MintConfig, shipment: Shipment, timed: StageClock, reason: 
     return revision
 
 
+SCHEDULED = "schedule"
+"""Who a retrain started by its deployment's schedule (`MINT_RETRAIN`) is recorded as."""
+
+
 def _allowed(principals: list[str] | None) -> tuple[str, ...]:
     """The principals a flow parameter names; none named: everyone."""
     return tuple(principals) if principals else (EVERYONE,)
 
 
 @flow(name="retrain", flow_run_name="retrain {adapter}")
-def retrain(adapter: str, data: str, steps: int | None = None) -> ReleaseReport:
+def retrain(
+    adapter: str, data: str, steps: int | None = None, actor: str = SCHEDULED
+) -> ReleaseReport:
     """Train `adapter` again on the rows at `data` as they are now (the file is read afresh)
     and release the result as its next revision. The seed is the run's scheduled time: each
     scheduled run shuffles and initialises anew, and a rerun of one run does the same again.
@@ -204,8 +210,10 @@ def retrain(adapter: str, data: str, steps: int | None = None) -> ReleaseReport:
         adapter: The adapter to retrain, e.g. `support-bot`.
         data: Training rows: a JSONL file (path on the flow server, or s3:// URI).
         steps: Optimizer steps; empty: one epoch over `data`.
+        actor: Your name: recorded as who retrained it (stage and alias histories); a
+            scheduled run records the schedule.
     """
     label_run(check_adapter_name(adapter))
     scheduled = prefect.runtime.flow_run.scheduled_start_time
     seed = int(scheduled.timestamp()) if scheduled else int(time.time())
-    return release(adapter, data, steps=steps, seed=seed, actor="retrain")
+    return release(adapter, data, steps=steps, seed=seed, actor=actor)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from prefect import flow
 
 from flows.release import on_base
-from flows.rollout import StageClock
+from flows.rollout import StageClock, roll_out
 from flows.ship import Shipment, ship
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
@@ -31,7 +31,7 @@ from mint_core.model.rl import (
 from mint_core.model.toy import Task
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
-from tasks.pipeline import Fleet, activate_revision, admit_revision, prewarm_revision
+from tasks.pipeline import Fleet
 from tasks.rl import (
     RlRun,
     WorkerSampler,
@@ -175,15 +175,16 @@ def _ship_to_rl(
     fleet: Fleet | None,
 ) -> tuple[RevisionId, Fleet]:
     """save -> ship (freeze, pack, export, register with `parent`, the revision it trained
-    from) -> admit -> prewarm -> activate on `rl`, on `fleet`: the workers of the run's base,
-    resolved at its first revision. The revision and the fleet."""
+    from) -> roll out to `rl`, ungated (admit -> prewarm -> activate, in the adapter's roll-out
+    slot like any roll-out), on `fleet`: the workers of the run's base, resolved at its first
+    revision. The revision and the fleet."""
     trained = timed("save", save_policy, config, adapter, trainer, run, figures)
     parent_ref = RevisionRef(adapter, revision=parent.number) if parent else None
     revision = ship(config, Shipment(adapter, trained, actor, parent=parent_ref), timed)
-    fleet = timed("admit", admit_revision, config, revision, fleet=fleet)
-    timed("prewarm", prewarm_revision, config, revision, fleet=fleet)
     reason = f"rl step {trainer.steps}"
-    timed("activate", activate_revision, config, revision, RL_ALIAS, actor, reason, fleet=fleet)
+    fleet = roll_out(
+        config, revision, actor, reason, timed=timed, alias=RL_ALIAS, gated=False, fleet=fleet
+    )
     return revision, fleet
 
 

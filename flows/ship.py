@@ -10,7 +10,9 @@ from mint_core.config import MintConfig
 from mint_core.model.datasets import Dataset
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter
+from mint_core.registry import StageMark
 from mint_core.revisions import RevisionId, RevisionRef
+from mint_core.states import Stage
 from tasks.pipeline import export_adapter, freeze_adapter, pack_adapter, register_revision
 
 
@@ -31,10 +33,15 @@ class Shipment:
 
 
 def ship(config: MintConfig, shipment: Shipment, timed: StageClock) -> RevisionId:
-    """The next revision of `shipment.adapter`, registered (no user reaches it yet)."""
+    """The next revision of `shipment.adapter`, registered (no user reaches it yet), its stage
+    history starting with each step here and when it was done."""
+    reached = [StageMark.reached(Stage.TRAINED, _made(shipment.source))]
     frozen = timed("freeze", freeze_adapter, config, shipment.source.path)
+    reached.append(StageMark.reached(Stage.FROZEN, f"files {frozen.digest}"))
     packed_dir, index = timed("pack", pack_adapter, config, frozen)
+    reached.append(StageMark.reached(Stage.PACKED, f"{len(index.shards)} shards"))
     exported = timed("export", export_adapter, config, packed_dir, index)
+    reached.append(StageMark.reached(Stage.EXPORTED, exported.uri))
     return timed(
         "register",
         register_revision,
@@ -47,4 +54,12 @@ def ship(config: MintConfig, shipment: Shipment, timed: StageClock) -> RevisionI
         principals=shipment.principals,
         held_out=shipment.held_out,
         parent=shipment.parent,
+        reached=tuple(reached),
     )
+
+
+def _made(source: TrainedAdapter | ImportedAdapter) -> str:
+    """How the adapter came to be, for its `trained` entry."""
+    if isinstance(source, TrainedAdapter):
+        return f"{source.steps} steps on {source.dataset}"
+    return f"trained elsewhere; imported from {source.path}"

@@ -61,6 +61,11 @@ class RolloutBusyError(MintError):
     TimeoutError: Prefect would report the flow run itself as timed out.)"""
 
 
+class SlotNotHeldError(MintError):
+    """An alias move was given a roll-out slot that is another adapter's or no longer held:
+    the caller must move aliases inside `rollout_lock(adapter)` with the slot it yields."""
+
+
 class RejectedError(MintError):
     """A gate (evaluation, approval or canary) stopped a revision before activation; the
     message carries the figures or the decision. `production` did not move."""

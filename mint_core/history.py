@@ -109,6 +109,8 @@ def _stage_row(entry: Mapping[str, str]) -> list[str]:
         event = "approved"
     elif entry.get("from") == entry.get("to"):
         event = "note"
+    elif not entry.get("from"):  # the first entry: the stage the revision started in
+        event = entry.get("to", "")
     else:
         event = f"{entry.get('from', '')} → {entry.get('to', '')}"
     return [_second(entry.get("at", "")), event, entry.get("actor", ""), entry.get("reason", ""),

@@ -22,7 +22,7 @@ from control.worker_client import WorkerClient
 from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.errors import NotFoundError, NotReadyError, ServiceError
 from mint_core.planning.placement import place
-from mint_core.registry import Registry, check_activatable
+from mint_core.registry import Registry, RolloutSlot, check_activatable
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
 from tasks.policies import transient
@@ -95,18 +95,22 @@ def fleet_for(config: MintConfig, revision: RevisionId, fleet: Fleet | None = No
     retry_condition_fn=transient,
 )
 def admit_revision(
-    config: MintConfig, revision: RevisionId, rollback: bool = False, fleet: Fleet | None = None
+    config: MintConfig,
+    revision: RevisionId,
+    rollback: bool = False,
+    fleet: Fleet | None = None,
+    actor: str = "mint",
 ) -> Fleet:
     """Make `revision` the adapter's `candidate` (workers of its placement that restart take it
     in again) and queue it on the workers that are to hold it; a rollback goes to the front of
     their queues. The fleet that took it in (`fleet`, else resolved here): the roll-out's later
-    steps use it."""
+    steps use it. `actor`: who rolls it out, recorded on the stage change."""
     fleet = fleet_for(config, revision, fleet)
     registry = Registry(config.tracking_uri)
     registry.point_alias(revision, CANDIDATE)
     for worker in fleet.workers:
         worker.admit(revision, "rollback" if rollback else "normal")
-    registry.set_stage(revision, Stage.ADMITTED)
+    registry.set_stage(revision, Stage.ADMITTED, actor)
     return fleet
 
 
@@ -133,11 +137,14 @@ def prewarm_revision(
     revision: RevisionId,
     timeout_s: float = READY_TIMEOUT_S,
     fleet: Fleet | None = None,
+    actor: str = "mint",
 ) -> None:
+    """Wait until every worker that is to hold `revision` reports it ready, its stage
+    `prewarming` meanwhile and `ready` after, both recorded as `actor`'s."""
     registry = Registry(config.tracking_uri)
-    registry.set_stage(revision, Stage.PREWARMING)
+    registry.set_stage(revision, Stage.PREWARMING, actor)
     wait_fleet_ready(config, revision, timeout_s, fleet)
-    registry.set_stage(revision, Stage.READY)
+    registry.set_stage(revision, Stage.READY, actor, "every worker reports it ready")
 
 
 def wait_fleet_ready(
@@ -165,13 +172,17 @@ def activate_revision(
     timeout_s: float = READY_TIMEOUT_S,
     approver: str = "",
     fleet: Fleet | None = None,
+    *,
+    slot: RolloutSlot,
 ) -> None:
     """Move `alias` to `revision` once every worker that is to hold it reports it ready
     (waiting up to `timeout_s`); if one fails it or time runs out, the alias stays where it
     was. The workers are nudged as soon as the alias has moved, so they switch new requests at
     once instead of at their next sync, and again once the roll-out's records are finished
     (the candidate alias dropped, the stages moved). `approver` (who approved this roll-out, if
-    its gates asked) is recorded on the move."""
+    its gates asked) is recorded on the move. `slot`: the adapter's roll-out slot, held
+    (`tasks.pipeline.rollout_lock`)."""
+    slot.check(revision.adapter)  # at once, not after the wait for the fleet
     registry = Registry(config.tracking_uri)
     check_activatable(registry.get(revision))
     try:
@@ -182,7 +193,7 @@ def activate_revision(
     registered = registry.get(revision)
     check_activatable(registered)
     previous = registry.activate(
-        registered, alias, actor, reason, approver, moved=lambda: nudge_workers(config)
+        registered, alias, actor, reason, approver, lambda: nudge_workers(config), slot=slot
     )
     before = "none" if previous is None else f"r{previous}"
     run_log().info("%s@%s %s → r%d (%s)", revision.adapter, alias, before, revision.number, reason)

@@ -21,7 +21,7 @@ from mint_core.model.datasets import Dataset
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter
 from mint_core.planning.evaluation import EVAL_ROWS_TAG, store_rows
-from mint_core.registry import Registry
+from mint_core.registry import Registry, StageMark
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from tasks.policies import ONCE_PER_RUN, transient
 from tasks.runs import run_log
@@ -62,7 +62,8 @@ def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> 
 
 # No task retries: MLflow's client already retries its requests, and a retry after a lost reply
 # to create_model_version would register a second revision.
-@task(name="register", cache_policy=ONCE_PER_RUN, persist_result=True)
+# `reached` (the steps' times) is left out of the cache key: a rerun reuses the revision.
+@task(name="register", cache_policy=ONCE_PER_RUN - "reached", persist_result=True)
 def register_revision(
     config: MintConfig,
     adapter: str,
@@ -73,11 +74,13 @@ def register_revision(
     principals: tuple[str, ...] = (EVERYONE,),
     held_out: Dataset | None = None,
     parent: RevisionRef | None = None,
+    reached: tuple[StageMark, ...] = (),
 ) -> RevisionId:
     """Register the next revision of `adapter`, with the `held_out` rows a trained one was
     evaluated on kept in the artifact store: its evaluation gate, and later candidates', score
     on them. Its parent is the revision `parent` names (a release's is `adapter@production`,
-    an RL sync's the revision it trained from), if that resolves to one."""
+    an RL sync's the revision it trained from), if that resolves to one. `reached`: the steps
+    before (trained, frozen, packed, exported) and when: the start of its stage history."""
     registry = Registry(config.tracking_uri)
     try:
         parent_number = registry.resolve(parent).id.number if parent else None
@@ -99,7 +102,7 @@ def register_revision(
     if held_out is not None:  # named by their content: stored again alike if this is retried
         name = store_rows(open_store(config), config.work_root / "eval-rows", held_out.rows)
         tags[EVAL_ROWS_TAG] = name  # written with the revision: never one without them
-    revision = registry.register(policy, exported.uri, serving_base, run_id, tags).id
+    revision = registry.register(policy, exported.uri, serving_base, run_id, tags, reached).id
     run_log().info("registered %s (%s)", revision, exported.content_digest)
     return revision
 

@@ -23,6 +23,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from mint_core.errors import RolloutBusyError
+from mint_core.registry import RolloutSlot, held_slot
 from tasks.catalog import snapshot_catalog
 from tasks.evaluation import evaluate_revision
 from tasks.fleet import (
@@ -77,10 +78,12 @@ ROLLOUT_TIMEOUT_S = 900.0
 
 
 @contextmanager
-def rollout_lock(adapter: str, timeout_s: float | None = None) -> Iterator[None]:
+def rollout_lock(adapter: str, timeout_s: float | None = None) -> Iterator[RolloutSlot]:
     """Hold `adapter`'s roll-out slot: a strict Prefect global concurrency limit of 1, so no
-    two releases, promotions, rollbacks or repairs of one adapter admit and move its alias at
-    once, in any process. The limit is created on first use. A holder that dies frees the slot
+    two releases, promotions, rollbacks, canaries, RL syncs or repairs of one adapter admit and
+    move its aliases at once, in any process. Yields the slot as a value
+    (`mint_core.registry.RolloutSlot`): every alias move requires it, so none can happen
+    outside this block. The limit is created on first use. A holder that dies frees the slot
     when its lease (60 s, renewed while it lives) runs out. RolloutBusyError if the slot stays
     taken for `timeout_s` (default `ROLLOUT_TIMEOUT_S`): the caller has changed nothing yet."""
     timeout_s = ROLLOUT_TIMEOUT_S if timeout_s is None else timeout_s
@@ -107,4 +110,5 @@ def rollout_lock(adapter: str, timeout_s: float | None = None) -> Iterator[None]
                 "another release, promote, rollback or repair of it is running. Nothing was "
                 "changed; run this again once that one has finished"
             ) from e
-        yield
+        with held_slot(adapter, name) as slot:
+            yield slot

@@ -10,9 +10,11 @@ A revision's life here, one module per part, all reached through one `Registry`:
 2. `revisions`: `register` makes the model version, the policy record as its tags; `resolve`
    turns `name:rN` or `name@alias` into a `RegisteredRevision`.
 3. `stages`: each step of the pipeline moves its stage (checked against `states.Stage`'s
-   table), appended to its stage history.
+   table), appended to its stage history (`stage_log`), which starts with the steps before
+   registration (trained, frozen, packed, exported) and their times.
 4. `aliases`: `activate` walks a ready revision to `active` and moves `production` to it,
-   recording the move in the adapter's alias history (`moves`) and as an intent workers follow.
+   recording the move in the adapter's alias history (`moves`) and as an intent workers follow;
+   every alias move needs the adapter's roll-out slot (`slots`), held.
 5. `canary`, `gates`: a candidate's share of live traffic, and what its roll-outs must pass.
 6. `changes`: what workers read at each sync to follow all of this.
 
@@ -40,6 +42,8 @@ from mint_core.registry.gates import AdapterGates
 from mint_core.registry.moves import AliasMove, MoveRecord, moves_made
 from mint_core.registry.revisions import VERSIONS_PAGE, RegisteredRevision
 from mint_core.registry.runs import DatasetLog
+from mint_core.registry.slots import RolloutSlot, held_slot
+from mint_core.registry.stage_log import StageMark
 
 __all__ = [
     "ACTIVATABLE",
@@ -62,8 +66,11 @@ __all__ = [
     "MoveRecord",
     "RegisteredRevision",
     "Registry",
+    "RolloutSlot",
+    "StageMark",
     "check_activatable",
     "check_canary_percent",
+    "held_slot",
     "moves_made",
 ]
 

@@ -16,6 +16,7 @@ from mint_core.history import adapter_description
 from mint_core.registry._mlflow import ACTIVATED_AT_TAG, REASON_CHARS, missing, now
 from mint_core.registry.moves import AliasMove, MoveRecord, moves_made, records_in
 from mint_core.registry.revisions import RegisteredRevision
+from mint_core.registry.slots import RolloutSlot
 from mint_core.registry.stages import Stages
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId
 from mint_core.states import Stage
@@ -34,6 +35,8 @@ class Aliases(Stages):
         actor: str = "mint",
         reason: str = "",
         approver: str = "",
+        *,
+        slot: RolloutSlot,
     ) -> int | None:
         """Point `adapter@alias` at `revision`, record the move in the adapter's alias history,
         and return the revision the alias pointed at before (None if there was no such alias).
@@ -46,9 +49,11 @@ class Aliases(Stages):
         repair: killed before the record, nothing happened; killed after the record but before
         the alias moved, the record stays an intent that readers skip, since the alias was next
         seen elsewhere (`moves_made`); killed after the alias moved, readers count the intent,
-        since the alias was next seen at its target. Moves of one adapter are serialized by its
-        roll-out lock, which keeps their numbers unique."""
-        return self._move_alias(revision, alias, actor, reason, approver)[0].from_revision
+        since the alias was next seen at its target.
+
+        `slot`: the adapter's roll-out slot, held (`mint_core.registry.slots`): it serializes
+        the adapter's moves, which keeps their numbers unique."""
+        return self._move_alias(revision, alias, actor, reason, approver, slot)[0].from_revision
 
     def _move_alias(
         self,
@@ -57,6 +62,7 @@ class Aliases(Stages):
         actor: str,
         reason: str,
         approver: str,
+        slot: RolloutSlot,
         registered: RegisteredRevision | None = None,
         moved: Callable[[], None] | None = None,
     ) -> tuple[AliasMove, RegisteredRevision]:
@@ -64,6 +70,7 @@ class Aliases(Stages):
         as already read (its tags and description), saving a read. `moved` is called as soon
         as workers can see the move (alias, intent and the adapter's change time written),
         before the move's own records are finished."""
+        slot.check(revision.adapter)
         model = self._model(revision.adapter)
         before = (model.aliases or {}).get(alias)
         records = self._move_records(revision.adapter)
@@ -169,6 +176,8 @@ class Aliases(Stages):
         reason: str = "release",
         approver: str = "",
         moved: Callable[[], None] | None = None,
+        *,
+        slot: RolloutSlot,
     ) -> int | None:
         """Put `registered`, ready on every worker of its base, in front of users: its stage
         walks on to `ready`, `alias` moves to it (`move_alias`), its roll-out ends (`candidate`
@@ -178,12 +187,13 @@ class Aliases(Stages):
 
         `moved` is called as soon as workers can see the alias move, before the records that
         follow it: a caller nudges the workers then, so users get the revision without waiting
-        for the rest of this."""
+        for the rest of this. `slot`: the adapter's roll-out slot, held (`move_alias`)."""
         revision = registered.id
+        slot.check(revision.adapter)  # before the stage walk, which the move must not strand
         steps = ACTIVATABLE[ACTIVATABLE.index(registered.stage) + 1 :]
         registered = self.walk_stages(registered, steps, actor, "every worker reports it ready")
         move, registered = self._move_alias(
-            revision, alias, actor, reason, approver, registered, moved
+            revision, alias, actor, reason, approver, slot, registered, moved
         )
         if CANDIDATE in registered.aliases:
             self.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over

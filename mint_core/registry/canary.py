@@ -9,6 +9,7 @@ from mlflow.entities.model_registry import RegisteredModel
 from mint_core.errors import ConfigurationError
 from mint_core.registry._mlflow import CANARY_PERCENT_TAG
 from mint_core.registry.aliases import Aliases
+from mint_core.registry.slots import RolloutSlot
 from mint_core.revisions import CANARY, PRODUCTION, RevisionId
 
 log = logging.getLogger(__name__)
@@ -43,13 +44,21 @@ class Canaries(Aliases):
     """Starting, ending and reading an adapter's canary."""
 
     def start_canary(
-        self, revision: RevisionId, percent: float, actor: str = "mint", reason: str = ""
+        self,
+        revision: RevisionId,
+        percent: float,
+        actor: str = "mint",
+        reason: str = "",
+        *,
+        slot: RolloutSlot,
     ) -> int | None:
         """Send `percent` of `adapter@production`'s requests to `revision` on every worker that
         has it ready: `adapter@canary` moves to it (recorded in the alias history) and the share
         is set beside it. The revision `canary` named before, if any. Workers follow at their
-        next sync; a worker that does not have `revision` ready keeps serving production."""
+        next sync; a worker that does not have `revision` ready keeps serving production.
+        `slot`: the adapter's roll-out slot, held (`move_alias`)."""
         check_canary_percent(percent)
+        slot.check(revision.adapter)  # before the share, which must not go out without a move
         self._model(revision.adapter)
         with self._failing(f"set the canary share of {revision.adapter!r}"):
             # The share first: a worker that syncs in between sees it with the old canary, or
@@ -57,13 +66,17 @@ class Canaries(Aliases):
             self._client.set_registered_model_tag(
                 revision.adapter, CANARY_PERCENT_TAG, str(float(percent))
             )
-        return self.move_alias(revision, CANARY, actor, reason)
+        return self.move_alias(revision, CANARY, actor, reason, slot=slot)
 
-    def end_canary(self, adapter: str, actor: str = "mint", reason: str = "") -> RevisionId | None:
+    def end_canary(
+        self, adapter: str, actor: str = "mint", reason: str = "", *, slot: RolloutSlot
+    ) -> RevisionId | None:
         """Stop sending `adapter@production`'s requests to a canary: the share is removed, the
         end is recorded in the alias history as a move of `canary` to the `production` revision
         with `reason` (the decision and its figures), and the alias is dropped. The revision the
-        canary named; None, and nothing recorded, if there was no canary. Idempotent."""
+        canary named; None, and nothing recorded, if there was no canary. Idempotent.
+        `slot`: the adapter's roll-out slot, held (`move_alias`)."""
+        slot.check(adapter)
         model = self._model(adapter)
         aliases = model.aliases or {}
         canary = aliases.get(CANARY)
@@ -76,7 +89,7 @@ class Canaries(Aliases):
             return None
         # Without `production` the end is recorded on the canary revision itself.
         landing = int(aliases.get(PRODUCTION, canary))
-        self.move_alias(RevisionId(adapter, landing), CANARY, actor, reason)
+        self.move_alias(RevisionId(adapter, landing), CANARY, actor, reason, slot=slot)
         self.drop_alias(adapter, CANARY)
         return RevisionId(adapter, int(canary))
 

@@ -2,8 +2,9 @@
 record), resolving a name to one, and listing them."""
 
 import contextlib
+import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Self
 
@@ -16,10 +17,12 @@ from mint_core.registry._mlflow import (
     ADAPTER_KIND,
     BASE_DIGEST_TAG,
     KIND_TAG,
+    STAGE_HISTORY_TAG,
     STAGE_TAG,
     missing,
 )
 from mint_core.registry.runs import Runs
+from mint_core.registry.stage_log import StageMark, first_history
 from mint_core.revisions import PRODUCTION, TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
 
@@ -97,11 +100,14 @@ class Revisions(Runs):
         serving_base_digest: str,
         run_id: str | None = None,
         tags: Mapping[str, str] | None = None,
+        reached: Sequence[StageMark] = (),
     ) -> RegisteredRevision:
         """Create the next revision of `policy.adapter`, linked to its training run `run_id`
         (`start_training_run`; a run is made for an imported adapter), with `tags` beside its
-        policy record. Nothing is written unless the policy's base matches the serving base
-        and, if the adapter exists, the adapter's base.
+        policy record. Its stage history starts with the pipeline's steps `reached` before
+        (trained, frozen, packed, exported, with their times), then `registered`, all as
+        `policy.created_by`'s, written with the version. Nothing is written unless the
+        policy's base matches the serving base and, if the adapter exists, the adapter's base.
 
         The model version is created whole, every tag with it, in one request: it is the step
         that makes the revision exist, so a registration that fails or is killed leaves either
@@ -123,11 +129,13 @@ class Revisions(Runs):
                     f"adapter {policy.adapter!r} is registered on base {adapter_base}; this "
                     f"revision was trained on {policy.base_digest}"
                 )
+        history = first_history(reached, policy.created_by)
+        tags = {**(tags or {}), STAGE_HISTORY_TAG: json.dumps(history)}
         imported = run_id is None
         with self._failing(f"register {policy.adapter!r}"):
             run_id = self._start_release_run(policy, run_id)
             try:
-                version = self._create_version(policy, artifact_uri, run_id, existing, tags or {})
+                version = self._create_version(policy, artifact_uri, run_id, existing, tags)
             except Exception:
                 if imported:  # its run made nothing: say so rather than leave it running
                     with contextlib.suppress(MlflowException, RegistryError):
@@ -145,7 +153,8 @@ class Revisions(Runs):
         existing: RegisteredModel | None,
         tags: Mapping[str, str],
     ) -> ModelVersion:
-        """The model version of a new revision (and its registered model, for a new adapter)."""
+        """The model version of a new revision (and its registered model, for a new adapter),
+        its history table written from the stage history in `tags`."""
         if existing is None:
             # MLflow keeps registered-model tag values in String(5000), which PostgreSQL
             # enforces: MinT's are a word and the serving base's sha256 digest, and history
@@ -163,7 +172,7 @@ class Revisions(Runs):
             description=version_description(
                 f"trained on {policy.dataset or 'data from elsewhere (imported)'}, "
                 f"content {policy.content_digest}",
-                [],
+                json.loads(tags.get(STAGE_HISTORY_TAG, "[]")),
                 [],
             ),
         )

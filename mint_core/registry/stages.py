@@ -1,6 +1,7 @@
 """A revision's stage in the release pipeline, and its history: each move is checked against
-the stage table (`mint_core.states`) and appended to the revision's stage history tag, and the
-version's description table is written again from its tags (`mint_core.history`).
+the stage table (`mint_core.states`) and appended to the revision's stage history tag
+(`stage_log`: it starts with the steps before registration), and the version's description
+table is written again from its tags (`mint_core.history`).
 
 The operations take a revision by id (read here) or as a record already read, and return the
 record as written: a caller walking a revision through several steps reads it once."""
@@ -10,9 +11,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from mint_core.history import version_description
-from mint_core.registry._mlflow import FAILURE_TAG, REASON_CHARS, STAGE_HISTORY_TAG, STAGE_TAG, now
+from mint_core.registry._mlflow import FAILURE_TAG, STAGE_HISTORY_TAG, STAGE_TAG
 from mint_core.registry.moves import done_moves, records_in
 from mint_core.registry.revisions import RegisteredRevision, Revisions
+from mint_core.registry.stage_log import history_entry
 from mint_core.revisions import RevisionId
 from mint_core.states import Stage, transition
 
@@ -55,7 +57,7 @@ class Stages(Revisions):
         current = registered.stage
         for stage in stages:
             transition(current, stage)
-            history.append(_history_entry(current, stage, actor, reason))
+            history.append(history_entry(current, stage, actor, reason))
             current = stage
         self._client.set_model_version_tag(
             registered.id.adapter, str(registered.id.number), STAGE_TAG, current.value
@@ -89,7 +91,7 @@ class Stages(Revisions):
         approver: str = "",
     ) -> RegisteredRevision:
         history = json.loads(registered.tags.get(STAGE_HISTORY_TAG, "[]"))
-        history.append(_history_entry(registered.stage, stage, actor, reason, approver))
+        history.append(history_entry(registered.stage, stage, actor, reason, approver))
         return self._write_stage_history(registered, history)
 
     def _write_stage_history(
@@ -114,12 +116,3 @@ class Stages(Revisions):
             registered.id.adapter, str(registered.id.number), description=description
         )
         return replace(registered, description=description)
-
-
-def _history_entry(
-    before: Stage, after: Stage, actor: str, reason: str, approver: str = ""
-) -> dict[str, str]:
-    """One move in a stage history."""
-    entry = {"at": now(), "from": before.value, "to": after.value, "actor": actor}
-    entry["reason"] = reason[:REASON_CHARS]
-    return entry | ({"approver": approver} if approver else {})

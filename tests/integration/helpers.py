@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 import boto3
@@ -50,12 +50,14 @@ from serving.http.app import create_app
 from serving.worker.worker import Worker
 from tasks.pipeline import (
     Exported,
+    activate_revision,
     check_import,
     export_adapter,
     freeze_adapter,
     load_data,
     pack_adapter,
     register_revision,
+    rollout_lock,
     train_adapter,
 )
 from tests.helpers import ENGINE_SPEC, random_lora, tiny_base
@@ -66,6 +68,28 @@ if TYPE_CHECKING:
     from flows.release import ReleaseReport
 
 # --- Adapters taken through the pipeline ----------------------------------------------------
+
+
+def move_alias(
+    registry: Registry,
+    revision: RevisionId,
+    alias: str,
+    actor: str = "mint",
+    reason: str = "",
+    approver: str = "",
+) -> int | None:
+    """`registry.move_alias` in the adapter's roll-out slot, as every mover must take it (the
+    Prefect API of the session: a test using this requests `prefect_api`)."""
+    with rollout_lock(revision.adapter) as slot:
+        return registry.move_alias(revision, alias, actor, reason, approver, slot=slot)
+
+
+def activate(config: MintConfig, revision: RevisionId, *args: Any, **options: Any) -> None:
+    """`activate_revision` (its arguments after the revision as it takes them) in the
+    adapter's roll-out slot, as a roll-out activates (a test using this requests
+    `prefect_api`, as the `worker` fixture does)."""
+    with rollout_lock(revision.adapter) as slot:
+        activate_revision.fn(config, revision, *args, slot=slot, **options)
 
 
 def toy_data(home: Path, task: Task | str, rows: int = 12_800) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from mint_core.errors import RegistryError
 from mint_core.registry import AliasMove, MoveRecord, Registry, moves_made
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from tests.helpers import make_policy
+from tests.integration.helpers import move_alias
 
 REGISTERED_MODEL_TAG_LIMIT = 5000
 """MLflow's schema declares registered-model tag values `String(5000)`: PostgreSQL and MySQL
@@ -32,7 +33,8 @@ WRITES = frozenset(
 
 
 @pytest.fixture
-def registry(mlflow_server: ManagedProcess) -> Registry:
+def registry(mlflow_server: ManagedProcess, prefect_api: str) -> Registry:
+    """The session registry; `prefect_api` for the roll-out slots alias moves take."""
     return Registry(mlflow_server.url)
 
 
@@ -102,13 +104,13 @@ def inject(registry: Registry) -> Iterator[Callable[[Fault], None]]:
 def test_an_error_reading_the_alias_moves_nothing(registry: Registry, inject: Callable) -> None:
     adapter = new_adapter("read-fails-bot")
     r1, r2 = register(registry, adapter, 2)
-    registry.move_alias(r1, PRODUCTION)
+    move_alias(registry, r1, PRODUCTION)
     unavailable = MlflowException("the database is busy", error_code="TEMPORARILY_UNAVAILABLE")
     # Every read fails; writes still reach the server (a replica lagging, a flaky proxy).
     inject(lambda method, _: unavailable if method.startswith(("get_", "search_")) else None)
 
     with pytest.raises(RegistryError, match="the database is busy"):
-        registry.move_alias(r2, PRODUCTION)
+        move_alias(registry, r2, PRODUCTION)
 
     inject(lambda *_: None)
     assert production(registry, adapter) == 1
@@ -127,8 +129,8 @@ def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
 ) -> None:
     adapter = new_adapter(f"crash-{crash_at}-bot")
     r1, r2, r3 = register(registry, adapter, 3)
-    registry.move_alias(r1, PRODUCTION)
-    registry.move_alias(r2, PRODUCTION)
+    move_alias(registry, r1, PRODUCTION)
+    move_alias(registry, r2, PRODUCTION)
     writes = 0
 
     def crash(method: str, _: int) -> Exception | None:
@@ -138,7 +140,7 @@ def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
 
     inject(crash)
     with pytest.raises(Crash):
-        registry.move_alias(r3, PRODUCTION, actor="oncall")
+        move_alias(registry, r3, PRODUCTION, actor="oncall")
     inject(lambda *_: None)
 
     # Wherever the alias is now, history ends there and rollback returns to where it was.
@@ -151,8 +153,8 @@ def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
 
     # The move done again (if it did not happen) is recorded once, and so is the one after it.
     if now != 3:
-        registry.move_alias(r3, PRODUCTION)
-    registry.move_alias(r1, PRODUCTION)
+        move_alias(registry, r3, PRODUCTION)
+    move_alias(registry, r1, PRODUCTION)
     assert moves(registry, adapter) == [
         (PRODUCTION, None, 1),
         (PRODUCTION, 1, 2),
@@ -194,7 +196,7 @@ def test_two_hundred_moves_fit_a_real_database_and_read_back_in_order(
     revisions = register(registry, adapter, 3)
     started = time.perf_counter()
     for step in range(200):
-        registry.move_alias(revisions[step % 3], PRODUCTION, actor=f"actor-{step}")
+        move_alias(registry, revisions[step % 3], PRODUCTION, actor=f"actor-{step}")
     elapsed = time.perf_counter() - started
 
     history = registry.alias_history(adapter)

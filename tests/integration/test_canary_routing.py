@@ -25,8 +25,9 @@ from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANARY, PRODUCTION, RevisionId
 from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER
 from serving.worker.outcomes import Outcomes
+from tasks.pipeline import rollout_lock
 from tests.helpers import make_policy
-from tests.integration.helpers import register_random_adapter
+from tests.integration.helpers import move_alias, register_random_adapter
 
 BASE = "sha256:" + "c" * 64
 REQUESTS = 1000
@@ -80,7 +81,7 @@ def test_outcomes_count_per_revision_within_a_window_and_stay_bounded() -> None:
 
 
 def test_canary_share_goes_through_the_registry_to_the_catalog(
-    mlflow_server: ManagedProcess,
+    mlflow_server: ManagedProcess, prefect_api: str
 ) -> None:
     registry = Registry(mlflow_server.url)
     for number in (1, 2):
@@ -88,14 +89,14 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
         policy = make_policy(adapter="canary-forms", content_digest=digest, base_digest=BASE)
         registry.register(policy, "mint-local://sha256/" + digest.removeprefix("sha256:"), BASE)
     r1, r2 = RevisionId("canary-forms", 1), RevisionId("canary-forms", 2)
-    registry.move_alias(r1, PRODUCTION, reason="test")
+    move_alias(registry, r1, PRODUCTION, reason="test")
     activated = registry.get(r1).tags[ACTIVATED_AT_TAG]
-    for percent in (0, -5, 100.5, math.nan):
-        with pytest.raises(ConfigurationError, match="above 0 and at most 100"):
-            registry.start_canary(r2, percent)
-    assert registry.canary("canary-forms") is None
-
-    assert registry.start_canary(r2, 12.5, actor="lead", reason="watch r2") is None
+    with rollout_lock("canary-forms") as slot:
+        for percent in (0, -5, 100.5, math.nan):
+            with pytest.raises(ConfigurationError, match="above 0 and at most 100"):
+                registry.start_canary(r2, percent, slot=slot)
+        assert registry.canary("canary-forms") is None
+        assert registry.start_canary(r2, 12.5, "lead", "watch r2", slot=slot) is None
     assert registry.canary("canary-forms") == (r2, 12.5)
     catalog = Catalog(registry)
     try:
@@ -103,7 +104,8 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
         assert catalog.canary("canary-forms") == (r2, 12.5)
         assert {r1, r2} <= catalog.desired()
 
-        assert registry.end_canary("canary-forms", actor="lead", reason="r2 worse: figures") == r2
+        with rollout_lock("canary-forms") as slot:
+            assert registry.end_canary("canary-forms", "lead", "r2 worse: figures", slot=slot) == r2
         assert registry.canary("canary-forms") is None
         assert CANARY not in registry.get(r2).aliases
         catalog.sync()
@@ -122,7 +124,8 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
     ]
     # Ending the canary recorded a move onto r1 but did not make it newly active.
     assert registry.get(r1).tags[ACTIVATED_AT_TAG] == activated
-    assert registry.end_canary("canary-forms") is None  # nothing left to end
+    with rollout_lock("canary-forms") as slot:
+        assert registry.end_canary("canary-forms", slot=slot) is None  # nothing left to end
     assert len(registry.alias_history("canary-forms")) == 3
 
 
@@ -141,7 +144,8 @@ def canary(
         for seed in (1, 2)
     )
     assert promote(name, r1.number) == str(r1)
-    Registry(fleet_config.tracking_uri).start_canary(r2, PERCENT, actor="tests", reason="canary")
+    with rollout_lock(name) as slot:
+        Registry(fleet_config.tracking_uri).start_canary(r2, PERCENT, "tests", "canary", slot=slot)
     admin = WorkerClient(fleet_config.worker_urls[0], api_key=fleet_config.worker_api_key)
     try:
         admin.sync()
@@ -263,7 +267,8 @@ def test_ending_the_canary_sends_everything_back_to_production(
 ) -> None:
     r1, r2 = canary
     registry = Registry(fleet_config.tracking_uri)
-    assert registry.end_canary(r1.adapter, actor="tests", reason="done") == r2
+    with rollout_lock(r1.adapter) as slot:
+        assert registry.end_canary(r1.adapter, "tests", "done", slot=slot) == r2
     WorkerClient(worker.url, api_key="key-admin").sync()
     with httpx.Client(base_url=worker.url, timeout=120) as http, ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: generate(http, r1.adapter), range(200)))

@@ -26,7 +26,7 @@ from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from tests.helpers import make_policy
-from tests.integration.helpers import create_bucket
+from tests.integration.helpers import create_bucket, move_alias
 
 BASE = "sha256:" + "e" * 64
 OTHER_BASE = "sha256:" + "f" * 64
@@ -44,15 +44,15 @@ def register(registry: Registry, adapter: str, revisions: int, base: str = BASE)
 
 
 @pytest.fixture(scope="module")
-def registry(mlflow_server: ManagedProcess) -> Registry:
+def registry(mlflow_server: ManagedProcess, prefect_api: str) -> Registry:
     """The session registry with `forms` (r1..r3; production r2, candidate r3) and `elsewhere`
     (r1 on another base, production)."""
     registry = Registry(mlflow_server.url)
     register(registry, "forms", 3)
-    registry.move_alias(RevisionId("forms", 2), PRODUCTION, reason="test")
+    move_alias(registry, RevisionId("forms", 2), PRODUCTION, reason="test")
     registry.point_alias(RevisionId("forms", 3), CANDIDATE)
     register(registry, "elsewhere", 1, base=OTHER_BASE)
-    registry.move_alias(RevisionId("elsewhere", 1), PRODUCTION, reason="test")
+    move_alias(registry, RevisionId("elsewhere", 1), PRODUCTION, reason="test")
     return registry
 
 
@@ -221,11 +221,11 @@ def test_a_catalog_follows_the_registry_from_its_snapshot(
 ) -> None:
     store = LocalArtifactStore(tmp_path / "store")
     register(registry, "later", 1)
-    registry.move_alias(RevisionId("later", 1), PRODUCTION, reason="test")
+    move_alias(registry, RevisionId("later", 1), PRODUCTION, reason="test")
     snapshot = build_snapshot(registry, store, tmp_path / "build")
     # After the snapshot: a new revision, and production moved to it.
     register(registry, "later", 1)
-    registry.move_alias(RevisionId("later", 2), PRODUCTION, reason="test")
+    move_alias(registry, RevisionId("later", 2), PRODUCTION, reason="test")
 
     counting = CountingRegistry(registry.tracking_uri)
     catalog = Catalog(counting, base_digest=BASE)

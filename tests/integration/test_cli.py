@@ -36,6 +36,7 @@ from tests.helpers import make_policy
 from tests.integration.helpers import (
     MINT,
     mint_env,
+    move_alias,
     postgres_database,
     start_mint,
     still_running,
@@ -501,7 +502,7 @@ def test_a_malformed_jsonl_line_is_refused_before_prefect_starts(
 
 
 def test_promoting_what_is_production_is_refused_before_prefect_starts(
-    tmp_path: Path, mlflow_server: ManagedProcess
+    tmp_path: Path, mlflow_server: ManagedProcess, prefect_api: str
 ) -> None:
     registry = Registry(mlflow_server.url)
     adapter = f"served-bot-{tmp_path.name[-6:].replace('_', '-')}"
@@ -510,7 +511,7 @@ def test_promoting_what_is_production_is_refused_before_prefect_starts(
     revision = registry.register(policy, uri, policy.base_digest).id
     for stage in (Stage.ADMITTED, Stage.PREWARMING, Stage.READY, Stage.ACTIVE):
         registry.set_stage(revision, stage)
-    registry.move_alias(revision, PRODUCTION)
+    move_alias(registry, revision, PRODUCTION)
     env = mint_env(
         MINT_HOME=str(tmp_path),
         MLFLOW_TRACKING_URI=mlflow_server.url,

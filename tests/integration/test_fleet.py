@@ -26,8 +26,13 @@ from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANDIDATE, RevisionId, RevisionRef
 from mint_core.states import Stage
 from serving.worker.server import start_worker
-from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
-from tests.integration.helpers import PREWARMING, most_prewarming_at_once, register_random_adapter
+from tasks.pipeline import admit_revision, prewarm_revision
+from tests.integration.helpers import (
+    PREWARMING,
+    activate,
+    most_prewarming_at_once,
+    register_random_adapter,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -89,7 +94,7 @@ def release(fleet: Fleet, revision: RevisionId) -> None:
     """The pipeline's last three steps."""
     admit_revision.fn(fleet.config, revision)
     prewarm_revision.fn(fleet.config, revision)
-    activate_revision.fn(fleet.config, revision)
+    activate(fleet.config, revision)
 
 
 def queued_ahead(events: list[dict[str, object]], revision: str, at: float) -> int:
@@ -139,7 +144,7 @@ def test_a_burst_of_ten_prewarms_one_at_a_time_behind_a_fast_not_ready(
         prewarm_revision.fn(fleet.config, revision)
 
     for revision in revisions:
-        activate_revision.fn(fleet.config, revision)
+        activate(fleet.config, revision)
     for worker in fleet.workers:
         assert fleet.generate(worker, "burst-9@production").status_code == 200
         events = fleet.events(worker)
@@ -163,14 +168,14 @@ def test_activation_waits_until_both_workers_are_ready(fleet: Fleet, base: BaseM
 
     def activate() -> None:
         try:
-            activate_revision.fn(fleet.config, revision, timeout_s=60)
+            activate(fleet.config, revision, timeout_s=60)
         except BaseException as e:  # reported below
             failure.append(e)
         done.set()
 
     # The second worker has not admitted it: activation fails at once, alias untouched.
     with pytest.raises(NotReadyError, match=r"not_admitted"):
-        activate_revision.fn(fleet.config, revision)
+        activate(fleet.config, revision)
     with pytest.raises(NotFoundError):
         registry.resolve(RevisionRef("pair-bot"))
 

@@ -25,7 +25,7 @@ from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from serving.http.common import REVISION_HEADER
 from serving.worker.server import start_worker
 from tests.helpers import make_policy
-from tests.integration.helpers import register_random_adapter
+from tests.integration.helpers import move_alias, register_random_adapter
 
 
 def intent(revision: int | None, previous: int | None, done: bool = True) -> AliasIntent:
@@ -67,7 +67,7 @@ def test_an_adapter_last_moved_before_intents_were_recorded_is_followed_as_it_is
 
 
 def test_a_catalog_holds_an_alias_moved_by_hand_until_the_pipeline_moves_it(
-    mlflow_server: ManagedProcess, tmp_path: Path
+    mlflow_server: ManagedProcess, prefect_api: str, tmp_path: Path
 ) -> None:
     registry = Registry(mlflow_server.url)
     adapter = "hand-moved-forms"
@@ -77,7 +77,7 @@ def test_a_catalog_holds_an_alias_moved_by_hand_until_the_pipeline_moves_it(
         uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
         revisions.append(registry.register(policy, uri, policy.base_digest).id)
     r1, r2, r3 = revisions
-    registry.move_alias(r1, PRODUCTION, actor="release")
+    move_alias(registry, r1, PRODUCTION, actor="release")
     registry.point_alias(r2, CANDIDATE)
     catalog = Catalog(registry, folder=tmp_path, audit_interval_s=0.0)
     try:
@@ -101,7 +101,7 @@ def test_a_catalog_holds_an_alias_moved_by_hand_until_the_pipeline_moves_it(
             catalog.resolve(RevisionRef(adapter, alias="shadow"))
 
         # The pipeline's move takes production; removing the candidate is no held move.
-        registry.move_alias(r3, PRODUCTION, actor="promote")
+        move_alias(registry, r3, PRODUCTION, actor="promote")
         registry.drop_alias(adapter, CANDIDATE)
         catalog.sync()
         assert catalog.alias_target(adapter, PRODUCTION) == 3

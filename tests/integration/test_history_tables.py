@@ -30,7 +30,7 @@ from mint_core.registry import AliasMove, Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Stage
 from tests.helpers import make_policy
-from tests.integration.helpers import paused_run, register_random_adapter, toy_release
+from tests.integration.helpers import move_alias, paused_run, register_random_adapter, toy_release
 
 SECOND = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
@@ -110,7 +110,9 @@ def register(registry: Registry, adapter: str, count: int) -> list[RevisionId]:
 
 
 @pytest.mark.slow
-def test_a_busy_adapter_keeps_registering_on_postgresql(postgres_mlflow: ManagedProcess) -> None:
+def test_a_busy_adapter_keeps_registering_on_postgresql(
+    postgres_mlflow: ManagedProcess, prefect_api: str
+) -> None:
     """PostgreSQL refuses a description over 5000 characters: the tables stay within it however
     long the history grows, and the adapter keeps working."""
     registry = Registry(postgres_mlflow.url)
@@ -118,7 +120,7 @@ def test_a_busy_adapter_keeps_registering_on_postgresql(postgres_mlflow: Managed
     r1, r2 = register(registry, adapter, 2)
     reason = "y" * 2000  # cut to 1000 in the tags, to 300 in the tables
     for step in range(40):
-        registry.move_alias((r1, r2)[step % 2], PRODUCTION, f"actor-{step}", reason, "alice")
+        move_alias(registry, (r1, r2)[step % 2], PRODUCTION, f"actor-{step}", reason, "alice")
         registry.note_stage(r1, f"actor-{step}", reason)
     r3 = register(registry, adapter, 3)[-1]  # a new revision still registers
 
@@ -138,16 +140,18 @@ def test_a_busy_adapter_keeps_registering_on_postgresql(postgres_mlflow: Managed
 
 
 @pytest.mark.slow
-def test_the_registry_writes_both_tables_as_it_records(mlflow_server: ManagedProcess) -> None:
+def test_the_registry_writes_both_tables_as_it_records(
+    mlflow_server: ManagedProcess, prefect_api: str
+) -> None:
     """The registry's own calls, as a release, an approved promote and a rollback make them."""
     registry = Registry(mlflow_server.url)
     adapter = f"recorded-{uuid.uuid4().hex[:8]}"
     r1, r2 = register(registry, adapter, 2)
     registry.set_stage(r1, Stage.ADMITTED, "carol", "release")
-    registry.move_alias(r1, PRODUCTION, "carol", "release")
+    move_alias(registry, r1, PRODUCTION, "carol", "release")
     registry.note_stage(r2, "alice", "approved: looks right", approver="alice")
-    registry.move_alias(r2, PRODUCTION, "carol", "new data", approver="alice")
-    registry.move_alias(r1, PRODUCTION, "bob", "answers wrong")
+    move_alias(registry, r2, PRODUCTION, "carol", "new data", approver="alice")
+    move_alias(registry, r1, PRODUCTION, "bob", "answers wrong")
 
     client = MlflowClient(mlflow_server.url)
     model = client.get_registered_model(adapter).description

@@ -23,9 +23,9 @@ from mint_core.planning.placement import place, ranking
 from mint_core.revisions import RevisionId
 from serving.gateway import WORKER_HEADER, Fleet, WorkerView, start_gateway
 from serving.worker.server import start_worker
-from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
+from tasks.pipeline import admit_revision, prewarm_revision
 from tests.helpers import family_folder
-from tests.integration.helpers import register_random_adapter
+from tests.integration.helpers import activate, register_random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ class TwoBases:
         fleet = dataclasses.replace(config, worker_urls=self.config.worker_urls)
         admit_revision.fn(fleet, revision)
         prewarm_revision.fn(fleet, revision)
-        activate_revision.fn(fleet, revision)
+        activate(fleet, revision)
         return revision
 
 

@@ -29,9 +29,9 @@ from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Readiness, Stage
 from serving.gateway import WORKER_HEADER, start_gateway
 from serving.worker.server import start_worker
-from tasks.pipeline import activate_revision, admit_revision
+from tasks.pipeline import admit_revision, rollout_lock
 from tests.helpers import random_lora
-from tests.integration.helpers import register_random_adapter
+from tests.integration.helpers import activate, register_random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,10 @@ def tokens(response: httpx.Response) -> list[int]:
 
 @pytest.fixture(scope="module")
 def placed(
-    config: MintConfig, base: BaseModel, tmp_path_factory: pytest.TempPathFactory
+    config: MintConfig,
+    base: BaseModel,
+    tmp_path_factory: pytest.TempPathFactory,
+    prefect_api: str,
 ) -> Iterator[Placed]:
     """40 production adapters in a registry of their own; two workers (host tier of 8
     revisions, 8 device slots) that name each other in MINT_WORKER_URLS; a gateway."""
@@ -138,7 +141,9 @@ def placed(
         for seed, name in enumerate(names):
             revision = register_random_adapter(fleet_config, base, name, folder / name, seed)
             registry.set_stage(revision, Stage.ADMITTED)  # as a roll-out's admit step leaves it
-            registry.activate(registry.get(revision), PRODUCTION, "tests", "placement test")
+            with rollout_lock(name) as slot:
+                registered = registry.get(revision)
+                registry.activate(registered, PRODUCTION, "tests", "placement test", slot=slot)
         with ThreadPoolExecutor(2) as pool:
             starting = [pool.submit(start_worker, fleet_config, port) for port in ports]
             workers = [future.result() for future in starting]
@@ -250,7 +255,7 @@ def test_a_release_activates_once_its_placement_is_ready_not_every_worker(
     fleet = admit_revision.fn(placed.config, r2)
     placement = placed.placement(r2)
     assert [w.url for w in fleet.workers] == [placement]
-    activate_revision.fn(placed.config, r2, fleet=fleet, timeout_s=60)
+    activate(placed.config, r2, fleet=fleet, timeout_s=60)
     assert registry.get(r2).aliases == (PRODUCTION,)
     other = next(w for w in placed.workers if w.url != placement)
     assert WorkerClient(other.url).readiness(r2)[0] is Readiness.NOT_ADMITTED
@@ -268,7 +273,7 @@ def test_a_release_activates_once_its_placement_is_ready_not_every_worker(
     r2 = register_random_adapter(placed.config, placed.base, name, placed.folder / f"{name}-2", 200)
     fleet = admit_revision.fn(placed.config, r2)
     assert {w.url for w in fleet.workers} == {w.url for w in placed.workers}
-    activate_revision.fn(placed.config, r2, fleet=fleet, timeout_s=60)
+    activate(placed.config, r2, fleet=fleet, timeout_s=60)
     assert set(placed.ready_on(r2)) >= {old, placed.placement(r2)}
     answered, waits = until_answered(placed.gateway.url, f"{name}@production")
     assert answered.headers["X-Mint-Revision"] == str(r2) and waits == 0

@@ -24,7 +24,7 @@ from mint_core.registry import Registry
 from mint_core.registry_accounts import ACCOUNTS_FILE, Account, RegistryAccounts
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from tests.helpers import make_policy
-from tests.integration.helpers import mint_env, start_mint, stop_and_check, wait_for
+from tests.integration.helpers import mint_env, move_alias, start_mint, stop_and_check, wait_for
 
 SEARCH = "/api/2.0/mlflow/registered-models/search"
 SET_MODEL_TAG = "/api/2.0/mlflow/registered-models/set-tag"
@@ -107,7 +107,7 @@ def test_mint_registry_lets_only_the_pipeline_write(
     policy = make_policy(adapter="guarded-bot")
     uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
     r1 = registry.register(policy, uri, policy.base_digest).id
-    assert registry.move_alias(r1, PRODUCTION, actor="release") is None
+    assert move_alias(registry, r1, PRODUCTION, actor="release") is None
     second = make_policy(adapter="guarded-bot", content_digest="sha256:" + "e" * 64)
     r2 = registry.register(second, uri, second.base_digest).id
     registry.set_revision_tag(r2, "mint.note", "by the pipeline")
@@ -128,12 +128,12 @@ def test_mint_registry_lets_only_the_pipeline_write(
             assert error.error_code == "PERMISSION_DENIED", (reader.username, call, error)
             assert f"Permission denied: {reader.username} may not" in str(error)
         with pytest.raises(RegistryError, match="Permission denied"):
-            Registry(url).move_alias(r2, PRODUCTION, actor=reader.username)
+            move_alias(Registry(url), r2, PRODUCTION, actor=reader.username)
         assert Registry(url).resolve(RevisionRef("guarded-bot", alias=PRODUCTION)).id == r1
 
     # The pipeline still moves it.
     acting_as(monkeypatch, accounts.pipeline)
-    assert registry.move_alias(r2, PRODUCTION, actor="promote") == 1
+    assert move_alias(registry, r2, PRODUCTION, actor="promote") == 1
     assert registry.resolve(RevisionRef("guarded-bot", alias=PRODUCTION)).id == RevisionId(
         "guarded-bot", 2
     )

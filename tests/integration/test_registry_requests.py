@@ -16,9 +16,17 @@ from mlflow.tracking import MlflowClient
 from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.errors import RegistryError
-from mint_core.registry import REVISION_RUN_TAG, STAGE_HISTORY_TAG, DatasetLog, Registry
+from mint_core.registry import (
+    REVISION_RUN_TAG,
+    STAGE_HISTORY_TAG,
+    DatasetLog,
+    Registry,
+    StageMark,
+)
+from mint_core.registry.stage_log import UNREGISTERED
 from mint_core.revisions import PRODUCTION, RevisionRef
 from mint_core.states import Stage
+from tasks.pipeline import rollout_lock
 from tests.helpers import make_policy
 
 
@@ -66,9 +74,27 @@ def test_registering_sends_few_requests_and_writes_the_revision_whole(
     registry.finish_training_run(run_id, {"eval_loss": 0.5}, 10)
     sent.clear()
     trained = policy_of(adapter, 3)
-    r3 = registry.register(trained, uri_of(trained), trained.base_digest, run_id)
-    # the same less the run's creation and end, plus MLflow's read of where its files go
+    reached = [StageMark.reached(stage, f"{stage} step") for stage in UNREGISTERED]
+    r3 = registry.register(trained, uri_of(trained), trained.base_digest, run_id, None, reached)
+    # the same less the run's creation and end, plus MLflow's read of where its files go: the
+    # steps before registration go into its history with the version, costing no request
     assert len(sent) == 5, sent
+
+    # Issue 33, item 9: the whole pipeline is in the revision's history, each step with its time.
+    history = registry.stage_history(r3.id)
+    assert [(entry["from"], entry["to"]) for entry in history] == [
+        ("", "trained"), ("trained", "frozen"), ("frozen", "packed"), ("packed", "exported"),
+        ("exported", "registered"),
+    ]  # fmt: skip
+    assert [entry["at"] for entry in history[:4]] == [mark.at for mark in reached]
+    assert [entry["at"] for entry in history] == sorted(entry["at"] for entry in history)
+    assert {entry["actor"] for entry in history} == {trained.created_by}
+    table = MlflowClient(mlflow_server.url).get_model_version(adapter, "3").description
+    events = [line.split(" | ")[1] for line in table.splitlines() if line.startswith("| 20")]
+    assert events == ["trained", "trained → frozen", "frozen → packed", "packed → exported",
+                      "exported → registered"]  # fmt: skip
+    # Without the steps (a caller that registers by hand), history starts at registered.
+    assert [(e["from"], e["to"]) for e in registry.stage_history(r2.id)] == [("", "registered")]
 
     client = MlflowClient(mlflow_server.url)
     for revision, policy in ((r2, imported), (r3, trained)):
@@ -108,7 +134,7 @@ def test_a_version_that_cannot_be_created_leaves_no_revision_and_a_failed_run(
 
 
 def test_activation_walks_the_stages_in_order_and_lets_workers_in_once_the_alias_moved(
-    registry: Registry, mlflow_server: ManagedProcess
+    registry: Registry, mlflow_server: ManagedProcess, prefect_api: str
 ) -> None:
     adapter = f"walked-{uuid.uuid4().hex[:8]}"
     policy = policy_of(adapter, 1)
@@ -119,12 +145,13 @@ def test_activation_walks_the_stages_in_order_and_lets_workers_in_once_the_alias
     def moved() -> None:  # what a worker reads when nudged: the alias, already moved
         seen.append(Registry(mlflow_server.url).resolve(RevisionRef(adapter)).id.number)
 
-    assert registry.activate(registry.get(revision), PRODUCTION, moved=moved) is None
+    with rollout_lock(adapter) as slot:
+        assert registry.activate(registry.get(revision), moved=moved, slot=slot) is None
     assert seen == [1]
     registered = registry.get(revision)
     assert registered.stage is Stage.ACTIVE and registered.aliases == (PRODUCTION,)
     walk = [(m["from"], m["to"]) for m in json.loads(registered.tags[STAGE_HISTORY_TAG])]
     assert walk == [
-        ("registered", "admitted"), ("admitted", "prewarming"), ("prewarming", "ready"),
-        ("ready", "active"),
+        ("", "registered"), ("registered", "admitted"), ("admitted", "prewarming"),
+        ("prewarming", "ready"), ("ready", "active"),
     ]  # fmt: skip

@@ -22,11 +22,10 @@ from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
 from tasks.pipeline import (
-    activate_revision,
     admit_revision,
     prewarm_revision,
 )
-from tests.integration.helpers import register_step_by_step, toy_data
+from tests.integration.helpers import activate, register_step_by_step, toy_data
 from tests.integration.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
@@ -113,7 +112,7 @@ def test_second_release_moves_production_only_after_the_worker_is_ready(
     assert release("line-bot", "upper", steps=40, seed=1).revision == "line-bot:r1"
     before = details(worker, "line-bot:r1", "hello=")
 
-    assert release("line-bot", "upper", steps=40, seed=2).revision == "line-bot:r2"
+    assert release("line-bot", "upper", steps=40, seed=2, actor="alice").revision == "line-bot:r2"
 
     assert details(worker, "line-bot", "hello=")[0] == "line-bot:r2"
     # r1 still answers, with exactly the weights it had, and they differ from r2's.
@@ -134,6 +133,23 @@ def test_second_release_moves_production_only_after_the_worker_is_ready(
     activated_at = datetime.fromisoformat(r2.tags[ACTIVATED_AT_TAG]).timestamp()
     assert ready_at <= activated_at
 
+    # Issue 33, items 8 and 9: r2's history is the whole pipeline, each step at its time and
+    # all of it as the releaser's (none as `mint`).
+    history = registry.stage_history(r2.id)
+    assert [(entry["from"], entry["to"]) for entry in history] == [
+        ("", "trained"), ("trained", "frozen"), ("frozen", "packed"), ("packed", "exported"),
+        ("exported", "registered"), ("registered", "admitted"), ("admitted", "prewarming"),
+        ("prewarming", "ready"), ("ready", "active"),
+    ]  # fmt: skip
+    times = [datetime.fromisoformat(entry["at"]) for entry in history]
+    assert times == sorted(times)
+    assert {entry["actor"] for entry in history} == {"alice"}
+    assert "40 steps on" in history[0]["reason"]
+    assert r2.policy.content_digest.removeprefix("sha256:") in history[3]["reason"]
+    assert registry.stage_history(r1.id)[-1] | {"at": ""} == {
+        "at": "", "from": "active", "to": "retired", "actor": "alice", "reason": "release"
+    }  # fmt: skip
+
 
 def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
     worker: ManagedProcess, fleet_config: MintConfig, base: object
@@ -153,7 +169,7 @@ def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
     assert response.json() | {"id": "gate-bot:r1", "state": "not_admitted"} == response.json()
 
     with pytest.raises(TransitionError, match="is registered; only an admitted revision"):
-        activate_revision.fn(config, revision)
+        activate(config, revision)
     registry = Registry(config.tracking_uri)
     assert registry.get(revision).aliases == ()
     with pytest.raises(NotFoundError, match="gate-bot@production does not exist"):
@@ -162,7 +178,7 @@ def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
     admit_revision.fn(config, revision)
     prewarm_revision.fn(config, revision)
     assert WorkerClient(worker.url).readiness(revision)[0] is Readiness.READY
-    activate_revision.fn(config, revision)
+    activate(config, revision)
     assert registry.resolve(RevisionRef("gate-bot")).id == revision
 
 

@@ -19,8 +19,8 @@ from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import held_out_words, prompt_for
-from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
-from tests.integration.helpers import register_random_adapter
+from tasks.pipeline import admit_revision, prewarm_revision
+from tests.integration.helpers import activate, register_random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def served(
         revision = register_random_adapter(fleet_config, base, name, folder / name, seed)
         admit_revision.fn(fleet_config, revision)
         prewarm_revision.fn(fleet_config, revision)
-        activate_revision.fn(fleet_config, revision)
+        activate(fleet_config, revision)
     client = WorkerClient(fleet_config.worker_urls[0])
     answers = {
         (name, prompt): client.generate(prompt, f"{name}@production", NEW_TOKENS)[0]

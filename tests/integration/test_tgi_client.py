@@ -20,8 +20,8 @@ from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import held_out_words, prompt_for
 from serving.gateway import start_gateway
-from tasks.pipeline import activate_revision, admit_revision, prewarm_revision
-from tests.integration.helpers import register_random_adapter
+from tasks.pipeline import admit_revision, prewarm_revision
+from tests.integration.helpers import activate, register_random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -101,7 +101,7 @@ def released(
         )
         admit_revision.fn(fleet_config, revision)
         prewarm_revision.fn(fleet_config, revision)
-        activate_revision.fn(fleet_config, revision)
+        activate(fleet_config, revision)
         released[name] = str(revision)
     register_random_adapter(fleet_config, base, "tgi-bot", folder / "tgi-bot-2", 42)
     return released

@@ -20,7 +20,8 @@ from mint_core.model.base import BaseModel
 from mint_core.model.toy import Task, held_out_words, prompt_for, training_stream
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION
-from tasks.pipeline import activate_revision, admit_revision
+from tasks.pipeline import admit_revision
+from tests.integration.helpers import activate
 from trainer.server import start_trainer
 
 pytestmark = pytest.mark.slow
@@ -169,7 +170,7 @@ def test_a_supervised_loop_learns_and_its_revision_answers_through_a_worker_as_i
     assert policy.dataset.startswith("tinker session ") and policy.principals == ("team-a",)
     fleet = dataclasses.replace(trainer_config, worker_urls=(worker.url,))
     admit_revision(fleet, registered.id)
-    activate_revision(fleet, registered.id, PRODUCTION, actor="test")
+    activate(fleet, registered.id, PRODUCTION, actor="test")
     for word, answer in zip(words[:8], answers, strict=True):
         response = httpx.post(
             worker.url + "/generate",
