@@ -12,6 +12,7 @@ from pathlib import Path
 import prefect.runtime
 from prefect import flow
 
+from flows.ending import ends_on_mint_error
 from flows.rollout import StageClock, roll_out
 from flows.ship import Shipment, ship
 from mint_core.access import EVERYONE
@@ -38,6 +39,7 @@ class ReleaseReport:
 
 
 @flow(name="release", flow_run_name="release {adapter}")
+@ends_on_mint_error
 def release(
     adapter: str,
     data: str,
@@ -67,8 +69,9 @@ def release(
             letters, digits, '-' or '_'); a new name starts at r1.
         data: Training rows: a JSONL file (path on the flow server, or s3:// URI), one
             `{"prompt", "completion"}` or `{"messages"}` object per line.
-        eval_data: Held-out rows (JSONL, as `data`) the revision is scored on; empty: a
-            seeded `eval_fraction` of `data` is held out instead.
+        eval_data: Held-out rows (JSONL, as `data`) the revision is scored on; empty: about
+            `eval_fraction` of `data` is held out instead, chosen by each row's content for
+            this adapter, so every release of it from that file holds out the same rows.
         eval_fraction: Share of `data` held out for scoring when `eval_data` is empty
             (between 0 and 1).
         rank: LoRA rank r.
@@ -85,7 +88,8 @@ def release(
         gradient_accumulation: Forward passes per optimizer step.
         max_length: Longest row in tokens (a longer one is refused); empty: the base's
             context.
-        seed: Seeds LoRA initialisation, dropout and the order of rows.
+        seed: Seeds LoRA initialisation, dropout and the order of rows (not which rows are
+            held out).
         actor: Your name: recorded as who released it (stage and alias histories).
         principals: API-key principals that may use the revision; empty: everyone.
         base_model: Model folder or hub id to train on instead of MINT_BASE_MODEL; the
@@ -111,7 +115,7 @@ def release(
     if not 0 < eval_fraction < 1:
         raise ConfigurationError(f"eval_fraction={eval_fraction} must be between 0 and 1")
     timed = StageClock()
-    rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, seed)
+    rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, adapter)
     trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
     shipment = Shipment(
         adapter,
@@ -120,6 +124,7 @@ def release(
         principals=_allowed(principals),
         held_out=held_out,
         parent=RevisionRef(adapter),
+        trained_on=rows,
     )
     revision = _release(config, shipment, timed, "release")
     scored = held_out.describe(min(len(held_out.rows), EVAL_GENERATION_ROWS))
@@ -129,6 +134,7 @@ def release(
 
 
 @flow(name="import", flow_run_name="import {adapter}")
+@ends_on_mint_error
 def import_adapter(
     adapter: str,
     path: str,
@@ -199,12 +205,15 @@ def _allowed(principals: list[str] | None) -> tuple[str, ...]:
 
 
 @flow(name="retrain", flow_run_name="retrain {adapter}")
+@ends_on_mint_error
 def retrain(
     adapter: str, data: str, steps: int | None = None, actor: str = SCHEDULED
 ) -> ReleaseReport:
     """Train `adapter` again on the rows at `data` as they are now (the file is read afresh)
     and release the result as its next revision. The seed is the run's scheduled time: each
     scheduled run shuffles and initialises anew, and a rerun of one run does the same again.
+    The rows held out do not depend on it: each run holds out the ones earlier runs did (and
+    the new rows' share), so the gate scores no candidate on rows it trained on.
 
     Args:
         adapter: The adapter to retrain, e.g. `support-bot`.

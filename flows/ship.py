@@ -30,6 +30,9 @@ class Shipment:
     """The rows a trained revision was evaluated on: kept for evaluation gates."""
     parent: RevisionRef | None = None
     """The revision it descends from, if this resolves to one."""
+    trained_on: Dataset | None = None
+    """The rows a trained revision learned from: recorded by digest, so no evaluation gate
+    scores it on them."""
 
 
 def ship(config: MintConfig, shipment: Shipment, timed: StageClock) -> RevisionId:
@@ -54,6 +57,7 @@ def ship(config: MintConfig, shipment: Shipment, timed: StageClock) -> RevisionI
         principals=shipment.principals,
         held_out=shipment.held_out,
         parent=shipment.parent,
+        trained_on=shipment.trained_on,
         reached=tuple(reached),
     )
 

@@ -13,12 +13,14 @@ from mint_core.model.datasets import located, parse_jsonl
 from mint_core.model.training import EVAL_GENERATION_ROWS
 from mint_core.planning.evaluation import (
     EVAL_ROWS_TAG,
+    TRAIN_ROWS_TAG,
     Evaluation,
     Generate,
     Rows,
     SetScore,
     choose_eval_sets,
     exact_match,
+    load_digests,
     load_rows,
 )
 from mint_core.registry import Registry
@@ -53,18 +55,26 @@ def evaluate_revision(
         run_log().info("%s evaluation passed: no other revision in production", revision)
         return None
     store = open_store(config)
+    staging = config.work_root / "eval-rows"
+    tags = {holder: registry.get(holder).tags for holder in (revision, production)}
 
     def read(where: str) -> Rows:
         return parse_jsonl(read_data(config, where), located(where)).rows
 
     def stored(holder: RevisionId) -> Rows | None:
         """The held-out rows `holder` was trained with; None for an imported adapter."""
-        name = registry.get(holder).tags.get(EVAL_ROWS_TAG)
-        if name is None:
-            return None
-        return load_rows(store, config.work_root / "eval-rows", name, holder)
+        name = tags[holder].get(EVAL_ROWS_TAG)
+        return None if name is None else load_rows(store, staging, name, holder)
 
-    sets = choose_eval_sets(gates, revision, production, read, stored, EVAL_GENERATION_ROWS)
+    def trained(holder: RevisionId) -> frozenset[str] | None:
+        """The digests of the rows `holder` was trained on; None where they are not recorded."""
+        name = tags[holder].get(TRAIN_ROWS_TAG)
+        return None if name is None else load_digests(store, staging, name, holder)
+
+    training_rows = {holder: trained(holder) for holder in tags}
+    sets = choose_eval_sets(
+        gates, revision, production, read, stored, training_rows, EVAL_GENERATION_ROWS
+    )
     if not sets:
         registry.note_stage(
             revision,
@@ -82,14 +92,16 @@ def evaluate_revision(
     scores = tuple(
         SetScore(
             name,
-            len(rows),
-            exact_match(rows, served(revision)),
-            exact_match(rows, served(production)),
-            source,
+            len(chosen.rows),
+            exact_match(chosen.rows, served(revision)),
+            exact_match(chosen.rows, served(production)),
+            chosen.source,
+            chosen.excluded,
         )
-        for name, (rows, source) in sets.items()
+        for name, chosen in sets.items()
     )
-    evaluation = Evaluation(revision, production, scores, gates.max_regression)
+    unrecorded = tuple(holder for holder, digests in training_rows.items() if digests is None)
+    evaluation = Evaluation(revision, production, scores, gates.max_regression, unrecorded)
     for key, value in evaluation.tags().items():
         registry.set_revision_tag(revision, key, value)
     create_table_artifact(

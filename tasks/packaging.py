@@ -20,7 +20,7 @@ from mint_core.model.base import identity
 from mint_core.model.datasets import Dataset
 from mint_core.model.imports import ImportedAdapter
 from mint_core.model.training import TrainedAdapter
-from mint_core.planning.evaluation import EVAL_ROWS_TAG, store_rows
+from mint_core.planning.evaluation import EVAL_ROWS_TAG, TRAIN_ROWS_TAG, store_digests, store_rows
 from mint_core.registry import Registry, StageMark
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from tasks.policies import ONCE_PER_RUN, transient
@@ -74,13 +74,15 @@ def register_revision(
     principals: tuple[str, ...] = (EVERYONE,),
     held_out: Dataset | None = None,
     parent: RevisionRef | None = None,
+    trained_on: Dataset | None = None,
     reached: tuple[StageMark, ...] = (),
 ) -> RevisionId:
     """Register the next revision of `adapter`, with the `held_out` rows a trained one was
     evaluated on kept in the artifact store: its evaluation gate, and later candidates', score
-    on them. Its parent is the revision `parent` names (a release's is `adapter@production`,
-    an RL sync's the revision it trained from), if that resolves to one. `reached`: the steps
-    before (trained, frozen, packed, exported) and when: the start of its stage history."""
+    on them; and the digests of the rows it was `trained_on`, which no gate scores it on. Its
+    parent is the revision `parent` names (a release's is `adapter@production`, an RL sync's
+    the revision it trained from), if that resolves to one. `reached`: the steps before
+    (trained, frozen, packed, exported) and when: the start of its stage history."""
     registry = Registry(config.tracking_uri)
     try:
         parent_number = registry.resolve(parent).id.number if parent else None
@@ -99,9 +101,13 @@ def register_revision(
     serving_base = identity(config.base, config.home).digest
     run_id = source.run_id if isinstance(source, TrainedAdapter) else None
     tags = {}
+    store = open_store(config)
     if held_out is not None:  # named by their content: stored again alike if this is retried
-        name = store_rows(open_store(config), config.work_root / "eval-rows", held_out.rows)
+        name = store_rows(store, config.work_root / "eval-rows", held_out.rows)
         tags[EVAL_ROWS_TAG] = name  # written with the revision: never one without them
+    if trained_on is not None:
+        digests = (row.digest() for row in trained_on.rows)
+        tags[TRAIN_ROWS_TAG] = store_digests(store, config.work_root / "eval-rows", digests)
     revision = registry.register(policy, exported.uri, serving_base, run_id, tags, reached).id
     run_log().info("registered %s (%s)", revision, exported.content_digest)
     return revision

@@ -31,11 +31,12 @@ from tasks.runs import run_log
     retry_condition_fn=transient,
 )
 def load_data(
-    config: MintConfig, data: str, eval_data: str | None, eval_fraction: float, seed: int
+    config: MintConfig, data: str, eval_data: str | None, eval_fraction: float, adapter: str
 ) -> tuple[Dataset, Dataset]:
     """(training rows, held-out rows), each file read and checked whole: `eval_data` when
-    given, else a seeded `eval_fraction` of `data`'s rows."""
-    return load_datasets(partial(read_data, config), data, eval_data, eval_fraction, seed)
+    given, else about `eval_fraction` of `data`'s rows, the same ones in every release of
+    `adapter` (`Dataset.split`)."""
+    return load_datasets(partial(read_data, config), data, eval_data, eval_fraction, adapter)
 
 
 @task(name="train", cache_policy=ONCE_PER_RUN, persist_result=True)

@@ -9,14 +9,14 @@ trained until the whole file is read.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mint_core.artifacts.digests import sha256_bytes
+from mint_core.artifacts.digests import sha256_bytes, sha256_json
 from mint_core.errors import DatasetError
 from mint_core.model.text import Message, TextCodec
 
@@ -49,6 +49,17 @@ class Row:
         last = max(i for i, m in enumerate(self.messages) if m["role"] == "assistant")
         return self.messages[:last], self.messages[last]["content"]
 
+    def content(self) -> dict[str, object]:
+        """The row as a JSONL line holds it, without where it was: what `digest` is over."""
+        if self.messages is not None:
+            return {"messages": [dict(m) for m in self.messages]}
+        return {"prompt": self.prompt, "completion": self.completion}
+
+    def digest(self) -> str:
+        """sha256 of the row's content (not its line): how a row is known again in another
+        file or release, e.g. by the evaluation gate among a revision's training rows."""
+        return sha256_json(self.content())
+
 
 @dataclass(frozen=True)
 class Dataset:
@@ -72,19 +83,32 @@ class Dataset:
         where = self.source if path else self.source.rstrip("/").rsplit("/", 1)[-1]
         return f"{count} {kind} of {where}"
 
-    def split(self, fraction: float, seed: int) -> tuple[Dataset, Dataset]:
-        """(training rows, held-out rows): a seeded `fraction` of the rows held out."""
-        order = list(range(len(self.rows)))
-        random.Random(seed).shuffle(order)
-        held = set(order[: max(1, round(len(order) * fraction))])
-        if len(held) >= len(order):
+    def split(self, fraction: float, salt: str) -> tuple[Dataset, Dataset]:
+        """(training rows, held-out rows): about `fraction` of the rows held out, each row by a
+        digest of its content salted with `salt` (the adapter's name), never by a seed. So a row
+        held out once for an adapter stays held out in every later release of it from this
+        file, reordered, grown or split with a larger fraction, and its copies go with it: a
+        later revision never trains on the rows an earlier one is scored on. Another adapter
+        holds out other rows."""
+        draws = [_draw(salt, row) for row in self.rows]
+        held = {i for i, draw in enumerate(draws) if draw < fraction}
+        if not held:  # a small file: its lowest draw (and that row's copies), still by content
+            held = {i for i, draw in enumerate(draws) if draw == min(draws)}
+        if len(held) >= len(self.rows):
             raise DatasetError(
-                f"{self.source}: holding out {fraction:.0%} of {len(order)} rows leaves none to "
-                "train on; lower --eval-fraction or give --eval-data"
+                f"{self.source}: holding out {fraction:.0%} of {len(self.rows)} rows leaves none "
+                "to train on; lower --eval-fraction or give --eval-data"
             )
         train = tuple(r for i, r in enumerate(self.rows) if i not in held)
         evaluation = tuple(r for i, r in enumerate(self.rows) if i in held)
         return replace(self, rows=train), replace(self, rows=evaluation, held_out=True)
+
+
+def _draw(salt: str, row: Row) -> float:
+    """A number in [0, 1) fixed by `salt` and the row's content: the row is held out below the
+    fraction."""
+    digest = hashlib.sha256(f"{salt}\n{row.digest()}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
 
 
 def parse_jsonl(data: bytes, source: str) -> Dataset:
@@ -113,16 +137,17 @@ def load_datasets(
     read: Callable[[str], bytes],
     data: str,
     eval_data: str | None,
-    eval_fraction: float = DEFAULT_EVAL_FRACTION,
-    seed: int = 0,
+    eval_fraction: float,
+    adapter: str,
 ) -> tuple[Dataset, Dataset]:
     """(training rows, held-out rows), each file read with `read` and checked whole:
-    `eval_data` when given, else a seeded `eval_fraction` of `data`'s rows. What a release
-    trains on; the CLI calls it too, so a bad file is refused before anything starts."""
+    `eval_data` when given, else about `eval_fraction` of `data`'s rows, the same ones in every
+    release of `adapter` (`Dataset.split`). What a release trains on; the CLI calls it too, so
+    a bad file is refused before anything starts."""
     train = parse_jsonl(read(data), located(data))
     if eval_data:
         return train, parse_jsonl(read(eval_data), located(eval_data))
-    return train.split(eval_fraction, seed)
+    return train.split(eval_fraction, adapter)
 
 
 def located(location: str) -> str:

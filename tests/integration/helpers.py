@@ -104,7 +104,7 @@ def register_step_by_step(
 ) -> tuple[RevisionId, Exported, PackedIndex]:
     """Train (briefly, unless `training` options say otherwise) through register by calling
     the pipeline's tasks one at a time."""
-    data, held_out = load_data.fn(config, *toy_data(config.home, task, rows=rows), 0.1, 0)
+    data, held_out = load_data.fn(config, *toy_data(config.home, task, rows=rows), 0.1, adapter)
     options = TrainingConfig(**({"steps": 5} | training))  # type: ignore[arg-type]
     trained = train_adapter.fn(config, adapter, data, held_out, options)
     frozen = freeze_adapter.fn(config, trained.path)

@@ -9,16 +9,21 @@ from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
 from control.worker_client import WorkerClient
+from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
 from mint_core.errors import RejectedError
 from mint_core.gates import Gates
 from mint_core.model.datasets import Row, parse_jsonl
+from mint_core.model.toy import Task, write_task_data
 from mint_core.planning.evaluation import (
     EVAL_ROWS_TAG,
+    TRAIN_ROWS_TAG,
     EvalSet,
     Evaluation,
     SetScore,
     exact_match,
+    load_digests,
+    load_rows,
     to_jsonl,
 )
 from mint_core.registry import Registry
@@ -69,8 +74,9 @@ def test_verdict_and_reason_carry_both_scores() -> None:
     )
     assert not worse.passed
     assert worse.reason() == (
-        "evaluation rejected: a:r2 exact 0.92 vs production a:r1 0.92 on 100 eval rows; a:r2 "
-        "exact 0.50 vs production a:r1 0.60 on 50 regression rows (max regression 0.05)"
+        "evaluation rejected: a:r2 exact 0.92 vs production a:r1 0.92 on 100 eval rows, none "
+        "left out; a:r2 exact 0.50 vs production a:r1 0.60 on 50 regression rows, none left "
+        "out (max regression 0.05)"
     )
     assert worse.tags() == {
         "mint.eval.production_revision": "a:r1",
@@ -78,6 +84,10 @@ def test_verdict_and_reason_carry_both_scores() -> None:
         "mint.eval.production.exact_match": "0.9200",
         "mint.eval.candidate.regression_exact_match": "0.5000",
         "mint.eval.production.regression_exact_match": "0.6000",
+        "mint.eval.rows_scored": "100",
+        "mint.eval.rows_left_out": "0",
+        "mint.eval.regression_rows_scored": "50",
+        "mint.eval.regression_rows_left_out": "0",
     }
 
 
@@ -134,8 +144,8 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     assert candidate <= 0.05 and production >= 0.8
     assert str(rejected.value) == (
         f"evaluation rejected: {bad} exact {candidate:.2f} vs production {first} "
-        f"{production:.2f} on 64 eval rows {first} was evaluated on in training (max regression "
-        f"{MARGIN}); production did not move"
+        f"{production:.2f} on 64 eval rows {first} was evaluated on in training, none left out "
+        f"(max regression {MARGIN}); production did not move"
     )
     assert registry.get(bad).stage is Stage.REJECTED
     assert registry.stage_history(bad)[-1]["to"] == "rejected"
@@ -145,10 +155,10 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     assert registry.resolve(RevisionRef(NAME)).id == first
     assert client.generate("abc=", NAME)[1] == str(first)
     assert eval_artifact(NAME) == [
-        {"set": "eval", "rows": 64, "role": "candidate", "revision": str(bad),
-         "exact_match": candidate},
-        {"set": "eval", "rows": 64, "role": "production", "revision": str(first),
-         "exact_match": production},
+        {"set": "eval", "role": "candidate", "revision": str(bad), "exact_match": candidate,
+         "rows_scored": 64, "rows_left_out": 0, "why_left_out": ""},
+        {"set": "eval", "role": "production", "revision": str(first), "exact_match": production,
+         "rows_scored": 64, "rows_left_out": 0, "why_left_out": ""},
     ]  # fmt: skip
 
     # A revision as good as production passes and moves it.
@@ -159,3 +169,67 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     assert candidate >= production - MARGIN
     assert gate_reason(registry, good).startswith(f"evaluation passed: {good} exact")
     assert [row["revision"] for row in eval_artifact(NAME)] == [str(good), str(first)]
+
+
+@pytest.mark.slow
+def test_releases_from_one_file_with_other_seeds_are_never_scored_on_rows_they_trained_on(
+    fleet_config: MintConfig, prefect_api: str
+) -> None:
+    """Issue 33's repro: r1 with 10% held out and seed 0, r2 from the same file with seed 1.
+    The rows r1 was scored on stay held out of r2's training, so r2's gate scores it on rows it
+    never saw; and a gate whose rows both trained on leaves those out, counted and named."""
+    from flows.release import release
+
+    adapter = "two-seed-bot"
+    registry = Registry(fleet_config.tracking_uri)
+    data = write_task_data(Task.UPPER, fleet_config.home / "two-seeds", rows=400)
+    whole = parse_jsonl(data.read_bytes(), str(data)).rows
+
+    # Which rows, not how well: brief trainings, and any verdict lets the next one through.
+    def released(seed: int) -> str:
+        return release(adapter, str(data), eval_fraction=0.1, steps=4, seed=seed).revision
+
+    first, second, third = (RevisionId(adapter, n) for n in (1, 2, 3))
+    assert released(seed=0) == str(first)
+    registry.set_gates(adapter, Gates(max_regression=1.0))
+    assert released(seed=1) == str(second)
+
+    store, staging = open_store(fleet_config), fleet_config.home / "test-staging"
+
+    def held_out(revision: RevisionId) -> frozenset[str]:
+        name = registry.get(revision).tags[EVAL_ROWS_TAG]
+        return frozenset(row.digest() for row in load_rows(store, staging, name, revision))
+
+    held_by_first = held_out(first)
+    # What r2 trained on: the file less the rows it held out (by content, as the gate checks).
+    trained_by_second = {row.digest() for row in whole} - held_out(second)
+    overlap = held_by_first & trained_by_second
+    print(f"r1 held out {len(held_by_first)} of {len(whole)} rows; {len(overlap)} of them are "
+          f"among r2's {len(trained_by_second)} training rows")  # fmt: skip
+    assert 20 <= len(held_by_first) <= 60  # about 10% of 400
+    assert overlap == frozenset()
+    name = registry.get(second).tags[TRAIN_ROWS_TAG]
+    assert load_digests(store, staging, name, second) == trained_by_second
+    scored = min(len(load_rows(store, staging, registry.get(first).tags[EVAL_ROWS_TAG], first)),
+                 64)  # fmt: skip
+    table = eval_artifact(adapter)
+    print("r2's gate:", table)
+    assert [(r["revision"], r["rows_scored"], r["rows_left_out"]) for r in table] == [
+        (str(second), scored, 0),
+        (str(first), scored, 0),
+    ]
+    assert f"on {scored} eval rows {first} was evaluated on in training, none left out" in (
+        gate_reason(registry, second)
+    )
+
+    # Gates that name the whole file: the rows both trained on are left out, and said so.
+    registry.set_gates(adapter, Gates(max_regression=1.0, eval_data=str(data)))
+    assert released(seed=2) == str(third)
+    trained = sum(row.digest() in trained_by_second for row in whole)
+    table = eval_artifact(adapter)
+    print("r3's gate:", table)
+    assert [(r["rows_scored"], r["rows_left_out"], r["why_left_out"]) for r in table] == [
+        (min(len(whole) - trained, 64), trained, f"{trained} trained on by {third}")
+    ] * 2
+    tags = registry.get(third).tags
+    assert tags["mint.eval.rows_left_out"] == f"{trained} ({trained} trained on by {third})"

@@ -43,7 +43,7 @@ def test_training_reports_the_targets_it_trained(tmp_path: Path) -> None:
     source = BaseSource(str(ensure_tiny(TINY, tmp_path / "base")))
     data, held_out = parse_jsonl(
         toy.write_task_data(toy.Task.UPPER, tmp_path / "data", rows=32).read_bytes(), "up.jsonl"
-    ).split(0.25, 0)
+    ).split(0.25, "a")
     started: list[TrainingConfig] = []
     trained = train_lora(source, tmp_path, data, held_out, tmp_path / "adapter",
                          TrainingConfig(steps=1), on_start=started.append)  # fmt: skip
@@ -55,11 +55,12 @@ def test_training_reports_the_targets_it_trained(tmp_path: Path) -> None:
 
 
 def test_held_out_rows_say_whose_rows_they_are() -> None:
-    whole = parse_jsonl(b'{"prompt": "a=", "completion": "A"}\n' * 20, "/data/train.jsonl")
-    train, held_out = whole.split(0.25, 0)
-    assert held_out.describe() == "5 held-out rows of train.jsonl"
-    assert held_out.describe(path=True) == "5 held-out rows of /data/train.jsonl"
-    assert train.describe(3) == "3 of 15 rows of train.jsonl"
+    rows = "".join(f'{{"prompt": "{i}=", "completion": "A"}}\n' for i in range(20))
+    train, held_out = parse_jsonl(rows.encode(), "/data/train.jsonl").split(0.25, "a")
+    held = len(held_out.rows)  # about a quarter: which rows is fixed by their content
+    assert held_out.describe() == f"{held} held-out rows of train.jsonl"
+    assert held_out.describe(path=True) == f"{held} held-out rows of /data/train.jsonl"
+    assert train.describe(3) == f"3 of {20 - held} rows of train.jsonl"
     other = parse_jsonl(b'{"prompt": "a=", "completion": "A"}\n' * 4, "s3://bucket/eval.jsonl")
     assert other.describe() == "4 rows of eval.jsonl"
 
@@ -71,7 +72,7 @@ def test_the_gates_reason_names_where_its_rows_come_from() -> None:
     )
     reason = Evaluation(RevisionId("a", 2), RevisionId("a", 1), scores, 0.05).reason()
     assert "a:r2 exact 0.00 vs production a:r1 0.00 on 50 eval rows of eval.jsonl;" in reason
-    assert "on 20 regression rows a:r1 was evaluated on in training (max" in reason
+    assert "on 20 regression rows a:r1 was evaluated on in training, none left out (max" in reason
 
 
 def test_gates_show_approvers_by_name() -> None:
@@ -111,8 +112,8 @@ def test_the_training_runs_params_agree_with_the_policy_record(tiny_config: Mint
     """Against the real MLflow server: the run names the targets the policy lists and the rows
     held out of the training file, not the file itself."""
     data = toy.write_task_data(toy.Task.UPPER, tiny_config.home / "data", rows=64)
-    rows, held_out = load_data.fn(tiny_config, str(data), None, 0.1, 0)
     adapter = f"agreeing-{uuid.uuid4().hex[:6]}"
+    rows, held_out = load_data.fn(tiny_config, str(data), None, 0.1, adapter)
     trained = train_adapter.fn(tiny_config, adapter, rows, held_out, TrainingConfig(steps=2))
     params = MlflowClient(tiny_config.tracking_uri).get_run(str(trained.run_id)).data.params
     assert params["target_modules"].split(",") == list(trained.target_modules)

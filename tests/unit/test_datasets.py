@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from mint_core.errors import DatasetError
-from mint_core.model.datasets import IGNORE, Dataset, Tokenized, parse_jsonl, tokenize
+from mint_core.model.datasets import (
+    IGNORE,
+    Dataset,
+    Tokenized,
+    parse_jsonl,
+    tokenize,
+)
 from mint_core.model.text import TextCodec
 from mint_core.model.tiny import byte_tokenizer
 
@@ -163,19 +169,48 @@ def test_chat_rows_need_a_chat_template(codec: TextCodec) -> None:
         tokenize(dataset, plain, max_length=64)
 
 
-def test_split_holds_out_a_seeded_fraction() -> None:
-    dataset = parse(*(json.dumps({"prompt": f"{i}=", "completion": str(i)}) for i in range(20)))
-    train, held = dataset.split(0.25, seed=0)
-    assert (len(train.rows), len(held.rows)) == (15, 5)
-    assert sorted(r.line for r in train.rows + held.rows) == list(range(1, 21))
+def numbered(count: int, start: int = 0) -> list[str]:
+    return [json.dumps({"prompt": f"{i}=", "completion": str(i)}) for i in range(start, count)]
+
+
+def contents(dataset: Dataset) -> set[str | None]:
+    return {r.completion for r in dataset.rows}
+
+
+def test_split_holds_out_about_the_fraction_and_keeps_file_and_line() -> None:
+    dataset = parse(*numbered(2000))
+    train, held = dataset.split(0.1, salt="support-bot")
+    # Membership is a digest per row, so the share is binomial: 200 expected, sd 13.4.
+    assert 150 <= len(held.rows) <= 250
+    assert sorted(r.line for r in train.rows + held.rows) == list(range(1, 2001))
     # Rows keep their file and line, so a problem found later still names where it is.
     assert all(r.completion == str(r.line - 1) for r in held.rows)
     assert (train.source, train.digest) == (held.source, held.digest) == (SOURCE, dataset.digest)
-    assert dataset.split(0.25, seed=0) == (train, held)
-    assert dataset.split(0.25, seed=1)[1].rows != held.rows
-    assert len(dataset.split(0.01, seed=0)[1].rows) == 1  # at least one row is held out
+    assert held.held_out and not train.held_out
+    assert dataset.split(0.1, salt="support-bot") == (train, held)
+    assert len(parse(*numbered(20)).split(0.001, salt="a")[1].rows) == 1  # at least one held out
     with pytest.raises(DatasetError, match=r"holding out 10% of 1 rows leaves none to train on"):
-        parse(GOOD).split(0.1, seed=0)
+        parse(GOOD).split(0.1, salt="a")
+
+
+def test_a_row_held_out_for_an_adapter_stays_held_out_as_its_file_changes() -> None:
+    """A later release of the adapter may read the file reordered, grown or with more held out:
+    no row held out before is trained on, so its gate never scores a candidate on it."""
+    rows = numbered(400)
+    held = contents(parse(*rows).split(0.1, salt="support-bot")[1])
+    reordered = parse(*reversed(rows)).split(0.1, salt="support-bot")
+    assert contents(reordered[1]) == held
+    grown = parse(*rows, *numbered(800, start=400)).split(0.1, salt="support-bot")
+    assert held <= contents(grown[1]) and not held & contents(grown[0])
+    assert held <= contents(parse(*rows).split(0.3, salt="support-bot")[1])
+    # Another adapter holds out other rows of the same file.
+    assert contents(parse(*rows).split(0.1, salt="other-bot")[1]) != held
+
+
+def test_copies_of_a_row_are_all_held_out_or_all_trained_on() -> None:
+    rows = numbered(100)
+    train, held = parse(*rows, *rows, *rows).split(0.2, salt="support-bot")
+    assert len(held.rows) % 3 == 0 and not contents(train) & contents(held)
 
 
 def test_a_file_on_disk_names_its_path(tmp_path: Path) -> None:

@@ -71,9 +71,11 @@ def test_the_gate_scores_the_gates_files_else_productions_rows_else_the_candidat
     gates: Gates, stored: dict[RevisionId, Rows], expected: dict[EvalSet, tuple[Rows, str]]
 ) -> None:
     chosen = choose_eval_sets(
-        gates, CANDIDATE, PRODUCTION_REVISION, FILES.__getitem__, stored.get, limit=3
+        gates, CANDIDATE, PRODUCTION_REVISION, FILES.__getitem__, stored.get, {}, limit=3
     )
-    assert chosen == expected
+    # Which rows are left out as trained on: tests/unit/test_eval_exclusion.py.
+    assert {name: (rows.rows, rows.source) for name, rows in chosen.items()} == expected
+    assert all(rows.excluded == () for rows in chosen.values())
     assert list(chosen) == [name for name in EvalSet if name in expected]
 
 
