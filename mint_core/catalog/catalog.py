@@ -18,7 +18,8 @@ A sync drops the kept answers about every adapter it changed before it returns.
 A worker starts from the snapshot the control plane publishes in the artifact store
 (`build_snapshot`, `start_from_snapshot`) and syncs on from the snapshot's cursor; without one,
 its first sync reads every revision from MLflow. A revision registered after that is read from
-MLflow when first named, and kept.
+MLflow when first named, and kept; requests that name it at the same time (a restarted worker's
+burst, before its first sync) share that one read (`catalog.flights`).
 """
 
 import logging
@@ -27,13 +28,15 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from mint_core.alias_intents import HeldMove
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.catalog import snapshot as catalog_snapshot
+from mint_core.catalog.flights import Flights
 from mint_core.catalog.hot import HotMap
 from mint_core.catalog.index import CatalogIndex
 from mint_core.catalog.snapshot import Snapshot
@@ -44,6 +47,7 @@ from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, Revis
 from mint_core.states import Stage
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 ROLLOUT_ALIASES = (CANDIDATE, CANARY)
 """Aliases on revisions being rolled out: their placement takes them in whatever else it holds."""
@@ -119,6 +123,8 @@ class Catalog:
         self._replicas: tuple[int, dict[str, int]] = (-1, {})
         """Adapters whose gates set their replicas, as of a count of `_changes`."""
         self._lock = threading.Lock()
+        self._flights: Flights[object] = Flights()
+        """Registry reads in flight, by the name asked about (see `_from_registry`)."""
         self.snapshot: Snapshot | None = None
         """The snapshot this catalog started from, if any."""
         self.last_sync: float | None = None
@@ -179,15 +185,17 @@ class Catalog:
         self.unreachable = None
         return [adapter.adapter for adapter in changed]
 
-    def _ask_registry(self, name: RevisionRef | RevisionId | str) -> Registry:
-        """The registry, to look up `name`, which this catalog has not seen; RegistryError at
-        once if the last sync found the registry down."""
+    def _from_registry(self, name: RevisionRef | RevisionId | str, read: Callable[[], T]) -> T:
+        """`read()`, which asks the registry about `name`, which this catalog has not seen;
+        RegistryError at once if the last sync found the registry down. Concurrent asks about
+        one name share one read (a restarted worker's burst asks MLflow once, not once per
+        request), its answer or its error."""
         if self.unreachable is not None:
             raise RegistryError(
                 f"{name} is not in this worker's catalog and the registry cannot be asked now: "
                 f"{self.unreachable}; try again once it answers"
             )
-        return self.registry
+        return self._flights.run(name, read)  # type: ignore[return-value]
 
     def wanted(self) -> "Wanted":
         """What the registry wants served on this worker's base: the revisions being rolled
@@ -277,11 +285,21 @@ class Catalog:
             for held in self._index.held_moves(ref.adapter):
                 if held.alias == ref.alias:  # set outside the pipeline, never by it
                     raise NotFoundError(f"{held.describe()}; nothing serves {ref} here")
-            # Not kept by alias: the registry is asked again until a sync brings the alias.
-            registered = self._ask_registry(ref).resolve(ref)
-            self._index.put_revisions([registered])
-            self._hot.put(stamp, ("r", ref.adapter, registered.id.number), registered)
-            return registered
+
+            # Kept by alias too, as the registry answered, until a sync changes the adapter
+            # (which drops its kept answers): a burst's stragglers, which found no read in
+            # flight, are answered from memory rather than asking MLflow again.
+            def read() -> RegisteredRevision:
+                kept = self.kept(ref)  # by a read that ended after this caller's first look
+                if kept is not None:
+                    return kept
+                found = self.registry.resolve(ref)
+                self._index.put_revisions([found])
+                self._hot.put(stamp, ("r", ref.adapter, found.id.number), found)
+                self._hot.put(stamp, ("@", ref.adapter, ref.alias), found)
+                return found
+
+            return self._from_registry(ref, read)
         registered = self.record(RevisionId(ref.adapter, number))
         self._hot.put(stamp, ("@", ref.adapter, ref.alias), registered)
         return registered
@@ -297,8 +315,16 @@ class Catalog:
         stamp = self._hot.stamp(revision.adapter)
         known = self._index.revision(revision)
         if known is None:
-            known = self._ask_registry(revision).get(revision)
-            self._index.put_revisions([known])
+
+            def read() -> RegisteredRevision:
+                kept = self._index.revision(revision)  # by a read that ended meanwhile
+                if kept is not None:
+                    return kept
+                found = self.registry.get(revision)
+                self._index.put_revisions([found])
+                return found
+
+            known = self._from_registry(revision, read)
         self._hot.put(stamp, key, known)
         return known
 
@@ -309,7 +335,9 @@ class Catalog:
         """Whether `adapter` is registered (asking the registry if not synced yet)."""
         if self._index.knows(adapter):
             return True
-        return self._ask_registry(f"adapter {adapter!r}").has_adapter(adapter)
+        return self._from_registry(
+            f"adapter {adapter!r}", lambda: self.registry.has_adapter(adapter)
+        )
 
 
 def sweep_indexes(folder: Path) -> list[Path]:
