@@ -28,6 +28,8 @@ from mint_core.states import Stage
 
 log = logging.getLogger(__name__)
 
+SHOWN_REVISIONS = 10
+"""Revisions a "not found" message lists one by one; more are given as a count and a range."""
 VERSIONS_PAGE = 1000
 """Model versions per page when reading every revision: a few MB of JSON per request. (MLflow
 accepts up to 200,000; larger pages were no faster.)"""
@@ -186,13 +188,36 @@ class Revisions(Runs):
                 else:
                     version = self._client.get_model_version_by_alias(ref.adapter, str(ref.alias))
             except MlflowException as e:
-                # One request when it exists; when not, a second says what is missing: the
-                # adapter, or the revision or alias of a registered one.
+                # One request when it exists; when not, more say what is missing: the adapter,
+                # or the revision or alias of a registered one (and which revisions it has).
                 self._model(ref.adapter)
                 if missing(e) or "not found" in str(e).lower():
-                    raise NotFoundError(f"{ref} does not exist in the registry") from None
+                    raise NotFoundError(self._missing(ref)) from None
                 raise
         return RegisteredRevision.from_version(version, aliases=tuple(version.aliases or ()))
+
+    def _missing(self, ref: RevisionRef) -> str:
+        """Why `ref`, of a registered adapter, names nothing, with the revisions it has: an
+        adapter registered but never released has no `production` yet, which is not the same
+        as not existing."""
+        versions = self._client.search_model_versions(f"name = '{ref.adapter}'")
+        numbers = sorted(int(version.version) for version in versions)
+        if not numbers:
+            registered = "no revision registered"
+        elif len(numbers) <= SHOWN_REVISIONS:
+            registered = "registered: " + ", ".join(f"r{n}" for n in numbers)
+        else:
+            registered = f"registered: {len(numbers)} revisions, r{numbers[0]} to r{numbers[-1]}"
+        if ref.revision is not None:
+            return f"{ref} does not exist in the registry ({registered})"
+        what = f"{ref.adapter} has no {ref.alias} revision yet ({registered})"
+        if not numbers:
+            return what
+        newest = f"{ref.adapter}:r{numbers[-1]}"
+        if ref.alias != PRODUCTION:
+            return f"{what}; ask for a revision by number, e.g. {newest}"
+        promote = f"mint promote --adapter {ref.adapter} --revision {numbers[-1]}"
+        return f"{what}; promote one (`{promote}`) or ask for it by number, e.g. {newest}"
 
     def get(self, revision: RevisionId) -> RegisteredRevision:
         return self.resolve(RevisionRef(revision.adapter, revision=revision.number))
