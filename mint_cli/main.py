@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     # What each command needs running, whether it is a service that runs until stopped (its
     # own logs go to the terminal), and whether it loads models in this process.
     # `check` refuses bad inputs that need no service, before anything is loaded or started.
-    parser.set_defaults(needs=(), service=False, loads_models=False, check=None)
+    # `runs_pipeline`: whether it waits out an MLflow outage (MINT_REGISTRY_RETRY_S); by default
+    # every command but a service (a worker must answer at once, from what it holds).
+    parser.set_defaults(needs=(), service=False, loads_models=False, check=None, runs_pipeline=None)
     commands = parser.add_subparsers(dest="command", required=True)
     for group in COMMAND_GROUPS:
         group.add_commands(commands)
@@ -78,6 +80,23 @@ def _prepare_environment(config: MintConfig, loads_models: bool) -> None:
         quiet_libraries()
 
 
+def _wait_out_registry_outages(config: MintConfig, command: str, terminal: bool) -> None:
+    """Calls to MLflow wait out an outage for up to MINT_REGISTRY_RETRY_S, saying so in one
+    line (and again when it is over; on the `terminal` too for a command whose logs go to a
+    file), instead of MLflow's client retrying each request on its own schedule for minutes
+    with a urllib3 warning per try."""
+    from mint_core.registry_outages import LOGGER, wait_out_registry_outages
+
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    wait_out_registry_outages(config.registry_retry_s)
+    outages = logging.getLogger(LOGGER)
+    outages.setLevel(logging.WARNING)
+    if terminal:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"mint {command}: %(message)s"))
+        outages.addHandler(handler)
+
+
 def quiet_libraries() -> None:
     """Drop progress bars and deprecation chatter that the libraries print on every load."""
     import warnings
@@ -103,6 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.check is not None:
                 args.check(args, config)
             _prepare_environment(config, args.loads_models)
+            runs_pipeline = not args.service if args.runs_pipeline is None else args.runs_pipeline
+            if runs_pipeline:
+                _wait_out_registry_outages(config, command, terminal=not args.service)
             # A service's own logs belong on its terminal; a command's go to its log file.
             logs = contextlib.nullcontext() if args.service else _logging_to(log_path)
             with logs:

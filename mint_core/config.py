@@ -363,6 +363,16 @@ class MintConfig:
         show=",".join,
         blank_is_default=True,
     )
+    registry_retry_s: float = setting(
+        "MINT_REGISTRY_RETRY_S",
+        120.0,
+        "How long a command that runs the pipeline (`mint release`, `promote`, ..., `mint flows "
+        "serve`'s runs) waits out an MLflow that does not answer before it fails, in seconds; "
+        "it says so on the terminal when it starts waiting. 0: fail at once. Workers never "
+        "wait: they serve what their catalog holds.",
+        parse=float,
+        blank_is_default=True,
+    )
     registry_db: str = setting(
         "MINT_REGISTRY_DB",
         "",
@@ -402,6 +412,11 @@ class MintConfig:
         ):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
+        if not 0 <= self.registry_retry_s < float("inf"):
+            raise ConfigurationError(
+                f"{variable('registry_retry_s')}={self.registry_retry_s:g} must be 0 or more "
+                "seconds (0: fail at once when MLflow does not answer)"
+            )
         if self.hot_rate <= 0:
             raise ConfigurationError(
                 f"{variable('hot_rate')}={self.hot_rate:g} must be positive (requests per second)"

@@ -5,7 +5,8 @@ Two kinds of failure, translated in two layers that every call goes through:
 
 - a server that does not answer (refused, timed out, failing after MLflow's retries): the
   client (`_Answering`) raises RegistryError naming the server and its setting, whichever call
-  it was;
+  it was, once the outage has lasted the process's bound (`mint_core.registry_outages`: a
+  request that never reached the server is sent again meanwhile);
 - a server that answers with a refusal: `MlflowStore._failing(action)` raises RegistryError
   naming what was being done. A lookup of something that does not exist is not a failure:
   `_model` raises NotFoundError, `_model_or_none` returns None.
@@ -25,6 +26,7 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from mint_core.errors import NotFoundError, RegistryError
+from mint_core.registry_outages import OUTAGES
 from mint_core.revisions import TAG_PREFIX
 
 T = TypeVar("T")
@@ -101,19 +103,33 @@ class _Answering:
     def _answered(self, name: str, method: Callable[..., T]) -> Callable[..., T]:
         @functools.wraps(method)
         def call(*args: object, **kwargs: object) -> T:
-            try:
-                return method(*args, **kwargs)
-            except (MlflowException, requests.RequestException) as e:
-                cause = _unanswered(e)
-                if cause is None:
-                    raise
-                raise RegistryError(
-                    f"MLflow at {self._uri} (MLFLOW_TRACKING_URI) did not answer {name}: "
-                    f"{cause}; check that it runs (`mint registry` starts one) and that "
-                    "MLFLOW_TRACKING_URI points at it"
-                ) from e
+            while True:
+                try:
+                    answer = method(*args, **kwargs)
+                except (MlflowException, requests.RequestException) as e:
+                    cause = _unanswered(e)
+                    if cause is None:
+                        raise
+                    # Only a request that never reached the server is sent again (see
+                    # `registry_outages`): one cut off in flight may have been written.
+                    pause = OUTAGES.failed(self._uri, cause) if _unsent(e) else None
+                    if pause is None:
+                        raise RegistryError(self._unanswered_message(name, cause)) from e
+                    time.sleep(pause)
+                else:
+                    OUTAGES.answered(self._uri)
+                    return answer
 
         return call
+
+    def _unanswered_message(self, name: str, cause: str) -> str:
+        waited = OUTAGES.waited_s(self._uri) if OUTAGES.wait_s > 0 else 0.0
+        during = f" for {waited:.0f} s (MINT_REGISTRY_RETRY_S={OUTAGES.wait_s:g})" if waited else ""
+        return (
+            f"MLflow at {self._uri} (MLFLOW_TRACKING_URI) did not answer {name}{during}: "
+            f"{cause}; check that it runs (`mint registry` starts one) and that "
+            "MLFLOW_TRACKING_URI points at it"
+        )
 
     def end_run(self, run_id: str, status: str) -> None:
         """End run `run_id` with `status` in one request.
@@ -145,6 +161,24 @@ def _unanswered(error: BaseException) -> str | None:
     while (inner := cause.__cause__ or cause.__context__) is not None:
         cause = inner
     return str(cause) or type(cause).__name__
+
+
+def _unsent(error: BaseException) -> bool:
+    """Whether `error` says the request never reached the server: no connection was made
+    (refused, or none within the connect timeout), or the server answered only with errors
+    MLflow retries (429, 5xx: its database rolled back). Not a connection cut while a request
+    was in flight."""
+    unsent = (
+        ConnectionRefusedError,
+        requests.exceptions.ConnectTimeout,
+        requests.exceptions.RetryError,
+    )
+    cause: BaseException | None = error
+    while cause is not None:
+        if isinstance(cause, unsent):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def missing(error: MlflowException) -> bool:
@@ -190,5 +224,8 @@ class MlflowStore:
         not registered."""
         model = self._model_or_none(adapter)
         if model is None:
-            raise NotFoundError(f"adapter {adapter!r} is not registered{hint}")
+            # The whole story, even when a caller asks while handling MLflow's refusal of a
+            # version of it (with authentication on, MLflow answers 403, not 404, for a version
+            # of a model that does not exist): no MLflow error chained behind it.
+            raise NotFoundError(f"adapter {adapter!r} is not registered{hint}") from None
         return model

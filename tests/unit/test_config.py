@@ -51,6 +51,7 @@ CHANGED = MintConfig(
     vllm_python="/opt/vllm/bin/python",
     vllm_args=("--seed", "1 2"),
     admin_principals=("ops", "admin"),
+    registry_retry_s=7.5,
     registry_db="sqlite:////srv/mint/mlflow.db",
 )
 """Every field away from its default."""
@@ -99,3 +100,9 @@ def test_a_bad_value_is_refused_naming_its_variable() -> None:
         MintConfig.from_env({"MINT_PINS": "bot@production"})
     assert variable("sync_interval_s") == "MINT_SYNC_INTERVAL_MS"
     assert variable("base") == "MINT_BASE_MODEL"
+
+
+@pytest.mark.parametrize("text", ["-1", "nan", "inf"])
+def test_a_registry_wait_that_is_not_a_length_of_time_is_refused(text: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"MINT_REGISTRY_RETRY_S={text} must be 0 or"):
+        MintConfig.from_env({"MINT_REGISTRY_RETRY_S": text})
