@@ -358,3 +358,88 @@ def start_prefect(home: Path, port: int | None = None) -> ManagedProcess:
         home / "logs" / "prefect.log",
         env,
     )
+
+
+RESTART_FIRST_S = 1.0
+"""How long `Supervisor` waits before starting an exited service again; doubled at each exit
+that follows soon after a start, up to `RESTART_LONGEST_S`."""
+RESTART_LONGEST_S = 60.0
+RESTART_STEADY_S = 60.0
+"""A service that ran this long before it exited is started again after `RESTART_FIRST_S`: it
+was not crashing in a loop."""
+
+
+@dataclass
+class _Supervised:
+    start: Callable[[], ManagedProcess]
+    service: ManagedProcess
+    started_at: float
+    """`time.monotonic()` of its last start."""
+    pause_s: float = RESTART_FIRST_S
+    due: float | None = None
+    """While it is down: when it is to be started again."""
+
+
+class Supervisor:
+    """The services `mint up` runs, kept running: one that exits (stopped to restart it, or
+    crashed) is started again the same way, after a pause that grows while it keeps exiting,
+    with a line (`say`) saying so, while the others run on. `stop_all` stops them all."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._services: list[_Supervised] = []
+
+    def start(self, start: Callable[[], ManagedProcess]) -> ManagedProcess:
+        """Start a service with `start` (which returns once it is healthy) and keep it
+        running with it."""
+        service = start()
+        self._services.append(_Supervised(start, service, time.monotonic()))
+        return service
+
+    @property
+    def services(self) -> list[ManagedProcess]:
+        """The services as they run now, in the order they were first started."""
+        return [supervised.service for supervised in self._services]
+
+    def watch(self, poll_s: float = 0.5) -> None:
+        """Keep the services running until interrupted (KeyboardInterrupt)."""
+        while True:
+            self.check()
+            time.sleep(poll_s)
+
+    def check(self) -> None:
+        """Note the services that exited and start again those whose pause is over."""
+        for supervised in self._services:
+            now = time.monotonic()
+            service = supervised.service
+            if supervised.due is None and service.process.poll() is not None:
+                service.stop()  # whatever its group left behind, before one takes its port
+                if now - supervised.started_at >= RESTART_STEADY_S:
+                    supervised.pause_s = RESTART_FIRST_S
+                supervised.due = now + supervised.pause_s
+                self._say(
+                    f"{service.name} exited (code {service.process.returncode}); starting it "
+                    f"again in {supervised.pause_s:g} s (its log: {service.log_path})"
+                )
+            elif supervised.due is not None and now >= supervised.due:
+                self._restart(supervised)
+
+    def _restart(self, supervised: _Supervised) -> None:
+        name = supervised.service.name
+        supervised.pause_s = min(supervised.pause_s * 2, RESTART_LONGEST_S)
+        try:
+            supervised.service = supervised.start()
+        except ServiceError as e:
+            supervised.due = time.monotonic() + supervised.pause_s
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            self._say(
+                f"{name} did not start again ({reason}); trying again in {supervised.pause_s:g} s"
+            )
+            return
+        supervised.started_at = time.monotonic()
+        supervised.due = None
+        self._say(f"{name} started again at {supervised.service.url}")
+
+    def stop_all(self) -> None:
+        """Stop every service (in parallel), whatever its state."""
+        stop_all(self.services)

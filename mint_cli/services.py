@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import time
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -84,49 +84,50 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 
 def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     build_base(config)  # before any service (and Prefect's import): the worker only loads it
-    from control.services import ManagedProcess, start_mlflow, start_prefect, stop_all
+    from control.services import Supervisor, start_mlflow, start_prefect
     from flows.deployments import start_flow_server
     from serving.worker.server import start_worker
     from trainer.server import start_trainer
 
-    started: list[ManagedProcess] = []
+    # Each service is started again, the same way, when it exits (a user stops the trainer to
+    # restart it, a worker crashes): the others run on. Ctrl-C stops them all.
+    supervisor = Supervisor(lambda line: print(line, flush=True))
     accounts = RegistryAccounts.load_or_create(config.home)
+    registry_db = args.backend_store_uri or config.registry_db
     try:
-        mlflow = start_mlflow(
-            config.home,
-            args.mlflow_port,
-            args.backend_store_uri or config.registry_db,
-            accounts,
-            store=config,
+        # Each start is bound to its arguments now: it is called again the same way.
+        mlflow = supervisor.start(
+            partial(
+                start_mlflow, config.home, args.mlflow_port, registry_db, accounts, store=config
+            )
         )
-        started.append(mlflow)
-        prefect_server = start_prefect(config.home, args.prefect_port)
-        started.append(prefect_server)
+        prefect_server = supervisor.start(partial(start_prefect, config.home, args.prefect_port))
         config = dataclasses.replace(config, tracking_uri=mlflow.url)
         os.environ.update(accounts.pipeline.env())  # the flow server's runs write
-        worker = start_worker(config, args.worker_port, env=accounts.worker.env())
-        started.append(worker)
+        worker = supervisor.start(
+            partial(start_worker, config, args.worker_port, env=accounts.worker.env())
+        )
         config = dataclasses.replace(config, worker_urls=(worker.url,))
-        started.append(start_flow_server(config, prefect_server.url + "/api"))
+        supervisor.start(partial(start_flow_server, config, prefect_server.url + "/api"))
         # The trainer registers its tenants' sampler weights: it writes as the pipeline does.
-        trainer = start_trainer(config, args.trainer_port, env=accounts.pipeline.env())
-        started.append(trainer)
+        trainer = supervisor.start(
+            partial(start_trainer, config, args.trainer_port, env=accounts.pipeline.env())
+        )
         print(f"MLflow UI (registry):    {mlflow.url}")
         print(f"Prefect UI (flows):      {prefect_server.url}")
         print(f"serving API (worker):    {worker.url}")
         print(f"Tinker API (trainer):    {trainer.url}  (TINKER_BASE_URL)")
         print(_accounts_line(accounts, config.home))
-        print(f"state and logs in {config.home}; Ctrl-C stops everything", flush=True)
-        while all(service.process.poll() is None for service in started):
-            time.sleep(0.5)
-        stopped = [s for s in started if s.process.poll() is not None]
-        raise ServiceError(
-            f"{stopped[0].name} stopped (exit {stopped[0].process.returncode}); "
-            + stopped[0].log_excerpt()
+        print(
+            f"state and logs in {config.home}; a service that exits is started again; "
+            "Ctrl-C stops everything",
+            flush=True,
         )
+        supervisor.watch()
     finally:
-        stop_all(started)
-        print("stopped: " + ", ".join(service.name for service in reversed(started)), flush=True)
+        supervisor.stop_all()
+        names = [service.name for service in reversed(supervisor.services)]
+        print("stopped: " + ", ".join(names), flush=True)
 
 
 def build_base(config: MintConfig) -> None:
@@ -210,7 +211,7 @@ def add_commands(commands: Commands) -> None:
         help="serve release, promote, rollback and retrain (+ MINT_RETRAIN schedules) to the "
         "Prefect server at PREFECT_API_URL, running their flow runs until stopped",
     )
-    flows_serve.set_defaults(run=cmd_flows_serve, service=True)
+    flows_serve.set_defaults(run=cmd_flows_serve, service=True, runs_pipeline=True)
 
     up = commands.add_parser(
         "up",
