@@ -15,6 +15,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.approval import await_approval
+from flows.ending import ends_on_mint_error
 from flows.rollout import take_in
 from mint_core.config import CANARY_MIN_REQUESTS, CANARY_PERCENT, CANARY_WINDOW_S, MintConfig
 from mint_core.errors import ConfigurationError, MintError, NotFoundError, RejectedError
@@ -36,6 +37,7 @@ class CanaryReport:
 
 
 @flow(name="canary", flow_run_name="canary {adapter} r{revision} at {percent}%")
+@ends_on_mint_error
 def canary(
     adapter: str,
     revision: int,

@@ -5,12 +5,14 @@ from, so an old one costs only a longer first sync."""
 
 from prefect import flow
 
+from flows.ending import ends_on_mint_error
 from mint_core.config import MintConfig
 from tasks.pipeline import snapshot_catalog
 from tasks.runs import summarize
 
 
 @flow(name="catalog-snapshot", flow_run_name="catalog snapshot")
+@ends_on_mint_error
 def catalog_snapshot() -> str:
     """Publish a new catalog snapshot; its digest."""
     digest = snapshot_catalog(MintConfig.from_env()).digest

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from prefect import flow
 
+from flows.ending import ends_on_mint_error
 from flows.rollout import roll_out
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError
@@ -37,6 +38,7 @@ def promote_to_production(
 
 
 @flow(name="promote", flow_run_name="promote {adapter} r{revision}")
+@ends_on_mint_error
 def promote(adapter: str, revision: int, actor: str = "mint", reason: str = "promote") -> str:
     """Serve `adapter:r<revision>` as `adapter@production`.
 
@@ -57,6 +59,7 @@ def _rollback_name(parameters: Mapping[str, object]) -> str:
 
 
 @flow(name="rollback", flow_run_name=run_name(_rollback_name))
+@ends_on_mint_error
 def rollback(
     adapter: str, to_revision: int | None = None, actor: str = "mint", reason: str = "rollback"
 ) -> str:

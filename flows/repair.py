@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from prefect import flow
 
+from flows.ending import ends_on_mint_error
 from mint_core.catalog.catalog import SERVED_ALIASES
 from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.registry import Registry
@@ -34,6 +35,7 @@ class RepairReport:
 
 
 @flow(name="repair", flow_run_name="repair {adapter} r{revision}")
+@ends_on_mint_error
 def repair(
     adapter: str, revision: int, actor: str = "mint", reason: str = "repair"
 ) -> RepairReport:

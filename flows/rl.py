@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from prefect import flow
 
+from flows.ending import ends_on_mint_error
 from flows.release import on_base
 from flows.rollout import StageClock, roll_out
 from flows.ship import Shipment, ship
@@ -57,6 +58,7 @@ class RlReport:
 
 
 @flow(name="rl", flow_run_name="rl {adapter} on {task}")
+@ends_on_mint_error
 def rl(
     adapter: str,
     task: str = Task.REVERSE.value,

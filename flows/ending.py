@@ -1,0 +1,111 @@
+"""How a flow run ends on a MinT error: Failed, with the error's message as its state's message
+and as the one ERROR line of its log, without a traceback.
+
+A `MintError` is a user's mistake or a refusal (a data file that is not there, an adapter that
+is not registered, a revision a gate rejected) and its message already says what to do. Left
+to itself, Prefect 3.9 follows it with its traceback twice: the flow engine's "Encountered
+exception during execution" and, in a deployment's run, the run's "Engine execution exited
+with unexpected exception"; a task that raised it adds "Task run failed with exception" and an
+ERROR "Finished in state Failed(...)". Any other exception is a bug in MinT and keeps every
+traceback Prefect logs.
+
+Every flow is declared as
+
+    @flow(name="release", ...)
+    @ends_on_mint_error
+    def release(...): ...
+
+and still raises the error to a caller in code (a test, `mint release`): Prefect raises a
+failed run's error from its state. The log's records are put right by a filter on Prefect's run
+loggers (`OneLineMintErrors`), which the first flow to start installs.
+"""
+
+import functools
+import logging
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar, cast
+
+from prefect.states import Failed
+
+from mint_core.errors import MintError
+from tasks.runs import run_log
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+"""Prefect's loggers of flow and task runs: what they log is the run's log in the Prefect UI."""
+_TASK_FINISHED = "Finished in state "
+"""How Prefect's task engine begins its report of a task run's final state (ERROR unless it
+completed)."""
+_TOLD_IN = "_mint_told_in_runs"
+"""Attribute of a MintError: the flow runs whose log has told it. (Exceptions cannot be weakly
+referenced, so where one was told travels with it.)"""
+
+
+def ends_on_mint_error(fn: Callable[P, R]) -> Callable[P, R]:
+    """`fn`, a flow's function, ending its run Failed with a MintError's message (told once in
+    the run's log) instead of raising it into Prefect's engine."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        _filter_run_logs()
+        try:
+            return fn(*args, **kwargs)
+        except MintError as error:
+            if _tell(error, _current_flow_run()):
+                run_log().error("%s", error)
+            # A state returned by the flow function is the run's final state; the engine then
+            # raises `error` from it to a caller in code.
+            return cast(R, Failed(message=str(error), data=error))
+
+    return run
+
+
+class OneLineMintErrors(logging.Filter):
+    """On Prefect's run loggers: a record carrying a MintError becomes one ERROR line, the
+    error's message, the first time the error reaches a flow run's log, and is dropped after
+    that (the engine's second report). A task run's report of its final state ("Finished in
+    state Failed(...)") is INFO, as Prefect logs a flow run's: the error itself is told by the
+    record that carries it, or by the flow (a task whose retry condition refused a MintError
+    logs nothing else), and a bug's traceback stays an ERROR record of its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, MintError):
+            if not _tell(error, getattr(record, "flow_run_id", None)):
+                return False
+            record.msg, record.args = str(error), ()
+            record.exc_info, record.exc_text = None, None
+        elif (
+            getattr(record, "task_run_id", None) is not None
+            and record.levelno >= logging.ERROR
+            and str(record.msg).startswith(_TASK_FINISHED)
+        ):
+            record.levelno, record.levelname = logging.INFO, logging.getLevelName(logging.INFO)
+        return True
+
+
+def _tell(error: MintError, flow_run: object) -> bool:
+    """Whether `error` is still to be told in `flow_run`'s log; from now on it counts as told."""
+    told: set[str] = getattr(error, _TOLD_IN, set())
+    if str(flow_run) in told:
+        return False
+    setattr(error, _TOLD_IN, told | {str(flow_run)})
+    return True
+
+
+def _current_flow_run() -> object:
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    return context.flow_run.id if context is not None and context.flow_run is not None else None
+
+
+def _filter_run_logs() -> None:
+    """Put OneLineMintErrors on Prefect's run loggers, once per process. Done when a flow
+    starts rather than at import: importing MinT's flows changes no logging."""
+    for name in RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, OneLineMintErrors) for f in logger.filters):
+            logger.addFilter(OneLineMintErrors())
