@@ -15,6 +15,7 @@ from prefect.flow_runs import pause_flow_run, resume_flow_run
 from prefect.input import RunInput
 from pydantic import Field
 
+from flows.ending import ends_on_mint_error
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError, RejectedError
 from mint_core.gates import Gates
@@ -91,13 +92,12 @@ def await_approval(
             raise RejectedError(f"{revision} {reason}; production did not move") from None
         refused = gates.may_approve(answer.reviewer, releaser)
         if refused is not None:
-            registry.note_stage(
-                revision, answer.reviewer, f"refused {answer.decision}: {refused}; still waiting"
-            )
+            _record_refusal(registry, revision, answer, refused)
             log.warning(
-                "refused %r's answer (%s): %s; waiting for an allowed approver",
+                "refused the answer of %r (%s%s): %s; waiting for an allowed approver",
                 answer.reviewer,
                 answer.decision,
+                _comment(answer),
                 refused,
             )
             form = Decision.with_initial_data(
@@ -126,36 +126,45 @@ def _question(
     evaluation: Evaluation | None,
 ) -> str:
     """The form's description: what is asked, the candidate's figures beside production's, and
-    the threshold the evaluation gate held them to."""
+    the threshold the evaluation gate held them to. The table keeps to short labels, with what
+    each row means below it: the Resume form is about 450 px wide whatever the window, and a
+    wider table hides its figure columns behind a scroll."""
     try:
         production: RegisteredRevision | None = registry.resolve(RevisionRef(revision.adapter))
     except NotFoundError:
         production = None
     candidate = registry.get(revision)
     approvers = ", ".join(gates.approvers) or "nobody"
-    serving = str(production.id) if production else "(none)"
+    serving = f"production r{production.id.number}" if production else "production: none"
     lines = [
         f"Approve **{revision}** as `{revision.adapter}@{PRODUCTION}`? Started by {releaser}; "
         f"approvers: {approvers}. Choose a decision and name yourself as the reviewer.",
         "",
-        f"| figure | candidate {revision} | production {serving} |",
-        "|---|---|---|",
+        f"| exact match | candidate r{revision.number} | {serving} |",
+        "|---|---:|---:|",
     ]
+    notes = []
     if evaluation is not None:
         lines += [
-            f"| exact match on {s.rows} {s.name} rows (evaluation gate, same rows for both) "
-            f"| {s.candidate:.2f} | {s.production:.2f} |"
+            f"| gate: {s.rows} {s.name} rows | {s.candidate:.2f} | {s.production:.2f} |"
+            if s.rows
+            else f"| gate: {s.name} rows | not scored | not scored |"
             for s in evaluation.scores
         ]
+        notes.append("- **gate**: the evaluation gate scored both on the same rows.")
     else:
-        lines.append("| evaluation gate | not scored: no rows to score both on | |")
-    lines.append(
-        "| held-out exact match at training (each on its own held-out rows) "
-        f"| {_held_out(candidate)} | {_held_out(production)} |"
+        lines.append("| gate | not scored | not scored |")
+        notes.append("- **gate**: the evaluation gate had no rows to score both on.")
+    lines.append(f"| at training | {_held_out(candidate)} | {_held_out(production)} |")
+    notes.append(
+        "- **at training**: each on its own held-out rows when it was trained (not the same "
+        "rows for both)."
     )
     passed = evaluation is None or evaluation.passed
     verdict = "" if evaluation is None else f"; this candidate {'passed' if passed else 'failed'}"
     lines += [
+        "",
+        *notes,
         "",
         f"Gate threshold: the candidate may fall at most {gates.max_regression} below "
         f"production's exact match on each set (max_regression){verdict}.",
@@ -183,12 +192,12 @@ def answer_approval(
             "UI show what happened to it"
         )
     releaser = _releaser(registry, revision)
+    decision = Decision(decision=verdict, reviewer=reviewer, comment=comment)
     refused = registry.gates(revision.adapter).may_approve(reviewer, releaser)
     if refused is not None:
         # Recorded like a refusal in the Prefect UI: an audit sees every answer.
-        registry.note_stage(revision, reviewer, f"refused {verdict}: {refused}; still waiting")
+        _record_refusal(registry, revision, decision, refused)
         raise ConfigurationError(f"cannot answer the roll-out of {revision}: {refused}")
-    decision = Decision(decision=verdict, reviewer=reviewer, comment=comment)
     try:
         resume_flow_run(UUID(run_id), run_input=decision.model_dump(mode="json"))
     except (NotPausedError, FlowPauseTimeout) as e:
@@ -197,6 +206,23 @@ def answer_approval(
             f"answer any more ({e}); it is {registered.stage}"
         ) from e
     return run_id
+
+
+def _record_refusal(
+    registry: Registry, revision: RevisionId, answer: Decision, refused: str
+) -> None:
+    """Keep a refused answer in `revision`'s stage history, as its author gave it (decision and
+    comment) with why it was not taken: the roll-out goes on waiting."""
+    registry.note_stage(
+        revision,
+        answer.reviewer,
+        f"refused {answer.decision}: {refused}; still waiting{_comment(answer)}",
+    )
+
+
+def _comment(answer: Decision) -> str:
+    """ "; comment: ..." when the answer has one (how a refusal's record and log line end)."""
+    return f"; comment: {answer.comment}" if answer.comment else ""
 
 
 def _releaser(registry: Registry, revision: RevisionId) -> str:
@@ -208,6 +234,7 @@ def _releaser(registry: Registry, revision: RevisionId) -> str:
 
 
 @flow(name="approve", flow_run_name="approve {adapter} r{revision} as {reviewer}")
+@ends_on_mint_error
 def approve(
     adapter: str, revision: int, reviewer: str, reject: bool = False, comment: str = ""
 ) -> str:

@@ -33,6 +33,11 @@ pytestmark = pytest.mark.slow
 RELEASER = "carol"
 GATES = Gates(requires_approval=True, approvers=("alice", RELEASER), approval_timeout_s=60)
 """Short enough that a failed test does not wait long for its paused roll-out to end."""
+MALLORY_REFUSED = (
+    "refused approve: 'mallory' is not an approver of this adapter; its approvers: alice, carol; "
+    "still waiting; comment: looks fine to me"
+)
+"""How the stage history keeps mallory's refused answer, comment included."""
 
 
 @pytest.fixture
@@ -89,7 +94,10 @@ def test_a_release_waits_for_an_allowed_approver(
         answer_approval(fleet_config, candidate, Verdict.APPROVE, RELEASER, "")
     # Through the Prefect API directly (as the UI's form does): the run refuses it and pauses
     # again; production stays.
-    resume_flow_run(run_id, run_input={"decision": "approve", "reviewer": "mallory"})
+    resume_flow_run(
+        run_id,
+        run_input={"decision": "approve", "reviewer": "mallory", "comment": "looks fine to me"},
+    )
     assert paused_run(registry, candidate, pauses=2) == run_id
     assert production(registry, "approved-bot") == 1
     assert not releasing.done()
@@ -100,8 +108,8 @@ def test_a_release_waits_for_an_allowed_approver(
     assert releasing.result(timeout=120).revision == str(candidate)  # type: ignore[attr-defined]
     assert production(registry, "approved-bot") == candidate.number
     history = decisions(registry, candidate)
-    assert ("mallory", "ready", "refused approve: 'mallory' is not an approver of this adapter; "
-            "its approvers: alice, carol; still waiting") in history  # fmt: skip
+    # The refused answer is kept with its comment, as the approval is.
+    assert ("mallory", "ready", MALLORY_REFUSED) in history
     assert ("alice", "ready", "approved: looks right") in history
     assert history[-1][:2] == (RELEASER, "active")
 
@@ -169,32 +177,40 @@ def test_the_form_asks_for_a_decision_shows_the_figures_and_every_refusal_is_kep
     assert "default" not in schema["properties"]["decision"]  # type: ignore[index]
     lines = description.splitlines()
     header = next(line for line in lines if line.startswith("|"))
-    assert f"candidate {candidate}" in header and "production form-bot:r1" in header
-    assert any(line.startswith("| exact match on 4 eval rows") for line in lines), description
+    assert f"candidate r{candidate.number}" in header and "production r1" in header
+    assert any(line.startswith("| gate: 4 eval rows | ") for line in lines), description
     assert any("threshold" in line and "at most 1.0 below production" in line for line in lines)
 
-    # Refused on the command line (`mint approve`): each refusal is in the stage history.
+    # Refused on the command line (`mint approve`): each refusal is in the stage history, with
+    # its comment.
     with pytest.raises(ConfigurationError, match="'mallory' is not an approver"):
-        answer_approval(fleet_config, candidate, Verdict.APPROVE, "mallory", "")
+        answer_approval(fleet_config, candidate, Verdict.APPROVE, "mallory", "looks fine to me")
     with pytest.raises(ConfigurationError, match="'carol' started this roll-out"):
         answer_approval(fleet_config, candidate, Verdict.REJECT, RELEASER, "")
     history = decisions(registry, candidate)
-    assert ("mallory", "ready", "refused approve: 'mallory' is not an approver of this adapter; "
-            "its approvers: alice, carol; still waiting") in history  # fmt: skip
+    assert ("mallory", "ready", MALLORY_REFUSED) in history
     assert any(
         actor == RELEASER and reason.startswith("refused reject: 'carol' started this roll-out")
         for actor, _, reason in history
     ), history
 
-    # Refused in the UI's form: a warning in the run's log, and the new form says why.
-    resume_flow_run(run_id, run_input={"decision": "approve", "reviewer": "mallory"})
+    # Refused in the UI's form: a warning in the run's log, the answer and its comment in the
+    # stage history, and the new form says why.
+    resume_flow_run(
+        run_id, run_input={"decision": "reject", "reviewer": "mallory", "comment": "not sure"}
+    )
     paused_run(registry, candidate, pauses=2)
     again, _ = paused_form(run_id)
-    assert again.startswith("**Refused**: the answer of 'mallory' (approve) was not taken: "
+    assert again.startswith("**Refused**: the answer of 'mallory' (reject) was not taken: "
                             "'mallory' is not an approver of this adapter")  # fmt: skip
     assert header in again.splitlines()
-    warning = "WARNING refused 'mallory''s answer (approve): 'mallory' is not an approver"
+    warning = ("WARNING refused the answer of 'mallory' (reject; comment: not sure): 'mallory' is "
+               "not an approver")  # fmt: skip
     assert any(line.startswith(warning) for line in run_logs(run_id, expect=warning))
+    assert ("mallory", "ready", "refused reject: 'mallory' is not an approver of this adapter; "
+            "its approvers: alice, carol; still waiting; comment: not sure") in (
+        decisions(registry, candidate)
+    )  # fmt: skip
 
     answer_approval(fleet_config, candidate, Verdict.REJECT, "alice", "not now")
     with pytest.raises(RejectedError, match="rejected by alice: not now"):
@@ -214,10 +230,16 @@ def test_mint_approve_records_each_refused_answer(mlflow_server: ManagedProcess)
     config = MintConfig(tracking_uri=mlflow_server.url)
 
     with pytest.raises(ConfigurationError, match="'mallory' is not an approver"):
-        answer_approval(config, revision, Verdict.APPROVE, "mallory", "")
+        answer_approval(config, revision, Verdict.APPROVE, "mallory", "looks fine to me")
     with pytest.raises(ConfigurationError, match="'carol' started this roll-out"):
-        answer_approval(config, revision, Verdict.REJECT, RELEASER, "mine")
+        answer_approval(config, revision, Verdict.REJECT, RELEASER, "")
 
-    answers = [(actor, reason.split(":")[0]) for actor, _, reason in decisions(registry, revision)]
-    assert answers[-2:] == [("mallory", "refused approve"), (RELEASER, "refused reject")]
+    # Each answer with its comment (none given: none recorded).
+    answers = [(actor, reason) for actor, _, reason in decisions(registry, revision)]
+    assert answers[-2:] == [
+        ("mallory", MALLORY_REFUSED),
+        (RELEASER, "refused reject: 'carol' started this roll-out and this adapter does not "
+                   "allow approving one's own roll-out; another approver must answer; still "
+                   "waiting"),
+    ]  # fmt: skip
     assert registry.get(revision).stage is Stage.REGISTERED

@@ -11,6 +11,7 @@ from uuid import UUID
 
 import httpx
 import pytest
+from playwright.sync_api import Locator
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from control.services import ManagedProcess, start_prefect
@@ -22,7 +23,7 @@ from mint_core.gates import Gates
 from mint_core.model.base import BaseModel
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
-from tests.integration.browser import UiPage
+from tests.integration.browser import UiPage, screenshot
 from tests.integration.helpers import register_random_adapter
 
 pytestmark = pytest.mark.slow
@@ -64,6 +65,41 @@ def paused_run_id(server: ManagedProcess, registry: Registry, revision: Revision
     raise AssertionError(f"{revision}'s roll-out never paused for approval")
 
 
+VISIBLE_SPAN_JS = """(table) => {
+    let left = 0, right = window.innerWidth;
+    for (let e = table.parentElement; e; e = e.parentElement) {
+        if (getComputedStyle(e).overflowX !== "visible") {
+            const box = e.getBoundingClientRect();
+            left = Math.max(left, box.left);
+            right = Math.min(right, box.right);
+        }
+    }
+    return [left, right];
+}"""
+"""The horizontal span of the page where `table` can be seen: the window, cut to each enclosing
+box that clips or scrolls what overflows it (the modal's card, its body)."""
+
+
+def assert_figures_inside(form: Locator, table: Locator, width: int) -> None:
+    """Every cell of `table`'s figure columns (all but the first) lies inside the modal `form`
+    and inside every box that would clip it, so a reader sees them without scrolling."""
+    box = form.bounding_box()
+    assert box is not None
+    left, right = table.evaluate(VISIBLE_SPAN_JS)
+    left, right = max(left, box["x"]), min(right, box["x"] + box["width"])
+    rows = table.locator("tr")
+    for row in range(rows.count()):
+        cells = rows.nth(row).locator("th, td")
+        for column in range(1, cells.count()):
+            cell = cells.nth(column).bounding_box()
+            assert cell is not None
+            span = f"{cell['x']:.0f}..{cell['x'] + cell['width']:.0f} px"
+            assert left <= cell["x"] and cell["x"] + cell["width"] <= right, (
+                f"at a {width} px window, cell {cells.nth(column).inner_text()!r} spans {span}, "
+                f"outside the form's visible {left:.0f}..{right:.0f} px"
+            )
+
+
 def test_the_paused_roll_out_shows_its_evaluation_in_the_form(
     prefect_ui: ManagedProcess,
     fleet_config: MintConfig,
@@ -98,6 +134,11 @@ def test_the_paused_roll_out_shows_its_evaluation_in_the_form(
             assert "candidate" in header, header
             assert "production" in header, header
             assert "threshold" in form.inner_text().lower()
+            # Both figure columns are in sight, not behind a horizontal scroll, at common widths.
+            for width in (1440, 1920):
+                page.set_viewport_size({"width": width, "height": 900})
+                assert_figures_inside(form, table, width)
+            screenshot(page, "approval-form")  # for a person to look at; ignored by git
             assert not ui.server_errors
         finally:
             # Ends the paused roll-out whatever happened above.
