@@ -4,6 +4,8 @@ revisions.
 - `save_state(name)` writes the adapter and its AdamW state as one file in the artifact store
   (`trainer/checkpoints/<model>/<name>.pt`), so it survives a restart of `mint trainer` and
   any trainer sharing the store can load it. Its path is `tinker://<model id>/weights/<name>`.
+  The state records the principal that saved it: only that principal and admins load it
+  (`check_loader`), whoever learns its path.
 - `save_weights_for_sampler(name)` ships the adapter as the next revision of the tenant's
   adapter: freeze, pack, export, register, the release pipeline's own steps (its policy record
   names the base, the optimizer steps taken, the session as lineage and the principal as who
@@ -17,6 +19,7 @@ import json
 import re
 import tempfile
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from safetensors.torch import save_file
 from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError, NotFoundError
+from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundError
 from mint_core.model.base import BaseText
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.revisions import RevisionId, RevisionRef
@@ -86,6 +89,28 @@ class State:
     steps: int
     targets: tuple[str, ...]
     """The module names the LoRA adapts (full names)."""
+    owner: str | None
+    """The principal that saved it; None for a state saved before states recorded their owner."""
+
+
+def check_loader(
+    state: State, path: CheckpointPath, principal: str, admins: Collection[str], keyed: bool
+) -> None:
+    """Refuse `principal` a state it did not save unless it is an admin. A state with no owner
+    recorded loads only for admins, or for anyone on a trainer without keys (`keyed` False: every
+    caller is `anonymous`, so there is one tenant). The refusal names only the path asked for,
+    as a refused sampler path does: never the owner or what the state holds."""
+    if principal in admins or principal == state.owner:
+        return
+    if state.owner is None and not keyed:
+        return
+    why = f"principal {principal!r} may not load {path}"
+    if state.owner is None:
+        why += (
+            "; it was saved before training states recorded who saved them, so only an admin "
+            "(a key whose principal is in MINT_ADMIN_PRINCIPALS) may load it"
+        )
+    raise AccessDeniedError(why)
 
 
 def save_state(store: ArtifactStore, path: CheckpointPath, state: State) -> None:
@@ -98,6 +123,7 @@ def save_state(store: ArtifactStore, path: CheckpointPath, state: State) -> None
             "base_digest": state.base_digest,
             "steps": state.steps,
             "targets": list(state.targets),
+            "owner": state.owner,
         },
         buffer,
     )
@@ -117,6 +143,7 @@ def load_state(store: ArtifactStore, path: CheckpointPath) -> State:
         saved["base_digest"],
         saved["steps"],
         tuple(saved["targets"]),
+        saved.get("owner"),  # absent from states saved before owners were recorded
     )
 
 

@@ -145,10 +145,8 @@ class Samplers:
                 EVERYONE not in registered.principals
                 and session.principal not in registered.principals
             ):
-                raise AccessDeniedError(
-                    f"principal {session.principal!r} may not use {model_path} "
-                    f"({registered.revision})"
-                )
+                # Only the path asked for: its revision would name the owner's adapter.
+                raise AccessDeniedError(f"principal {session.principal!r} may not use {model_path}")
             key, weights = str(registered.revision), registered.weights
             self._take_in(key, weights)
         else:

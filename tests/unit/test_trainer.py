@@ -12,9 +12,18 @@ from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 from tinker.proto.response_conv import deserialize_forward_backward_output
 
-from mint_core.errors import ConfigurationError
+from mint_core.artifacts.stores import LocalArtifactStore
+from mint_core.errors import AccessDeniedError, ConfigurationError
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from tests.helpers import family_folder
+from trainer.checkpoints import (
+    WEIGHTS,
+    CheckpointPath,
+    State,
+    check_loader,
+    load_state,
+    save_state,
+)
 from trainer.compute import Work, check_request, plan_passes, run_pass
 from trainer.lora import ALPHA, Layers, Router, Segment, Targets, TenantLora, wrap
 from trainer.losses import loss_named, token_logprobs
@@ -195,3 +204,59 @@ def test_a_bad_request_is_refused_naming_what_is_wrong(base: BaseModel, tmp_path
         ConfigurationError, match="train_attn, train_mlp and train_unembed are all false"
     ):
         Targets(False, False, False).select(Layers.of(base.model))
+
+
+def _state(owner: str | None) -> State:
+    tensors = {"a": torch.zeros(2, 2)}
+    return State({"r": 2}, tensors, None, "sha256:base", 3, ("layer",), owner)
+
+
+@pytest.mark.parametrize(
+    ("owner", "principal", "keyed", "loads"),
+    [
+        ("team-a", "team-a", True, True),
+        ("team-a", "admin", True, True),
+        ("team-a", "team-b", True, False),
+        ("team-a", "anonymous", False, False),  # keys turned off later: still not its state
+        (None, "admin", True, True),
+        (None, "team-a", True, False),  # saved before owners were recorded: admins only
+        (None, "anonymous", False, True),  # no keys, one tenant: it can only have been its own
+    ],
+)
+def test_a_training_state_loads_for_the_principal_that_saved_it_and_admins(
+    tmp_path: Path, owner: str | None, principal: str, keyed: bool, loads: bool
+) -> None:
+    store = LocalArtifactStore(tmp_path)
+    path = CheckpointPath("s-abc:train:0", WEIGHTS, "step-3")
+    save_state(store, path, _state(owner))
+    state = load_state(store, path)
+    assert state.owner == owner
+    if loads:
+        check_loader(state, path, principal, ("admin",), keyed)
+        return
+    with pytest.raises(AccessDeniedError) as refused:
+        check_loader(state, path, principal, ("admin",), keyed)
+    message = str(refused.value)
+    assert message.startswith(f"principal {principal!r} may not load {path}")
+    assert "team-a" not in message or principal == "team-a"
+
+
+def test_a_state_saved_before_owners_were_recorded_loads_with_no_owner(tmp_path: Path) -> None:
+    store = LocalArtifactStore(tmp_path)
+    path = CheckpointPath("s-abc:train:0", WEIGHTS, "old")
+    saved = _state(None)
+    legacy = {  # the file as save_state wrote it before it recorded the owner
+        "adapter_config": saved.adapter_config,
+        "tensors": saved.tensors,
+        "optimizer": None,
+        "base_digest": saved.base_digest,
+        "steps": saved.steps,
+        "targets": list(saved.targets),
+    }
+    file = tmp_path / "legacy.pt"
+    torch.save(legacy, file)
+    store.put_file(path.stored_name, file)
+    state = load_state(store, path)
+    assert state.owner is None and state.steps == 3
+    with pytest.raises(AccessDeniedError, match="only an admin"):
+        check_loader(state, path, "team-a", ("admin",), keyed=True)
