@@ -8,6 +8,12 @@ A bad request fails its future, never the HTTP call: the SDK resends a 5xx submi
 so nothing here answers 5xx for a request's own fault. A full queue is a 429 (the SDK waits and
 sends it again).
 
+Naming: `user_metadata={"mint_adapter": name}` names the MinT adapter whose revisions a
+model's sampler weights become, wherever the SDK sends it: `ServiceClient(user_metadata=...)`
+(its session: every model's default), `create_lora_training_client`,
+`create_training_client_from_state[_with_optimizer]` (the model), `save_weights_for_sampler`
+(that save alone); the narrower one wins.
+
 Auth: the `X-API-Key` header names the principal through `MINT_API_KEYS` (the SDK only sends
 keys starting `tml-`); without configured keys, every caller is `anonymous`.
 """
@@ -27,7 +33,7 @@ from trainer.checkpoints import CheckpointPath
 from trainer.futures import Failure, Futures
 from trainer.lora import Targets
 from trainer.sequencing import Op, OpKind
-from trainer.service import AdamParams, QueueFull, Trainer
+from trainer.service import AdamParams, QueueFull, SamplerSave, Trainer
 from trainer.wire import PROTOBUF, read_forward_backward
 
 log = logging.getLogger(__name__)
@@ -156,7 +162,8 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
 
     @route("create_session")
     async def create_session(request: Request, who: str) -> dict[str, object]:
-        session = trainer().create_session(who)
+        body = await request.json()
+        session = trainer().create_session(who, mint_adapter(body))
         return {"type": "create_session", "session_id": session.id}
 
     @route("session_heartbeat")
@@ -185,7 +192,6 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
             optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
             if optimizer != "adamw":
                 raise ConfigurationError(f"optimizer {optimizer!r}: mint trainer runs AdamW only")
-            metadata = body.get("user_metadata") or {}
             model = trainer().create_model(
                 body["session_id"],
                 int(body["model_seq_id"]),
@@ -198,7 +204,7 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
                     bool(lora.get("train_unembed", True)),
                 ),
                 lora.get("seed"),
-                metadata.get("mint_adapter"),
+                mint_adapter(body),
             )
             futures().finish(request_id, {"model_id": model.id, "type": "create_model"})
 
@@ -274,6 +280,7 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
                     path,
                     optimizer,
                     body.get("base_model"),
+                    mint_adapter(body),
                 )
                 futures().finish(
                     request_id, {"path": str(path), "model_id": model.id, "type": "load_weights"}
@@ -286,8 +293,10 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
     @route("save_weights_for_sampler")
     async def save_for_sampler(request: Request, who: str) -> dict[str, object]:
         body = await request.json()
-        payload = (body.get("path"), body.get("sampling_session_seq_id"))
-        return queue(who, OpKind.SAVE_SAMPLER, payload, body)
+        save = SamplerSave(
+            body.get("path"), body.get("sampling_session_seq_id"), mint_adapter(body)
+        )
+        return queue(who, OpKind.SAVE_SAMPLER, save, body)
 
     @route("create_sampling_session")
     async def create_sampling_session(request: Request, who: str) -> dict[str, object]:
@@ -340,3 +349,9 @@ def create_app(make_trainer: Callable[[Futures], Trainer], api_keys: Mapping[str
         return JSONResponse(outcome)
 
     return app
+
+
+def mint_adapter(body: Mapping[str, Any]) -> str | None:
+    """The MinT adapter a request's `user_metadata` names (`{"mint_adapter": name}`), if any."""
+    name = (body.get("user_metadata") or {}).get("mint_adapter")
+    return None if name is None else str(name)

@@ -27,6 +27,7 @@ from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, MintError, NotFoundError
 from mint_core.model.base import BaseModel
+from mint_core.revisions import check_adapter_name
 from serving.backends.embedded import EmbeddedBackend
 from serving.engine.engine import TorchEngine
 from trainer import checkpoints
@@ -64,10 +65,23 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
 
+@dataclass(frozen=True)
+class SamplerSave:
+    """A `save_weights_for_sampler` request: `name` None for an ephemeral sampler."""
+
+    name: str | None
+    sampling_seq: int | None
+    adapter: str | None
+    """The adapter its revision goes to (the request's `user_metadata`), else the model's."""
+
+
 @dataclass
 class Session:
     id: str
     principal: str
+    adapter: str | None = None
+    """The MinT adapter its models' revisions go to (the `ServiceClient`'s `user_metadata`),
+    where a model or a save names none of its own."""
     created: float = field(default_factory=time.time)
     last_seen: float = field(default_factory=time.monotonic)
     finished: str | None = None
@@ -117,8 +131,8 @@ class Trainer:
 
     # Sessions and models.
 
-    def create_session(self, principal: str) -> Session:
-        session = Session(f"s-{uuid.uuid4().hex[:12]}", principal)
+    def create_session(self, principal: str, adapter: str | None = None) -> Session:
+        session = Session(f"s-{uuid.uuid4().hex[:12]}", principal, _checked(adapter))
         with self._work:
             self.sessions[session.id] = session
         return session
@@ -165,6 +179,7 @@ class Trainer:
         or the module names a checkpoint adapts); ConfigurationError for what cannot be made."""
         session = self.session(session_id, principal)
         self.check_base(base_model)
+        _checked(adapter)
         if not 1 <= rank <= self.config.trainer_max_rank:
             raise ConfigurationError(
                 f"rank={rank} is outside 1..{self.config.trainer_max_rank} "
@@ -187,7 +202,7 @@ class Trainer:
             lora,
             modules,
             torch.optim.AdamW(lora.parameters(), lr=AdamParams.learning_rate),
-            adapter or _adapter_name(model_id),
+            adapter or session.adapter or _adapter_name(model_id),
         )
         with self._work:
             self.models[model_id] = model
@@ -394,13 +409,14 @@ class Trainer:
                 self.base.digest,
                 model.steps,
                 model.targets,
+                model.session.principal,
             ),
         )
         return {"path": str(path), "type": "save_weights"}
 
     def _load_state(self, model: TrainingModel, payload: object) -> dict[str, object]:
         path, with_optimizer = payload  # type: ignore[misc]
-        state = self.read_state(path)
+        state = self.read_state(path, model.session.principal)
         if state.targets != model.targets or state.adapter_config.get("r") != model.lora.rank:
             raise ConfigurationError(
                 f"{path} holds a rank-{state.adapter_config.get('r')} LoRA of other layers than "
@@ -410,13 +426,18 @@ class Trainer:
         self._restore(model, state, with_optimizer)
         return {"path": str(path), "model_id": model.id, "type": "load_weights"}
 
-    def read_state(self, path: CheckpointPath) -> checkpoints.State:
+    def read_state(self, path: CheckpointPath, principal: str) -> checkpoints.State:
+        """The state saved at `path`, for `principal` to load: AccessDeniedError unless it saved
+        it or is an admin (checked before anything else about the state is said)."""
         if path.kind != WEIGHTS:
             raise ConfigurationError(
                 f"{path} is sampler weights; training state is loaded from a save_state path "
                 "(tinker://<model id>/weights/<name>)"
             )
         state = checkpoints.load_state(self.store, path)
+        checkpoints.check_loader(
+            state, path, principal, self.config.admin_principals, bool(self.config.api_keys)
+        )
         if state.base_digest != self.base.digest:
             raise ConfigurationError(
                 f"{path} was trained on another base ({state.base_digest}), not this trainer's "
@@ -432,9 +453,11 @@ class Trainer:
         path: CheckpointPath,
         with_optimizer: bool,
         base_model: str | None,
+        adapter: str | None = None,
     ) -> TrainingModel:
-        """A new model holding the state saved at `path` (`create_training_client_from_state`)."""
-        state = self.read_state(path)
+        """A new model holding the state saved at `path` (`create_training_client_from_state`);
+        its revisions go to `adapter` (the request's `user_metadata`) if given."""
+        state = self.read_state(path, principal)
         model = self.create_model(
             session_id,
             model_seq_id,
@@ -443,6 +466,7 @@ class Trainer:
             int(state.adapter_config["r"]),  # type: ignore[call-overload]
             state.targets,
             None,
+            adapter,
         )
         self._restore(model, state, with_optimizer)
         return model
@@ -459,14 +483,15 @@ class Trainer:
     def _save_for_sampler(
         self, model: TrainingModel, payload: object, request_id: str
     ) -> dict[str, object] | None:
-        name, sampling_seq = payload  # type: ignore[misc]
+        save = payload
+        assert isinstance(save, SamplerSave)
         adapter_config, tensors = model.lora.peft_state(self.base.name_or_path)
-        if name is None:
-            sampler = self.samplers.ephemeral(model, sampling_seq, adapter_config, tensors)
+        if save.name is None:
+            sampler = self.samplers.ephemeral(model, save.sampling_seq, adapter_config, tensors)
             return {"sampling_session_id": sampler, "type": "save_weights_for_sampler"}
-        path = CheckpointPath(model.id, SAMPLER_WEIGHTS, checkpoints.check_name(name))
+        path = CheckpointPath(model.id, SAMPLER_WEIGHTS, checkpoints.check_name(save.name))
         snapshot = checkpoints.Snapshot(
-            model.adapter,
+            _checked(save.adapter) or model.adapter,
             adapter_config,
             tensors,
             model.lora.target_modules(),
@@ -500,6 +525,12 @@ class Trainer:
         # train on while the snapshot ships.
         self._shipping.submit(ship)
         return None
+
+
+def _checked(adapter: str | None) -> str | None:
+    """A `mint_adapter` a request names, refused here (its request fails) rather than when its
+    revision is registered."""
+    return None if adapter is None else check_adapter_name(adapter)
 
 
 def _adapter_name(model_id: str) -> str:

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import threading
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import httpx
 import numpy as np
@@ -26,8 +27,9 @@ from trainer.server import start_trainer
 
 pytestmark = pytest.mark.slow
 
-KEYS = {"tml-team-a": "team-a", "tml-team-b": "team-b"}
-"""The trainer's API keys: the same principals as the session worker's keys name."""
+KEYS = {"tml-team-a": "team-a", "tml-team-b": "team-b", "tml-admin": "admin"}
+"""The trainer's API keys: the same principals as the session worker's keys name (`admin` is
+the default `MINT_ADMIN_PRINCIPALS`)."""
 STEPS = 300
 LEARNING_RATE = 4e-3
 """Peak learning rate, decayed linearly to 0 over the steps, gradients clipped to norm 1:
@@ -48,8 +50,10 @@ def trainer(trainer_config: MintConfig) -> Iterator[ManagedProcess]:
     process.stop()
 
 
-def service(trainer: ManagedProcess, key: str = "tml-team-a") -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=trainer.url, api_key=key)
+def service(
+    trainer: ManagedProcess, key: str = "tml-team-a", user_metadata: dict[str, str] | None = None
+) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=trainer.url, api_key=key, user_metadata=user_metadata)
 
 
 class Toy:
@@ -331,6 +335,106 @@ def test_state_saved_survives_a_restart_and_training_continues_with_the_same_los
             assert train(resumed, iter(following), 3) == pytest.approx(expected, rel=1e-5)
     finally:
         second.stop()
+
+
+def test_a_training_state_loads_only_for_the_tenant_that_saved_it_and_admins(
+    trainer: ManagedProcess, base: BaseModel
+) -> None:
+    with service(trainer, "tml-team-a") as owner:
+        client = owner.create_lora_training_client(
+            base_model=str(base.text.path), rank=4, seed=7
+        ).result()
+        toy = Toy(client.get_tokenizer())
+        good = next(toy.batches(Task.UPPER, 7))
+        train(client, iter([good]), 1)
+        path = client.save_state("private").result().path
+        saved = client.forward(good, "cross_entropy").result().metrics["loss:sum"]
+        other_path = client.save_state("other").result().path
+
+        with service(trainer, "tml-team-b") as intruder:
+            mine = intruder.create_lora_training_client(
+                base_model=str(base.text.path), rank=4, seed=8
+            ).result()
+            before = mine.forward(good, "cross_entropy").result().metrics["loss:sum"]
+            loads = {
+                "create_training_client_from_state": lambda: (
+                    intruder.create_training_client_from_state(path).result()
+                ),
+                "create_training_client_from_state_with_optimizer": lambda: (
+                    intruder.create_training_client_from_state_with_optimizer(path).result()
+                ),
+                "load_state": lambda: mine.load_state(path).result(),
+                "load_state_with_optimizer": lambda: mine.load_state_with_optimizer(path).result(),
+            }
+            for call, load in loads.items():
+                with (
+                    pytest.warns(FutureWarning) if call.startswith("load_state") else nullcontext(),
+                    pytest.raises(tinker.RequestFailedError) as refused,
+                ):
+                    load()
+                # Refused as a sampler path is, naming only the path asked for: not its owner,
+                # not what it holds, not the owner's other paths.
+                said = f"Request failed: principal 'team-b' may not load {path} for "
+                assert refused.value.message.startswith(said), (call, refused.value.message)
+                assert refused.value.category is types.RequestErrorCategory.User, call
+                assert "team-a" not in refused.value.message and other_path not in str(refused)
+            # The intruder's own model is untouched.
+            after = mine.forward(good, "cross_entropy").result().metrics["loss:sum"]
+            assert after == pytest.approx(before)
+
+        # Its owner and an admin still load it.
+        resumed = owner.create_training_client_from_state_with_optimizer(path).result()
+        assert resumed.forward(good, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+            saved
+        )
+        with pytest.warns(FutureWarning):
+            client.load_state(path).result()
+    with service(trainer, "tml-admin") as admin:
+        held = admin.create_training_client_from_state(path).result()
+        assert held.forward(good, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+            saved
+        )
+
+
+def test_mint_adapter_names_the_revision_wherever_the_sdk_sends_it(
+    trainer: ManagedProcess, trainer_config: MintConfig
+) -> None:
+    # What a Tinker user does before any training client exists: ask the server for its base.
+    capabilities = tinker.RestClient(base_url=trainer.url, api_key="tml-team-a")
+    base_name = capabilities.get_server_capabilities().result().supported_models[0].model_name
+    assert base_name is not None
+    registry = Registry(trainer_config.tracking_uri)
+
+    def shipped(adapter: str) -> list[str]:
+        return [r.policy.dataset for r in registry.revisions(adapter)]
+
+    with service(trainer) as sc:
+        client = sc.create_lora_training_client(base_model=base_name, rank=4, seed=9).result()
+        client.save_weights_for_sampler(
+            "named", user_metadata={"mint_adapter": "tk-sampler-named"}
+        ).result()
+        state = client.save_state("named-state").result().path
+        resumed = sc.create_training_client_from_state(
+            state, user_metadata={"mint_adapter": "tk-from-state"}
+        ).result()
+        resumed.save_weights_for_sampler("resumed").result()
+        with_optimizer = sc.create_training_client_from_state_with_optimizer(
+            state, user_metadata={"mint_adapter": "tk-from-state-optimizer"}
+        ).result()
+        with_optimizer.save_weights_for_sampler("resumed").result()
+        # A name the registry would refuse fails the request that gives it, not a later save.
+        with pytest.raises(tinker.RequestFailedError, match="adapter name 'Not A Name'"):
+            client.save_weights_for_sampler(
+                "bad", user_metadata={"mint_adapter": "Not A Name"}
+            ).result()
+    lineage = f"tinker session {client.model_id.split(':')[0]}"
+    assert shipped("tk-sampler-named") == [lineage]
+    assert shipped("tk-from-state") == [lineage]
+    assert shipped("tk-from-state-optimizer") == [lineage]
+    with service(trainer, "tml-team-a", user_metadata={"mint_adapter": "tk-session"}) as named:
+        client = named.create_lora_training_client(base_model=base_name, rank=4).result()
+        client.save_weights_for_sampler("from-session").result()
+    assert len(shipped("tk-session")) == 1
 
 
 def test_every_route_the_sdk_calls_was_exercised(trainer: ManagedProcess) -> None:
