@@ -72,6 +72,12 @@ def test_the_version_page_shows_the_history_and_no_error(
     history.wait_for()
     header = [cell.strip().lower() for cell in history.locator("th").all_inner_texts()]
     assert {"event", "actor", "approver"} <= set(header), header
+    # Room in its cells: MLflow's UI gives a description's table none (columns ran together).
+    for cell in (history.locator("th").first, history.locator("td").first):
+        sides = cell.evaluate(
+            "c => [getComputedStyle(c).paddingLeft, getComputedStyle(c).paddingRight]"
+        )
+        assert all(float(side.removesuffix("px")) > 0 for side in sides), sides
 
 
 def test_the_ui_opens_on_model_training_with_the_registry_in_view(
