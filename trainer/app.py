@@ -32,8 +32,9 @@ from mint_core.errors import AuthenticationError, ConfigurationError, MintError,
 from trainer.checkpoints import CheckpointPath
 from trainer.futures import Failure, Futures
 from trainer.lora import Targets
+from trainer.records import AdamParams, SamplerSave
 from trainer.sequencing import Op, OpKind
-from trainer.service import AdamParams, QueueFull, SamplerSave, Trainer
+from trainer.service import QueueFull, Trainer
 from trainer.wire import PROTOBUF, read_forward_backward
 
 log = logging.getLogger(__name__)

@@ -42,7 +42,8 @@ from trainer.futures import Category
 from trainer.wire import Sequence, sample_response
 
 if TYPE_CHECKING:
-    from trainer.service import Session, Trainer, TrainingModel
+    from trainer.records import Session, TrainingModel
+    from trainer.service import Trainer
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,6 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
@@ -35,8 +34,9 @@ from trainer.checkpoints import SAMPLER_WEIGHTS, WEIGHTS, CheckpointPath
 from trainer.compute import Work, check_request, plan_passes, run_pass
 from trainer.futures import Category, Futures
 from trainer.lora import ALPHA, Layers, Router, Targets, TenantLora, wrap
+from trainer.records import AdamParams, SamplerSave, Session, TrainingModel
 from trainer.sampling import Samplers
-from trainer.sequencing import Op, OpKind, Sequencer
+from trainer.sequencing import Op, OpKind
 from trainer.wire import ForwardBackward, forward_backward_output
 
 log = logging.getLogger(__name__)
@@ -53,56 +53,6 @@ every 10 s) is finished as `expired`, and its models' memory freed."""
 
 class QueueFull(MintError):
     """A model has `trainer_queue` requests waiting: the client should send this one later."""
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
-@dataclass(frozen=True)
-class SamplerSave:
-    """A `save_weights_for_sampler` request: `name` None for an ephemeral sampler."""
-
-    name: str | None
-    sampling_seq: int | None
-    adapter: str | None
-    """The adapter its revision goes to (the request's `user_metadata`), else the model's."""
-
-
-@dataclass
-class Session:
-    id: str
-    principal: str
-    adapter: str | None = None
-    """The MinT adapter its models' revisions go to (the `ServiceClient`'s `user_metadata`),
-    where a model or a save names none of its own."""
-    created: float = field(default_factory=time.time)
-    last_seen: float = field(default_factory=time.monotonic)
-    finished: str | None = None
-
-
-@dataclass
-class TrainingModel:
-    id: str
-    session: Session
-    base_model: str
-    """The name the client gave the base (`create_model`'s `base_model`)."""
-    lora: TenantLora
-    targets: tuple[str, ...]
-    optimizer: torch.optim.AdamW
-    adapter: str
-    """The MinT adapter its sampler weights become revisions of."""
-    queue: Sequencer = field(default_factory=Sequencer)
-    last_request: float = 0.0
-    """When its client last sent a request (monotonic)."""
-    steps: int = 0
-    learning_rate: float = AdamParams.learning_rate
 
 
 class Trainer:
