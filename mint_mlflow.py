@@ -2,8 +2,11 @@
 the tests start it): MLflow's own app, guarded by MLflow's basic-auth app when AUTH_VARIABLE is
 set, whose UI opens on model training and shows description tables with room in their cells.
 
-Guarded, it differs from MLflow's basic-auth app in three ways:
+Guarded, it differs from MLflow's basic-auth app in four ways:
 
+- The auth store's reads of accounts and grants, repeated several times for every request,
+  are answered from memory for up to two seconds and forgotten on any change made through
+  the server (`RecentAccessReads`).
 - Credentials are checked by `authenticate_request` (the auth app's `authorization_function`):
   the stored hash's slow key derivation runs once per password and hash, not on every request
   (MLflow's app runs it once per call of its own function, several times per request: about
@@ -31,6 +34,7 @@ from werkzeug.security import check_password_hash
 from mint_core.registry_accounts import (
     ACCOUNTS_VARIABLE,
     AUTH_VARIABLE,
+    RecentAccessReads,
     RegistryAccounts,
     VerifiedCredentials,
 )
@@ -74,9 +78,10 @@ _verified = VerifiedCredentials(check_password_hash)
 
 def authenticate_request() -> Authorization | Response:
     """MinT's authorization function (`mint_core.registry_accounts.AUTHORIZATION_FUNCTION`):
-    the request's basic credentials if they are an account's, else the auth app's 401. The
-    account is read on every request, so a changed password or a removed account is refused
-    from the next request on; only the hash check is remembered (`VerifiedCredentials`)."""
+    the request's basic credentials if they are an account's, else the auth app's 401. A
+    password changed or an account removed through the server is refused from the next request
+    on, one changed past it within `RecentAccessReads`' two seconds; the hash check passed is
+    remembered for as long as the stored hash stays (`VerifiedCredentials`)."""
     from mlflow.exceptions import MlflowException
     from mlflow.server import auth
 
@@ -144,12 +149,14 @@ def _create_accounts(accounts: RegistryAccounts) -> None:
 
 def _guarded(app: Flask) -> "FastAPI":
     """`app` behind MLflow's basic-auth app, as the module's docstring says."""
-    from mlflow.server.auth import create_app as guarded
+    from mlflow.server import auth
 
     # Before the auth app's own hooks: Flask runs them in reverse order, so this one sees
     # their refusals too (and those of its before-request check, which Flask passes on).
     app.after_request(_permission_denied_as_json)
-    served = guarded(app)
+    served = auth.create_app(app)
+    # Its checks look the store up as a module global on each call.
+    auth.store = RecentAccessReads(auth.store)
     accounts = os.environ.get(ACCOUNTS_VARIABLE)
     if accounts:
         _create_accounts(RegistryAccounts.from_json(accounts))

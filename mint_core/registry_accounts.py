@@ -14,12 +14,14 @@ once per password and hash: `VerifiedCredentials` remembers a check that passed 
 later requests with the same credentials cost microseconds, not a key derivation each.
 """
 
+import functools
 import hashlib
 import hmac
 import json
 import os
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -192,6 +194,73 @@ class VerifiedCredentials:
         """What it holds: digests only (for tests that look for a password in it)."""
         with self._lock:
             return tuple(self._verified)
+
+
+ACCESS_READS_S = 2.0
+"""How long the registry server answers an account's or a grant's read from memory: a change
+made through the server is seen at once; one made past it (another server on the same
+database, a hand edit) within this bound."""
+ACCESS_READS = frozenset({"get_user", "list_grants"})
+"""The auth store's reads MLflow's checks repeat on every request (seven account reads and four
+grant reads for one search of registered models): `RecentAccessReads` remembers them."""
+ACCESS_WRITES = ("create_", "update_", "delete_", "grant_", "revoke_", "add_", "remove_", "set_")
+"""Prefixes of the auth store's methods that change accounts, roles or permissions."""
+
+
+class RecentAccessReads:
+    """MLflow's auth store with its `ACCESS_READS` answered from memory for `ttl_s` seconds,
+    forgotten at once when a write goes through it.
+
+    MLflow's auth app reads the caller's account and grants from its database several times
+    for every request (about 10 ms of a small read's 13 on two cores); an answer a couple of
+    seconds old is as good for all but a change, and a change made through this server clears
+    them. Every other attribute is the store's own."""
+
+    def __init__(
+        self,
+        store: object,
+        ttl_s: float = ACCESS_READS_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._store = store
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._answers: dict[tuple[object, ...], tuple[float, object]] = {}
+        self._lock = threading.Lock()  # the server answers requests on several threads
+
+    def __getattr__(self, name: str) -> object:
+        attribute = getattr(self._store, name)
+        if name in ACCESS_READS:
+            return functools.partial(self._read, name, attribute)
+        if name.startswith(ACCESS_WRITES):
+            return functools.partial(self._write, attribute)
+        return attribute
+
+    def _read(
+        self, name: str, read: Callable[..., object], *args: object, **kwargs: object
+    ) -> object:
+        key = (name, *map(_hashable, args), *sorted(kwargs.items()))
+        now = self._clock()
+        with self._lock:
+            kept = self._answers.get(key)
+        if kept is not None and now - kept[0] < self._ttl_s:
+            return kept[1]
+        answer = read(*args, **kwargs)  # an error (no such account) is not remembered
+        with self._lock:
+            self._answers[key] = (now, answer)
+        return answer
+
+    def _write(self, write: Callable[..., object], *args: object, **kwargs: object) -> object:
+        try:
+            return write(*args, **kwargs)
+        finally:
+            with self._lock:
+                self._answers.clear()
+
+
+def _hashable(argument: object) -> object:
+    """A read's argument as part of a key (`list_grants` takes a set of resource types)."""
+    return frozenset(argument) if isinstance(argument, set | frozenset) else argument
 
 
 AUTHORIZATION_FUNCTION = "mint_mlflow:authenticate_request"
