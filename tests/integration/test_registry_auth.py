@@ -11,6 +11,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
@@ -24,7 +25,11 @@ from mint_core.registry import Registry
 from mint_core.registry_accounts import ACCOUNTS_FILE, Account, RegistryAccounts
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from tests.helpers import make_policy
+from tests.integration.browser import TIMEOUT_MS
 from tests.integration.helpers import mint_env, move_alias, start_mint, stop_and_check, wait_for
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser
 
 SEARCH = "/api/2.0/mlflow/registered-models/search"
 SET_MODEL_TAG = "/api/2.0/mlflow/registered-models/set-tag"
@@ -210,6 +215,41 @@ def test_a_refusal_is_mlflows_json_error(
     raised = refused(client.set_registered_model_tag, "refusing-bot", "mint.note", "by hand")
     assert raised.error_code == "PERMISSION_DENIED"
     assert f"Permission denied: {auditor.username} may not" in raised.message
+
+
+@pytest.mark.slow
+def test_the_ui_tells_an_auditor_permission_denied(
+    guarded: tuple[ManagedProcess, RegistryAccounts],
+    monkeypatch: pytest.MonkeyPatch,
+    browser: "Browser",
+) -> None:
+    """An auditor who edits an adapter's description in MLflow's UI is told the change was
+    refused and why, not shown an INTERNAL_ERROR; the description stays as it was."""
+    server, accounts = guarded
+    acting_as(monkeypatch, accounts.pipeline)
+    client = MlflowClient(server.url, registry_uri=server.url)
+    client.create_registered_model("audited-bot", description="kept as registered")
+    auditor = accounts.auditors[0]
+    context = browser.new_context(
+        http_credentials={"username": auditor.username, "password": auditor.password},
+        viewport={"width": 1400, "height": 900},
+    )
+    context.set_default_timeout(TIMEOUT_MS)
+    try:
+        page = context.new_page()
+        page.goto(f"{server.url}/#/models/audited-bot", wait_until="domcontentloaded")
+        page.get_by_text("kept as registered").first.wait_for()
+        page.get_by_role("button", name="Edit", exact=True).click()
+        page.locator("textarea").first.fill("changed by an auditor")
+        with page.expect_response(lambda r: "registered-models/update" in r.url) as update:
+            page.get_by_role("button", name="Save", exact=True).click()
+        assert update.value.status == 403
+        page.get_by_text(f"Permission denied: {auditor.username} may not").wait_for()
+        assert page.get_by_text("INTERNAL_ERROR").count() == 0
+    finally:
+        context.close()
+    description = client.get_registered_model("audited-bot").description
+    assert description == "kept as registered"
 
 
 @pytest.mark.slow
