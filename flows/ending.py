@@ -53,8 +53,15 @@ def ends_on_mint_error(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return fn(*args, **kwargs)
         except MintError as error:
-            if _tell(error, _current_flow_run()):
+            flow_run = _current_flow_run()
+            if _tell(error, flow_run):
                 run_log().error("%s", error)
+            if _pause_expired(flow_run):
+                # Prefect's server answers any state proposed for a run whose pause timed out
+                # with its own Failed ("never resumed"), which carries no error: raised, the
+                # error stays with the engine, which raises it to a caller in code (the filter
+                # keeps the engine's report of it out of the log).
+                raise
             # A state returned by the flow function is the run's final state; the engine then
             # raises `error` from it to a caller in code.
             return cast(R, Failed(message=str(error), data=error))
@@ -100,6 +107,18 @@ def _current_flow_run() -> object:
 
     context = FlowRunContext.get()
     return context.flow_run.id if context is not None and context.flow_run is not None else None
+
+
+def _pause_expired(flow_run: object) -> bool:
+    """Whether `flow_run` (an id, None outside a run) is paused still (its pause timed out:
+    the approval forms' `FlowPauseTimeout`)."""
+    if flow_run is None:
+        return False
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run).state  # type: ignore[arg-type]
+    return state is not None and state.is_paused()
 
 
 def _filter_run_logs() -> None:

@@ -26,12 +26,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from mint_core.access import allows
 from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.config import MintConfig
 from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundError
 from mint_core.model.base import BaseText
 from mint_core.model.training import TrainedAdapter, TrainingConfig
+from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 
 SCHEME = "tinker://"
@@ -163,10 +165,27 @@ class Snapshot:
     principal: str
 
 
+def check_writer(registry: Registry, adapter: str, principal: str, admins: Collection[str]) -> None:
+    """Refuse `principal` a new revision of `adapter` unless it may use the adapter's newest
+    revision (or is an admin): a tenant's `mint_adapter` may name a new adapter or one of its
+    own, never another tenant's line. The refusal names only the adapter."""
+    if principal in admins or not registry.has_adapter(adapter):
+        return
+    revisions = registry.revisions(adapter)
+    if revisions and not allows(revisions[-1].policy, principal):
+        raise AccessDeniedError(
+            f"principal {principal!r} may not add revisions to adapter {adapter!r}; name an "
+            "adapter of its own (user_metadata mint_adapter)"
+        )
+
+
 def ship_snapshot(config: MintConfig, base: BaseText, snapshot: Snapshot) -> RevisionId:
     """Register `snapshot` as the next revision of its adapter, through the release pipeline's
-    own steps (called as plain functions: no flow run)."""
+    own steps (called as plain functions: no flow run), once its principal may add to it."""
     from tasks.packaging import export_adapter, freeze_adapter, pack_adapter, register_revision
+
+    registry = Registry(config.tracking_uri)
+    check_writer(registry, snapshot.adapter, snapshot.principal, config.admin_principals)
 
     folder = config.work_root / "trainer" / uuid.uuid4().hex
     folder.mkdir(parents=True)

@@ -24,7 +24,7 @@ import torch
 
 from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
-from mint_core.errors import ConfigurationError, MintError, NotFoundError
+from mint_core.errors import AccessDeniedError, ConfigurationError, MintError, NotFoundError
 from mint_core.model.base import BaseModel
 from mint_core.revisions import check_adapter_name
 from serving.backends.embedded import EmbeddedBackend
@@ -460,6 +460,8 @@ class Trainer:
                 self.samplers.registered(
                     path, revision, adapter_config, tensors, (snapshot.principal,)
                 )
+            except AccessDeniedError as e:  # the request's adapter is another tenant's
+                self.futures.fail(request_id, f"registering {path} failed: {e}", Category.USER)
             except MintError as e:
                 self.futures.fail(request_id, f"registering {path} failed: {e}", Category.SERVER)
             except Exception as e:

@@ -61,11 +61,15 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(
-    config: MintConfig, base: BaseModel, tmp_path_factory: pytest.TempPathFactory
+    config: MintConfig,
+    base: BaseModel,
+    prefect_api: str,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Fleet]:
     """Two workers (admission K=1) over a registry of their own, which tests may stop. The
     first syncs with the registry only when nudged (POST /admin/sync), the second also every
-    half second by itself."""
+    half second by itself. Activations take their adapter's roll-out slot from the session's
+    Prefect server."""
     home = tmp_path_factory.mktemp("fleet-registry")
     mlflow = start_mlflow(home)
     fleet_config = dataclasses.replace(
@@ -166,7 +170,7 @@ def test_activation_waits_until_both_workers_are_ready(fleet: Fleet, base: BaseM
     done = threading.Event()
     failure: list[BaseException] = []
 
-    def activate() -> None:
+    def activate_waiting() -> None:
         try:
             activate(fleet.config, revision, timeout_s=60)
         except BaseException as e:  # reported below
@@ -181,7 +185,7 @@ def test_activation_waits_until_both_workers_are_ready(fleet: Fleet, base: BaseM
 
     # Queued on the second worker: activation waits for it, then moves the alias.
     second.admit(revision)
-    thread = threading.Thread(target=activate)
+    thread = threading.Thread(target=activate_waiting)
     thread.start()
     done.wait(timeout=90)
     thread.join()

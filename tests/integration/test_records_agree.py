@@ -71,7 +71,7 @@ def test_the_gates_reason_names_where_its_rows_come_from() -> None:
         SetScore(EvalSet.REGRESSION, 20, 0.5, 0.5, "a:r1 was evaluated on in training"),
     )
     reason = Evaluation(RevisionId("a", 2), RevisionId("a", 1), scores, 0.05).reason()
-    assert "a:r2 exact 0.00 vs production a:r1 0.00 on 50 eval rows of eval.jsonl;" in reason
+    assert "a:r1 0.00 on 50 eval rows of eval.jsonl, none left out; a:r2 exact 0.50" in reason
     assert "on 20 regression rows a:r1 was evaluated on in training, none left out (max" in reason
 
 

@@ -435,6 +435,14 @@ def test_mint_adapter_names_the_revision_wherever_the_sdk_sends_it(
         client = named.create_lora_training_client(base_model=base_name, rank=4).result()
         client.save_weights_for_sampler("from-session").result()
     assert len(shipped("tk-session")) == 1
+    # Another tenant may not add revisions to team-a's adapter by naming it.
+    with service(trainer, "tml-team-b", user_metadata={"mint_adapter": "tk-session"}) as other:
+        client = other.create_lora_training_client(base_model=base_name, rank=4).result()
+        refusal = "principal 'team-b' may not add revisions to adapter 'tk-session'"
+        with pytest.raises(tinker.RequestFailedError, match=refusal) as refused:
+            client.save_weights_for_sampler("into-team-a").result()
+        assert refused.value.category is types.RequestErrorCategory.User
+    assert len(shipped("tk-session")) == 1
 
 
 def test_every_route_the_sdk_calls_was_exercised(trainer: ManagedProcess) -> None:
