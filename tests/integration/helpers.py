@@ -27,7 +27,7 @@ import pytest
 from fastapi.testclient import TestClient
 from peft import LoraConfig
 
-from control.services import ManagedProcess
+from control.services import ManagedProcess, free_port
 from mint_core.access import EVERYONE
 from mint_core.artifacts.packing import PackedIndex
 from mint_core.artifacts.stores import (
@@ -355,6 +355,33 @@ def start_mint(
         )
     started.append(process)
     return process
+
+
+@dataclass(frozen=True)
+class MintUp:
+    """A running `mint up`: its process, its log and the URLs of its services' health."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+    health: tuple[str, str, str, str]
+    """MLflow, Prefect, the serving worker, the trainer."""
+
+
+def start_mint_up(base: BaseModel, started: list[subprocess.Popen[bytes]], folder: Path) -> MintUp:
+    """`mint up` on free ports with a home under `folder` holding the session's pretrained base
+    (so it does not pretrain it again), once it says everything is up."""
+    home = folder / "home"
+    (home / "base").mkdir(parents=True)
+    os.symlink(base.path, home / "base" / base.path.name)
+    ports = [str(free_port()) for _ in range(4)]
+    log = folder / "up.log"
+    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2],
+            "--trainer-port", ports[3]]  # fmt: skip
+    up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
+    wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
+    mlflow, prefect, worker, trainer = (f"http://127.0.0.1:{port}" for port in ports)
+    health = (f"{mlflow}/health", f"{prefect}/api/health", f"{worker}/health", f"{trainer}/health")
+    return MintUp(up, log, health)
 
 
 def wait_for(

@@ -39,6 +39,7 @@ from tests.integration.helpers import (
     move_alias,
     postgres_database,
     start_mint,
+    start_mint_up,
     still_running,
     stop_and_check,
     toy_data,
@@ -443,25 +444,10 @@ def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
 def test_sigterm_to_mint_up_stops_everything(
     base: BaseModel, started: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
-    home = tmp_path / "home"
-    # The session's pretrained base, so `mint up` does not pretrain it again.
-    (home / "base").mkdir(parents=True)
-    os.symlink(base.path, home / "base" / base.path.name)
-    ports = [str(free_port()) for _ in range(4)]
-    log = tmp_path / "up.log"
-    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2],
-            "--trainer-port", ports[3]]  # fmt: skip
-    up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
-    wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
-    urls = [
-        f"http://127.0.0.1:{ports[0]}/health",
-        f"http://127.0.0.1:{ports[1]}/api/health",
-        f"http://127.0.0.1:{ports[2]}/health",
-        f"http://127.0.0.1:{ports[3]}/health",
-    ]
-    stop_and_check(up, signal.SIGTERM, urls, log)
+    up = start_mint_up(base, started, tmp_path)
+    stop_and_check(up.process, signal.SIGTERM, list(up.health), up.log)
     stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
-    assert stopped in log.read_text()
+    assert stopped in up.log.read_text()
 
 
 # Refusals come before anything starts: no Prefect server, no model loaded in a flow.
