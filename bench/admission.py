@@ -48,14 +48,12 @@ from peft import LoraConfig, get_peft_model
 
 from bench import harness
 from bench.harness import percentile
-from control.services import start_mlflow
 from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.registry import Registry
-from mint_core.registry_accounts import RegistryAccounts
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId
 from mint_core.states import Stage
 from serving.worker.server import start_worker
@@ -246,16 +244,12 @@ def main() -> None:
     args = parser.parse_args()
 
     with harness.scratch("admission") as (work, services):
-        accounts = RegistryAccounts.generate()
-        mlflow = start_mlflow(work / "registry", accounts=accounts)
-        services.append(mlflow)
-        # MLflow's client reads its credentials from the environment at each request.
-        os.environ.update(accounts.pipeline.env())
+        mlflow = harness.start_registry(work / "registry", services)
         config = MintConfig(
             home=args.home.absolute(), tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5
         )
         load_base(config.base, config.home)  # pretrained once, before any worker starts
-        worker = start_worker(config, env=accounts.worker.env())
+        worker = start_worker(config, env=harness.worker_env(mlflow))
         services.append(worker)
         config = dataclasses.replace(config, worker_urls=(worker.url,))
         run(args, config, work, {"worker": worker.process.pid, "mlflow": mlflow.process.pid})

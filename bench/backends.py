@@ -37,7 +37,7 @@ import httpx
 import psutil
 
 from bench import harness
-from control.services import ManagedProcess, start_mlflow
+from control.services import ManagedProcess
 from mint_core.config import BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
@@ -125,12 +125,12 @@ def same_work(target: Target, new_tokens: int) -> list[list[int]]:
 
 def production_adapters(
     config: MintConfig, count: int, services: list[ManagedProcess]
-) -> tuple[MintConfig, list[RevisionId], dict[str, Path]]:
-    """A real `mlflow server` (in `services`) holding `count` random rank-8 LoRAs of the base,
-    registered as bench-N@production: the configuration that follows it, the revisions, and
-    each revision's PEFT folder."""
-    mlflow = start_mlflow(config.home / "registry")
-    services.append(mlflow)
+) -> tuple[MintConfig, list[RevisionId], dict[str, Path], dict[str, str]]:
+    """A real `mlflow server` with its authentication (in `services`) holding `count` random
+    rank-8 LoRAs of the base, registered as bench-N@production: the configuration that follows
+    it, the revisions, each revision's PEFT folder, and the environment a worker reads it
+    with."""
+    mlflow = harness.start_registry(config.home / "registry", services)
     config = dataclasses.replace(config, tracking_uri=mlflow.url)
     base = load_base(config.base, config.home)
     registry = Registry(config.tracking_uri)
@@ -143,7 +143,7 @@ def production_adapters(
         registry.point_alias(revision, PRODUCTION)
         revisions.append(revision)
         folders[str(revision)] = folder
-    return config, revisions, folders
+    return config, revisions, folders, harness.worker_env(mlflow)
 
 
 def wait_ready(
@@ -180,12 +180,16 @@ def main() -> None:
         config = MintConfig(
             home=home, max_lora_rank=8, device_slots=args.adapters, max_batch=args.adapters
         )
-        config, revisions, folders = production_adapters(config, args.adapters, services)
+        config, revisions, folders, readers = production_adapters(config, args.adapters, services)
         kinds = (BackendKind.EMBEDDED, BackendKind.VLLM)
         with ThreadPoolExecutor(len(kinds)) as pool:
             started = {
                 kind: pool.submit(
-                    start_worker, dataclasses.replace(config, backend=kind), None, START_TIMEOUT_S
+                    start_worker,
+                    dataclasses.replace(config, backend=kind),
+                    None,
+                    START_TIMEOUT_S,
+                    readers,
                 )
                 for kind in kinds
             }

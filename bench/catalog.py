@@ -51,7 +51,7 @@ import psutil
 from mlflow.tracking import MlflowClient
 
 from bench import harness
-from control.services import ManagedProcess, start_mlflow
+from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.artifacts.stores import LocalArtifactStore
 from mint_core.catalog import snapshot as catalog_snapshot
@@ -300,8 +300,7 @@ def main() -> None:
     args = parser.parse_args()
 
     with harness.scratch("catalog") as (work, services):
-        mlflow = start_mlflow(work / "registry")
-        services.append(mlflow)
+        mlflow = harness.start_registry(work / "registry", services)
         run(args, work, mlflow)
 
 

@@ -57,11 +57,11 @@ def main() -> None:
 
     with harness.scratch("gateway") as (home, services):
         config = MintConfig(home=home, device_slots=adapters)
-        config, revisions, _ = production_adapters(config, adapters, services)
-        workers = [start_worker(config), start_worker(config)]
+        config, revisions, _, readers = production_adapters(config, adapters, services)
+        workers = [start_worker(config, env=readers), start_worker(config, env=readers)]
         services += workers
         fleet = wait_ready(config, workers, revisions)
-        gateway = start_gateway(fleet)
+        gateway = start_gateway(fleet, env=readers)
         services.append(gateway)
 
         names = [f"{r.adapter}@production" for r in revisions]

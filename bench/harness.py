@@ -24,7 +24,8 @@ from typing import Any
 import psutil
 
 from bench import plots
-from control.services import ManagedProcess, stop_all
+from control.services import ManagedProcess, start_mlflow, stop_all
+from mint_core.registry_accounts import RegistryAccounts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -61,6 +62,25 @@ def scratch(name: str, parent: Path | None = None) -> Iterator[tuple[Path, list[
     finally:
         stop_all(services)
         shutil.rmtree(work, ignore_errors=True)
+
+
+def start_registry(folder: Path, services: list[ManagedProcess]) -> ManagedProcess:
+    """MLflow as `mint registry` runs it, its basic-auth app guarding MinT's accounts (in
+    `services`): this process signs in as the pipeline (MLflow's client reads its credentials
+    from the environment at each request), and so do the processes it starts unless they are
+    given `worker_env` (workers and gateways read as the worker, as deployed)."""
+    accounts = RegistryAccounts.generate()
+    mlflow = start_mlflow(folder, accounts=accounts)
+    services.append(mlflow)
+    os.environ.update(accounts.pipeline.env())
+    return mlflow
+
+
+def worker_env(mlflow: ManagedProcess) -> dict[str, str]:
+    """The environment that signs a worker or a gateway in to `mlflow` (started by
+    `start_registry`) with the worker's account."""
+    assert mlflow.accounts is not None, "an MLflow started by start_registry"
+    return mlflow.accounts.worker.env()
 
 
 class Clock:

@@ -139,12 +139,8 @@ def main() -> None:
     load_at_start = os.getloadavg()[0]
     count = RequestCount()
     dataset = DatasetLog("/data/bench.jsonl", sha256_json("data"), 100)
-    accounts = RegistryAccounts.generate()
     with harness.scratch("register") as (home, services):
-        server = start_mlflow(home / "guarded", accounts=accounts)
-        services.append(server)
-        # MLflow's client reads its credentials from the environment at each request.
-        os.environ.update(accounts.pipeline.env())
+        server = harness.start_registry(home / "guarded", services)
         registry = Registry(server.url)
         warm_up = policy("warm-up", 1)
         _, first_sent = count.during(
@@ -166,9 +162,11 @@ def main() -> None:
                 )
                 times.append(seconds)
                 sent.append(requests_sent)
+        # Without authentication: only as the baseline of what authentication adds.
         open_server = start_mlflow(home / "unguarded")
         services.append(open_server)
-        costs = request_costs(server.url, open_server.url, accounts, args.requests)
+        assert server.accounts is not None
+        costs = request_costs(server.url, open_server.url, server.accounts, args.requests)
 
     imported, trained = (summary(*kinds[kind]) for kind in KINDS)
     p50 = imported["p50_s"]

@@ -42,7 +42,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 from mlflow import MlflowClient
 
 from bench import harness
-from control.services import start_mlflow, start_prefect
+from control.services import start_prefect
 from control.worker_client import WorkerClient
 from flows.release import release
 from flows.rl import RL_ALIAS, rl
@@ -153,13 +153,12 @@ def main() -> None:
         prefect = start_prefect(work / "prefect")
         services.append(prefect)
         os.environ["PREFECT_API_URL"] = f"{prefect.url}/api"
-        mlflow = start_mlflow(work / "registry")
-        services.append(mlflow)
+        mlflow = harness.start_registry(work / "registry", services)
         config = MintConfig(
             home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder)),
             sync_interval_s=0.5,
         )  # fmt: skip
-        worker = start_worker(config)
+        worker = start_worker(config, env=harness.worker_env(mlflow))
         services.append(worker)
         config = dataclasses.replace(config, worker_urls=(worker.url,))
         os.environ.update(config.to_env())  # the flows read their configuration from it

@@ -63,7 +63,7 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from bench import harness, transfer
 from bench.harness import Clock
-from control.services import ManagedProcess, start_mlflow
+from control.services import ManagedProcess
 from control.worker_client import WorkerClient
 from mint_core.artifacts.freezing import freeze
 from mint_core.artifacts.packing import pack
@@ -212,7 +212,7 @@ def adapter_path(
 
 
 def merged_path(
-    config: MintConfig, model: PeftModel, folder: Path, services: list[ManagedProcess]
+    served: "Served", model: PeftModel, folder: Path, services: list[ManagedProcess]
 ) -> tuple[Clock, list[int]]:
     """The merged path from the PeftModel in memory to a fresh worker's first answer with the
     merged weights as its base: the clock and the answer's tokens."""
@@ -222,7 +222,9 @@ def merged_path(
     with clock.stage("save"):
         save_base_folder(merged, folder)
     with clock.stage("start_load"):
-        server = start_worker(replace(config, base=replace(config.base, name=str(folder))))
+        config = served.config
+        on_merged = replace(config, base=replace(config.base, name=str(folder)))
+        server = start_worker(on_merged, env=served.readers)
         services.append(server)
     with clock.stage("answer"):
         answer(server.url, None)
@@ -322,6 +324,8 @@ class Served:
     """MLflow and a worker serving the base, up before any clock starts."""
 
     config: MintConfig
+    readers: dict[str, str]
+    """The environment a worker reads the registry with (the worker's account)."""
     worker: ManagedProcess
     base_tokens: list[int]
     """The base's own answer, which every adapter must change."""
@@ -334,18 +338,18 @@ def serve_base(
 ) -> Served:
     """A real `mlflow server` and a worker serving the base in `folder` (on `device`; "": the
     worker's default)."""
-    mlflow = start_mlflow(work / "registry")
-    services.append(mlflow)
+    mlflow = harness.start_registry(work / "registry", services)
     source = BaseSource(str(folder), dtype, device)
     config = MintConfig(home=work / "home", tracking_uri=mlflow.url, base=source)
     start = time.perf_counter()
-    worker = start_worker(config)
+    readers = harness.worker_env(mlflow)
+    worker = start_worker(config, env=readers)
     services.append(worker)
     start_s = time.perf_counter() - start
     config = replace(config, worker_urls=(worker.url,))
     base_tokens, _ = answer(worker.url, None, CHECK_TOKENS)
     print(f"worker serving the base up in {start_s:.1f} s", flush=True)
-    return Served(config, worker, base_tokens, start_s, os.getloadavg()[0])
+    return Served(config, readers, worker, base_tokens, start_s, os.getloadavg()[0])
 
 
 def side_by_side(
@@ -376,7 +380,7 @@ def side_by_side(
                     served.config, served.worker, adapter_dir, f"{name}-{number}"
                 )
             else:
-                clock, tokens[path] = merged_path(served.config, peft_model, full_dir, services)
+                clock, tokens[path] = merged_path(served, peft_model, full_dir, services)
                 nbytes[path] = folder_bytes(full_dir)
             clocks[path].append(clock)
         del peft_model

@@ -63,7 +63,7 @@ import psutil
 
 from bench import harness
 from bench.harness import percentile
-from control.services import ManagedProcess, free_port, start_mlflow
+from control.services import ManagedProcess, free_port
 from mint_core.config import LOOPBACK, MintConfig
 from mint_core.revisions import PRODUCTION
 
@@ -447,9 +447,10 @@ def closed_loop(
 
 
 def start_fleet(
-    config: MintConfig, services: list[ManagedProcess]
+    config: MintConfig, services: list[ManagedProcess], readers: dict[str, str]
 ) -> tuple[MintConfig, list[ManagedProcess], ManagedProcess]:
-    """Two workers that know each other's URLs, and a gateway over them."""
+    """Two workers that know each other's URLs, and a gateway over them, each reading the
+    registry with `readers` (the worker's account)."""
     from serving.gateway import start_gateway
     from serving.worker.server import start_worker
 
@@ -458,14 +459,16 @@ def start_fleet(
     fleet = dataclasses.replace(config, worker_urls=urls, replicas=1)
     with ThreadPoolExecutor(len(ports)) as pool:
         started = [
-            pool.submit(start_worker, dataclasses.replace(fleet, worker_url=url), port, 600.0)
+            pool.submit(
+                start_worker, dataclasses.replace(fleet, worker_url=url), port, 600.0, readers
+            )
             for port, url in zip(ports, urls, strict=True)
         ]
         workers = []
         for future in started:
             workers.append(future.result())
             services.append(workers[-1])
-    gateway = start_gateway(fleet, timeout_s=600.0)
+    gateway = start_gateway(fleet, timeout_s=600.0, env=readers)
     services.append(gateway)
     return fleet, workers, gateway
 
@@ -494,8 +497,7 @@ def main() -> None:
     load_base(BaseSource(), cache)  # built and pretrained once, kept between runs
     with harness.scratch("tiers") as (work, services):
         (work / "base").symlink_to(cache / "base", target_is_directory=True)
-        mlflow = start_mlflow(work / "registry")
-        services.append(mlflow)
+        mlflow = harness.start_registry(work / "registry", services)
         config = MintConfig(
             home=work,
             tracking_uri=mlflow.url,
@@ -533,7 +535,7 @@ def run(
         return
 
     start = time.perf_counter()
-    fleet, workers, gateway = start_fleet(config, services)
+    fleet, workers, gateway = start_fleet(config, services, harness.worker_env(mlflow))
     fleet_start_s = time.perf_counter() - start
     print(f"two workers and the gateway up in {fleet_start_s:.0f} s", flush=True)
 

@@ -5,7 +5,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 
 import aiohttp
@@ -475,7 +475,11 @@ def serve_gateway(config: MintConfig, host: str = LOOPBACK, port: int = GATEWAY_
 
 
 def start_gateway(
-    config: MintConfig, port: int | None = None, timeout_s: float = 120.0
+    config: MintConfig,
+    port: int | None = None,
+    timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
 ) -> ManagedProcess:
-    """A gateway in a child process on loopback; returns once `/health` answers."""
-    return start_mint("gateway", "gateway", "gateway", config, port, timeout_s)
+    """A gateway in a child process on loopback; returns once `/health` answers. `env`: more
+    of its environment (e.g. the registry account it reads with)."""
+    return start_mint("gateway", "gateway", "gateway", config, port, timeout_s, env)
