@@ -169,9 +169,12 @@ def check_writer(registry: Registry, adapter: str, principal: str, admins: Colle
     """Refuse `principal` a new revision of `adapter` unless it may use the adapter's newest
     revision (or is an admin): a tenant's `mint_adapter` may name a new adapter or one of its
     own, never another tenant's line. The refusal names only the adapter."""
-    if principal in admins or not registry.has_adapter(adapter):
+    if principal in admins:
         return
-    revisions = registry.revisions(adapter)
+    try:
+        revisions = registry.revisions(adapter)
+    except NotFoundError:  # a new adapter
+        return
     if revisions and not allows(revisions[-1].policy, principal):
         raise AccessDeniedError(
             f"principal {principal!r} may not add revisions to adapter {adapter!r}; name an "
