@@ -37,17 +37,13 @@ from collections.abc import AsyncIterator, Collection, Mapping
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException
+from fastapi import FastAPI
 
 from mint_core.access import ADMIN
-from mint_core.errors import MintError
 from serving.http import admin, openai, outcomes, status, tgi
 from serving.http.common import MintJSONResponse
 from serving.http.context import Access, WorkerAPI
-from serving.http.errors import error_response
+from serving.http.errors import install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.protocols.tgi import special_ids
 
@@ -55,12 +51,6 @@ __all__ = ["HANDLER_THREADS", "create_app"]
 
 HANDLER_THREADS = 256
 """Blocking handlers (each waits on its generation) run in threads: allow many at once."""
-
-
-def _error(request: Request, e: Exception) -> Response:
-    # Starlette passes an unexpected error on to the server after this response: the server
-    # logs it.
-    return error_response(e, request).to_response()
 
 
 def create_app(
@@ -90,8 +80,7 @@ def create_app(
     app.state.worker = worker
     app.state.access = Access(dict(api_keys or {}), frozenset(admin_principals))
     app.state.tgi_special_ids = special_ids(worker.codec)
-    for raised in (MintError, RequestValidationError, HTTPException, Exception):
-        app.add_exception_handler(raised, _error)
+    install_error_handlers(app, "worker")
     for router in (
         tgi.router,
         openai.router,

@@ -4,13 +4,19 @@ Errors, whatever raised them (MinT, request validation, routing, a limit, a bug)
 shape, TGI's: `error` and `error_type`, plus the names that explain them (`ErrorResponse`).
 `error_response` is the table: unknown key 401, not allowed 403, unknown adapter or route 404,
 a revision of another base 409, body over the size limit 413, malformed request 422, not ready
-503 with Retry-After, anything unexpected 500 (details in the log only). Inside a stream, an
-error is one last event of that shape.
+503 with Retry-After, anything unexpected 500 (details in the log only, of the service that the
+500 names). Inside a stream, an error is one last event of that shape.
+
+`install_error_handlers` puts the table in front of an app, the worker's and the gateway's
+alike: every error, an unknown route (404) or method (405) too, answers in that shape. A
+client that goes away mid-body, or sends too much, is one line in the log, not a traceback: it
+is no failure of the service; an unexpected error is logged with its traceback.
 
 Values echoed in messages are cut short (`shorten`): a caller may send anything, of any
 length, and an error message is no place to send it all back.
 """
 
+import logging
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -20,7 +26,10 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
+from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
 
 from mint_core.errors import (
     AccessDeniedError,
@@ -35,6 +44,8 @@ from mint_core.errors import (
 from serving.http.common import MintJSONResponse, entry_json
 from serving.worker.readiness import RevisionNotReady
 
+log = logging.getLogger(__name__)
+
 RETRY_AFTER_S = 1
 ECHO_LIMIT = 200
 """Longest stretch of a value (adapter id, model name, field value) an error message echoes;
@@ -45,6 +56,9 @@ LISTED_FIELDS = 5
 """Most refused fields one validation error names."""
 _LONG_RUN = re.compile(rf"\S{{{ECHO_LIMIT + 1},}}")
 _RETRY = {"Retry-After": str(RETRY_AFTER_S)}
+_NOTED = frozenset({"client_disconnected", "body_too_large"})
+"""Error types logged as one line: the client's doing, not the service's, and one a client can
+repeat a thousand times a second."""
 
 
 def retry_after(seconds: float | None) -> dict[str, str]:
@@ -64,19 +78,22 @@ def clip(text: str, limit: int = ECHO_LIMIT) -> str:
 
 def shorten(message: str) -> str:
     """`message` with each value it echoes cut short: every stretch without a space longer than
-    ECHO_LIMIT (a 10,000-character adapter id), and the whole message past MESSAGE_LIMIT."""
-    return clip(_LONG_RUN.sub(lambda run: clip(run[0]), message), MESSAGE_LIMIT)
+    ECHO_LIMIT (a 10,000-character adapter id), and the whole message past MESSAGE_LIMIT. A
+    lone surrogate a caller sent (JSON's `"\\ud800"`) is written as its escape: UTF-8 has no
+    such character, and the answer must still be written."""
+    short = clip(_LONG_RUN.sub(lambda run: clip(run[0]), message), MESSAGE_LIMIT)
+    return short.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class BodyTooLarge(HTTPException):
-    """A request body over the worker's size limit (413). An HTTPException, so that FastAPI
+    """A request body over the service's size limit (413). An HTTPException, so that FastAPI
     passes it on as it is when reading the body raises it, instead of calling the body
     malformed."""
 
     def __init__(self, limit: int) -> None:
         super().__init__(
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-            f"the request body is larger than this worker's limit of {limit} bytes "
+            f"the request body is larger than this service's limit of {limit} bytes "
             "(max_request_bytes); send a shorter prompt or fewer messages",
         )
 
@@ -100,9 +117,28 @@ class ErrorResponse:
         return MintJSONResponse(self.body, status_code=self.status, headers=dict(self.headers))
 
 
+def install_error_handlers(app: Starlette, service: str) -> None:
+    """Answer every error of `app` (a FastAPI or Starlette app) from the table, and name
+    `service` ("worker", "gateway") in its 500s: the log to read is that service's."""
+    app.state.service = service
+    # Exception goes to Starlette's outermost middleware, which passes the error on to the
+    # server after this response: the server logs it with its traceback. The others are
+    # answered where they are raised.
+    for raised in (MintError, RequestValidationError, HTTPException, ClientDisconnect, Exception):
+        app.add_exception_handler(raised, _answer)
+
+
+def _answer(request: Request, e: Exception) -> Response:
+    answer = error_response(e, request)
+    if answer.error_type in _NOTED:
+        log.warning("%s %s: %s", request.method, clip(request.url.path), answer.body["error"])
+    return answer.to_response()
+
+
 def error_response(e: Exception, request: Request | None = None) -> ErrorResponse:
     """The one table from what went wrong to the response, for every endpoint and
-    stream. `request` names the route in responses about routing."""
+    stream. `request` names the route in responses about routing, and the service (see
+    `install_error_handlers`) in a 500."""
     route = f"{request.method} {request.url.path}" if request else "this request"
     match e:
         case AuthenticationError():
@@ -131,6 +167,9 @@ def error_response(e: Exception, request: Request | None = None) -> ErrorRespons
             return ErrorResponse(422, "validation", _refused_fields(e.errors()))
         case BodyTooLarge():
             return ErrorResponse(413, "body_too_large", e.detail)
+        case ClientDisconnect() | HTTPException(__cause__=ClientDisconnect()):
+            # No one reads this answer; it is what the log says.
+            return ErrorResponse(400, "client_disconnected", _GONE)
         case HTTPException(status_code=400):
             # FastAPI answers 400 to a body it cannot decode (not UTF-8), and 422 to one that
             # is not JSON; to a client both are malformed, which the API answers 422.
@@ -146,8 +185,18 @@ def error_response(e: Exception, request: Request | None = None) -> ErrorRespons
             return ErrorResponse(e.status_code, error_type, message, headers=e.headers or {})
         case _:
             return ErrorResponse(
-                500, "internal", f"{route} failed; the worker's log has the details"
+                500, "internal", f"{route} failed; {_log_of(request)} has the details"
             )
+
+
+_GONE = "the client closed the connection before it had sent the request's body"
+
+
+def _log_of(request: Request | None) -> str:
+    """Whose log has a 500's details: the service that answers it."""
+    app = request.scope.get("app") if request is not None else None
+    service = getattr(app.state, "service", None) if app is not None else None
+    return f"the {service}'s log" if service else "this service's log"
 
 
 def _error_type(e: MintError) -> str:
