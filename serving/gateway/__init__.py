@@ -33,6 +33,11 @@ connection is retried on the next worker; once a worker has the request, its fai
 request's (a generation is not replayed), answered as a clean 502 or, in a stream that has
 started, as a last error event.
 
+Errors answer from the workers' table (`serving.http.errors`), in their JSON shape, unknown
+routes and methods too. Of a body the gateway reads only the model it names, checked as a
+worker checks it (`serving.gateway.requests`); the worker validates the rest. Its OpenAPI
+document (`/openapi.json`) is its workers' for the routes it forwards.
+
 What the gateway knows about workers it re-reads from them every `refresh_s`
 (`/admin/routing`: base, ready revisions, device slots, load); what it knows about revisions
 comes from the registry, like a worker's catalog. It holds nothing else: two gateways can only

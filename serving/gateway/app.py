@@ -20,17 +20,12 @@ from control.services import LOOPBACK, ManagedProcess, start_mint
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import GATEWAY_PORT, MintConfig
-from mint_core.errors import (
-    ConfigurationError,
-    MintError,
-    NotFoundError,
-    RegistryError,
-    ServiceError,
-)
+from mint_core.errors import NotFoundError, RegistryError, ServiceError
 from mint_core.planning.placement import Demand
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from serving.gateway.fleet import Fleet, WorkerView
+from serving.gateway.requests import gateway_document, model_of
 from serving.http.common import (
     ADAPTER_PREFIX,
     BASE_NAMES,
@@ -39,7 +34,7 @@ from serving.http.common import (
     adapter_of_url,
     sse,
 )
-from serving.http.errors import ErrorResponse, error_response
+from serving.http.errors import ErrorResponse, install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.worker.peers import ASK_INTERVAL_S
 
@@ -92,6 +87,8 @@ class Gateway:
         )
         self._closed = threading.Event()
         self._http: aiohttp.ClientSession | None = None
+        self._document: dict[str, object] | None = None
+        """The OpenAPI document, once a worker has described the routes it forwards."""
 
     # Keeping the copies fresh.
 
@@ -282,9 +279,12 @@ class Gateway:
             return _whole(answer, worker, content)
         if last_busy is not None:
             return last_busy
+        log.warning(
+            "no worker took %s: %s", model, "; ".join(f"{w.url}: {w.problem}" for w in workers)
+        )
         raise ServiceError(
-            f"every worker for {model or 'the base'} refused the connection: "
-            + "; ".join(f"{w.url}: {w.problem}" for w in workers)
+            f"every worker for {model or 'the base'} refused the connection; send the request "
+            "again shortly"
         )
 
     async def feedback(self, request: Request, body: bytes) -> Response:
@@ -329,6 +329,23 @@ class Gateway:
                 union.setdefault(str(entry["id"]), entry)
         return {"object": "list", "data": list(union.values())}
 
+    async def document(self, routes: list[Route]) -> dict[str, object]:
+        """The gateway's OpenAPI document (`serving.gateway.requests`), from the first worker
+        up that describes its own; kept once made (the workers of one release agree)."""
+        if self._document is not None:
+            return self._document
+        for worker in [w for w in self.fleet.workers if w.up]:
+            try:
+                async with self._client().get(worker.url + "/openapi.json", timeout=_POLL) as a:
+                    a.raise_for_status()
+                    self._document = gateway_document(await a.json(), routes)
+                    return self._document
+            except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                log.warning("%s did not describe its API: %s", worker.url, e)
+        raise ServiceError(
+            "no worker is up to describe the requests this gateway forwards; ask again shortly"
+        )
+
     def health(self) -> dict[str, object]:
         up = [w for w in self.fleet.workers if w.up]
         return {
@@ -342,32 +359,27 @@ class Gateway:
         }  # fmt: skip
 
     def app(self, max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
+        # Errors, an unknown route or method too, answer from the one table
+        # (`install_error_handlers`).
         async def generation(request: Request) -> Response:
-            try:
-                body = await request.body()
-                # Under an adapter's base URL the path names the revision; the worker, which
-                # gets the same path, refuses a body that names another.
-                ref = request.path_params.get("ref")
-                model = adapter_of_url(ref) if ref else _model_of(request.url.path, body)
-                return await self.forward(request, body, model)
-            except Exception as e:
-                if not isinstance(e, MintError):
-                    log.exception("gateway failed on %s", request.url.path)
-                return error_response(e, request).to_response()
+            body = await request.body()
+            # Under an adapter's base URL the path names the revision; the worker, which gets
+            # the same path, refuses a body that names another.
+            ref = request.path_params.get("ref")
+            model = adapter_of_url(ref) if ref else model_of(request.url.path, body)
+            return await self.forward(request, body, model)
 
         async def models(request: Request) -> Response:
             return _json(await self.models(request))
 
         async def feedback(request: Request) -> Response:
-            try:
-                return await self.feedback(request, await request.body())
-            except Exception as e:
-                if not isinstance(e, MintError):
-                    log.exception("gateway failed on %s", request.url.path)
-                return error_response(e, request).to_response()
+            return await self.feedback(request, await request.body())
 
         async def health(_: Request) -> Response:
             return _json(self.health())
+
+        async def openapi(_: Request) -> Response:
+            return _json(await self.document(routes))
 
         @asynccontextmanager
         async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -379,27 +391,11 @@ class Gateway:
         routes = [Route(path, generation, methods=["POST"]) for path in paths]
         routes += [Route("/v1/models", models), Route("/health", health)]
         routes.append(Route("/v1/feedback", feedback, methods=["POST"]))
+        routes.append(Route("/openapi.json", openapi, include_in_schema=False))
         app = Starlette(routes=routes, lifespan=lifespan)
+        install_error_handlers(app, "gateway")
         app.add_middleware(BodyLimit, limit=max_request_bytes)
         return app
-
-
-def _model_of(path: str, body: bytes) -> str | None:
-    """The model a request names: TGI's `parameters.adapter_id`, OpenAI's `model`. A body the
-    gateway cannot read goes to the worker of the base, which explains what is wrong with it."""
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise ConfigurationError("the body is not JSON in UTF-8") from None
-    if not isinstance(payload, dict):
-        raise ConfigurationError("the body must be a JSON object")
-    if path.startswith("/v1/"):
-        model = payload.get("model")
-    else:
-        model = (payload.get("parameters") or {}).get("adapter_id")
-    if model is not None and not isinstance(model, str):
-        raise ConfigurationError(f"the model must be a string, got {str(model)[:200]!r}")
-    return model
 
 
 def _error_type(content: bytes) -> str | None:
@@ -425,10 +421,12 @@ def _whole(answer: aiohttp.ClientResponse, worker: WorkerView, content: bytes) -
 
 
 def _failed(worker: WorkerView, error: BaseException) -> Response:
-    """The answer for a request a worker took and then failed (it died, or cut the reply)."""
+    """The answer for a request a worker took and then failed (it died, or cut the reply); what
+    failed goes to the gateway's log."""
+    log.warning("%s failed while it had a request: %s: %s", worker.url, type(error).__name__, error)
     message = (
-        f"worker {worker.url} failed while it had this request ({type(error).__name__}: "
-        f"{error}); the request was not retried, as it may have run: send it again"
+        f"worker {worker.url} failed while it had this request; the request was not retried, "
+        "as it may have run: send it again"
     )
     answer = ErrorResponse(502, "worker_failed", message)
     return Response(orjson.dumps(answer.body), status_code=502, headers={WORKER_HEADER: worker.url})
@@ -443,10 +441,9 @@ def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView) -> StreamingRe
             async for chunk in answer.content.iter_any():
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as e:
-            body = ErrorResponse(
-                502, "worker_failed", f"worker {worker.url} failed mid-stream: {e}"
-            )
-            yield sse(body.body).encode()
+            log.warning("%s failed mid-stream: %s: %s", worker.url, type(e).__name__, e)
+            message = f"worker {worker.url} failed mid-stream; send the request again"
+            yield sse(ErrorResponse(502, "worker_failed", message).body).encode()
         finally:
             worker.in_flight -= 1
             answer.release()
