@@ -51,6 +51,7 @@ _PASSED_ON = (
     "content-type",
     "retry-after",
     "retry-after-ms",
+    "www-authenticate",
     REVISION_HEADER.lower(),
     REQUEST_ID_HEADER.lower(),
 )
@@ -308,26 +309,33 @@ class Gateway:
             return unknown
         raise ServiceError("no worker is up to take the feedback; send it again shortly")
 
-    async def models(self, request: Request) -> dict[str, object]:
-        """The union of every worker's `/v1/models` for this caller."""
+    async def models(self, request: Request) -> Response:
+        """The union of every worker's `/v1/models` for this caller; a caller every worker
+        refuses (an unknown key: 401) gets the first refusal, not an empty list."""
         http = self._client()
         headers = {}
         if authorization := request.headers.get("authorization"):
             headers["authorization"] = authorization
 
-        async def one(view: WorkerView) -> list[dict[str, object]]:
+        async def one(view: WorkerView) -> list[dict[str, object]] | Response:
             try:
                 async with http.get(view.url + "/v1/models", headers=headers) as answer:
-                    return (await answer.json())["data"] if answer.status == 200 else []
+                    if answer.status == 200:
+                        return (await answer.json())["data"]
+                    return _whole(answer, view, await answer.read())
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
                 return []
 
-        listed = await asyncio.gather(*(one(w) for w in self.fleet.workers if w.up))
+        answers = await asyncio.gather(*(one(w) for w in self.fleet.workers if w.up))
+        listed = [entries for entries in answers if not isinstance(entries, Response)]
+        refused = [a for a in answers if isinstance(a, Response) and 400 <= a.status_code < 500]
+        if refused and not listed:
+            return refused[0]
         union: dict[str, dict[str, object]] = {}
         for entries in listed:
             for entry in entries:
                 union.setdefault(str(entry["id"]), entry)
-        return {"object": "list", "data": list(union.values())}
+        return _json({"object": "list", "data": list(union.values())})
 
     async def document(self, routes: list[Route]) -> dict[str, object]:
         """The gateway's OpenAPI document (`serving.gateway.requests`), from the first worker
@@ -370,7 +378,7 @@ class Gateway:
             return await self.forward(request, body, model)
 
         async def models(request: Request) -> Response:
-            return _json(await self.models(request))
+            return await self.models(request)
 
         async def feedback(request: Request) -> Response:
             return await self.feedback(request, await request.body())
