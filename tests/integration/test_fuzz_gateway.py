@@ -15,9 +15,16 @@ from schemathesis.checks import max_response_time, not_a_server_error
 from control.services import ManagedProcess
 from mint_core.config import MintConfig
 from serving.gateway import start_gateway
-from tests.integration.test_fuzz import MAX_EXAMPLES, REQUEST_TIMEOUT_S, RESPONSE_BOUND_S
 
 pytestmark = pytest.mark.slow
+
+MAX_EXAMPLES = 25
+"""Generated requests per operation, besides schemathesis's boundary and negative cases."""
+RESPONSE_BOUND_S = 20.0
+"""Longest answer allowed: a generation the tiny base's context allows takes a few seconds on a
+busy CPU; the gateway adds a hop."""
+REQUEST_TIMEOUT_S = 2 * RESPONSE_BOUND_S
+"""When the client gives up on an answer (a hang fails the test instead of blocking it)."""
 
 
 @pytest.fixture(scope="module")
