@@ -26,17 +26,56 @@ POLICY_FILE = "policy.json"
 """The file a policy record is written to beside a revision's files (the MLflow run's artifact
 of the same name), and that an adapter folder taken out of MinT may carry."""
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,63}$")
-_REF = re.compile(r"^(?P<adapter>[^:@]+)(?::r(?P<revision>\d+)|@(?P<alias>[a-z0-9_-]+))?$")
+MAX_REVISION = 2**63 - 1
+"""The largest revision number: MLflow numbers model versions with integers its database holds
+in a signed 64-bit column (SQLite's INTEGER), so a larger one can name nothing."""
+_ECHO = 64
+"""Longest stretch of a refused name or reference a message here echoes (what a caller sent
+may be any length)."""
+
+# Names and references are matched whole (fullmatch: `$` alone lets a trailing newline
+# through) over ASCII only (`\d` and `\w` take any script's digits and letters).
+_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}", re.ASCII)
+_ALIAS = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}", re.ASCII)
+_REF = re.compile(
+    r"(?P<adapter>[^:@]+)(?::r(?P<revision>[0-9]+)|@(?P<alias>[^:@]*))?", re.ASCII | re.DOTALL
+)
+
+
+def _echo(text: str) -> str:
+    """`text` as a message quotes it: repr'd, cut to _ECHO characters."""
+    return repr(text if len(text) <= _ECHO else text[:_ECHO] + "…")
 
 
 def check_adapter_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ConfigurationError(
-            f"adapter name {name!r} is not valid; use 1-64 lower-case letters, digits, '-' or "
-            "'_', starting with a letter or digit"
+            f"adapter name {_echo(name)} is not valid; use 1-64 lower-case letters, digits, '-' "
+            "or '_', starting with a letter or digit"
         )
     return name
+
+
+def check_alias_name(alias: str) -> str:
+    if not _ALIAS.fullmatch(alias):
+        raise ConfigurationError(
+            f"alias {_echo(alias)} is not valid; use 1-64 lower-case letters, digits, '-' or "
+            "'_', starting with a letter or digit (e.g. 'production')"
+        )
+    return alias
+
+
+def check_revision_number(number: int, ref: str = "") -> int:
+    """`number` if a registry can hold it as a revision: 1 to MAX_REVISION."""
+    where = f" in {_echo(ref)}" if ref else ""
+    if number < 1:
+        raise ConfigurationError(f"revision r{number}{where} must be r1 or later")
+    if number > MAX_REVISION:
+        raise ConfigurationError(
+            f"revision {_echo(f'r{number}')}{where} is larger than any revision can be "
+            f"(at most r{MAX_REVISION})"
+        )
+    return number
 
 
 @dataclass(frozen=True)
@@ -59,19 +98,24 @@ class RevisionRef:
 
     @classmethod
     def parse(cls, text: str) -> Self:
-        match = _REF.match(text.strip())
+        match = _REF.fullmatch(text.strip())
         if not match:
             raise ConfigurationError(
-                f"adapter reference {text!r} is not valid; write 'name', 'name@alias' or "
+                f"adapter reference {_echo(text)} is not valid; write 'name', 'name@alias' or "
                 "'name:rN' (e.g. 'support-bot:r3')"
             )
         adapter = check_adapter_name(match["adapter"])
-        if match["revision"] is not None:
-            revision = int(match["revision"])
-            if revision < 1:
-                raise ConfigurationError(f"revision r{revision} in {text!r} must be r1 or later")
-            return cls(adapter, revision=revision)
-        return cls(adapter, alias=match["alias"] or PRODUCTION)
+        if (digits := match["revision"]) is not None:
+            # Counted before int(): a number of thousands of digits is refused by its length,
+            # not by Python's limit on converting long strings.
+            if len(digits.lstrip("0")) > len(str(MAX_REVISION)):
+                raise ConfigurationError(
+                    f"revision {_echo(f'r{digits}')} in {_echo(text)} is larger than any "
+                    f"revision can be (at most r{MAX_REVISION})"
+                )
+            return cls(adapter, revision=check_revision_number(int(digits), text))
+        alias = match["alias"]
+        return cls(adapter, alias=PRODUCTION if alias is None else check_alias_name(alias))
 
     def __str__(self) -> str:
         if self.revision is not None:

@@ -3,7 +3,7 @@ import itertools
 import pytest
 
 from mint_core.errors import ConfigurationError, TransitionError
-from mint_core.revisions import PolicyRecord, RevisionRef
+from mint_core.revisions import MAX_REVISION, PolicyRecord, RevisionRef, check_adapter_name
 from mint_core.states import Readiness, Stage, transition
 from tests.helpers import make_policy
 
@@ -29,6 +29,55 @@ def test_revision_refs_parse(
 def test_bad_revision_refs_name_the_value(text: str) -> None:
     with pytest.raises(ConfigurationError, match=r"not valid|r1 or later"):
         RevisionRef.parse(text)
+
+
+def test_the_largest_revision_a_registry_holds_parses() -> None:
+    assert RevisionRef.parse(f"bot:r{MAX_REVISION}").revision == 2**63 - 1
+    assert RevisionRef.parse("bot:r007").revision == 7
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        # One past SQLite's int64: it overflowed the registry's query.
+        ("bot:r9223372036854775808", "r9223372036854775808"),
+        # Past Python's limit on converting digit strings (4,300): refused by its length.
+        ("bot:r" + "1" * 4301, "r1111111111"),
+        ("bot:r" + "0" * 30 + "9223372036854775808", "r000000000"),
+    ],
+)
+def test_revisions_past_what_a_registry_holds_are_refused(text: str, named: str) -> None:
+    with pytest.raises(ConfigurationError, match="larger than any revision") as refused:
+        RevisionRef.parse(text)
+    message = str(refused.value)
+    assert named in message and len(message) < 300  # the value named, cut short
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "bot\n@production",  # `$` let a newline before the end through
+        "bot\n:r3",
+        "bot@production\nx",
+        "bot:r\u0663",  # ARABIC-INDIC DIGIT THREE: `\\d` read it as r3
+        "bot:r\uff13",  # FULLWIDTH DIGIT THREE
+        "bot@\u0661",
+        "b\u00f6t",
+        "bot\ud800",  # a lone surrogate (JSON's "\\ud800")
+        "bot@Production",
+    ],
+)
+def test_names_match_whole_and_in_ascii(text: str) -> None:
+    with pytest.raises(ConfigurationError, match="not valid"):
+        RevisionRef.parse(text)
+
+
+def test_adapter_names_match_whole() -> None:
+    with pytest.raises(ConfigurationError, match="not valid"):
+        check_adapter_name("bot\n")
+    with pytest.raises(ConfigurationError, match="not valid") as refused:
+        check_adapter_name("a" * 5000)
+    assert len(str(refused.value)) < 300
 
 
 def test_policy_record_round_trips_through_json_and_tags() -> None:
