@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from mint_core.planning.admission import Priority
-from mint_core.revisions import RevisionId, check_adapter_name
+from mint_core.revisions import MAX_REVISION, RevisionId, check_adapter_name
 from serving.http.common import entry_json
 from serving.http.context import WorkerOf, admin_only
 
@@ -17,7 +17,7 @@ router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
 class AdmitRequest(BaseModel):
     adapter: str
-    revision: int = Field(ge=1)
+    revision: int = Field(ge=1, le=MAX_REVISION)
     priority: Literal["normal", "rollback", "demand"] = "normal"
 
 

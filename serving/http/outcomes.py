@@ -7,13 +7,14 @@ from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
 from serving.http.context import CallerOf, WorkerOf, admin_only
+from serving.protocols import Text
 
 router = APIRouter()
 admin_router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
 
 class FeedbackRequest(BaseModel):
-    request_id: str = Field(min_length=1, max_length=200)
+    request_id: Text = Field(min_length=1, max_length=200)
     """A response's `X-Mint-Request-Id`."""
     score: float = Field(ge=0, le=1, allow_inf_nan=False)
     """How good the generated text was, from 0 (wrong) to 1 (right)."""

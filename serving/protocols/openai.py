@@ -36,7 +36,7 @@ from mint_core.model.text import Message
 from serving.engine.generation import TokenEvent
 from serving.engine.sampling import SamplingParams, stop_hit
 from serving.http.common import sse
-from serving.protocols import Event, within_context
+from serving.protocols import Event, Text, Texts, within_context
 
 DONE = "data: [DONE]\n\n"
 """The event that ends a stream (not JSON)."""
@@ -49,12 +49,12 @@ class OpenAIRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: Text
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = None
+    stop: Texts | None = None
     n: int | None = 1
     """Choices per prompt; only 1 (null too: TGI's `text-generation` client sends it)."""
     stream: bool = False
@@ -79,7 +79,7 @@ class OpenAIRequest(BaseModel):
 
 
 class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str]
+    prompt: Texts
 
     def prompts(self) -> list[str]:
         prompts = [self.prompt] if isinstance(self.prompt, str) else self.prompt
@@ -98,8 +98,8 @@ class CompletionRequest(OpenAIRequest):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
-    content: str
+    role: Text
+    content: Text
 
 
 class ChatRequest(OpenAIRequest):

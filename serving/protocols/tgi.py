@@ -27,7 +27,7 @@ from mint_core.model.text import TextCodec
 from serving.engine.generation import TokenEvent
 from serving.engine.sampling import SamplingParams
 from serving.http.common import sse
-from serving.protocols import Event, within_context
+from serving.protocols import Event, Text, within_context
 
 MAX_SEED = 2**64 - 1
 """TGI's seed is an unsigned 64-bit integer; so is the generator's."""
@@ -38,7 +38,7 @@ class GenerateParameters(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    adapter_id: str | None = None
+    adapter_id: Text | None = None
     max_new_tokens: int | None = Field(20, ge=1)
     details: bool = False
     do_sample: bool = False
@@ -46,7 +46,7 @@ class GenerateParameters(BaseModel):
     top_k: int | None = Field(None, ge=1)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    stop: list[str] | None = None
+    stop: list[Text] | None = None
     return_full_text: bool | None = False
     return_routes: bool = False
 
@@ -70,7 +70,7 @@ class GenerateParameters(BaseModel):
 class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    inputs: str
+    inputs: Text
     parameters: GenerateParameters = Field(default_factory=GenerateParameters)
     stream: bool = False
 
