@@ -35,11 +35,14 @@ from mint_core.model.base import BaseText
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
+from serving.http.errors import clip
 
 SCHEME = "tinker://"
 WEIGHTS = "weights"
 SAMPLER_WEIGHTS = "sampler_weights"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", re.ASCII)
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9:._-]{0,127}", re.ASCII)
+"""A training model's id (`s-<hex>:train:<seq>`), bounded: it names a folder in the store."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +56,18 @@ class CheckpointPath:
     @classmethod
     def parse(cls, path: str) -> "CheckpointPath":
         parts = path.removeprefix(SCHEME).split("/") if path.startswith(SCHEME) else []
-        if len(parts) != 3 or parts[1] not in (WEIGHTS, SAMPLER_WEIGHTS):
+        # Checked before the path names any file: a model id or name longer than a file name
+        # may be, or one the trainer never makes, is no checkpoint of this trainer.
+        if (
+            len(parts) != 3
+            or parts[1] not in (WEIGHTS, SAMPLER_WEIGHTS)
+            or not _MODEL_ID.fullmatch(parts[0])
+            or not _NAME.fullmatch(parts[2])
+        ):
             raise ConfigurationError(
-                f"{path!r} is not a checkpoint path of this trainer; give one that save_state "
-                "or save_weights_for_sampler returned (tinker://<model id>/weights/<name>)"
+                f"path {clip(repr(path))} is not a checkpoint path of this trainer; give one "
+                "that save_state or save_weights_for_sampler returned "
+                "(tinker://<model id>/weights/<name>)"
             )
         return cls(*parts)
 
@@ -72,10 +83,10 @@ class CheckpointPath:
 
 
 def check_name(name: str) -> str:
-    if not _NAME.match(name):
+    if not _NAME.fullmatch(name):
         raise ConfigurationError(
-            f"checkpoint name {name!r} is not valid; use letters, digits, '.', '_' or '-' (at "
-            "most 128, starting with a letter or digit)"
+            f"path: checkpoint name {clip(repr(name))} is not valid; use letters, digits, '.', "
+            "'_' or '-' (at most 128, starting with a letter or digit)"
         )
     return name
 

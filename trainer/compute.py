@@ -55,6 +55,18 @@ def check_request(request: ForwardBackward, vocab: int, context: int) -> None:
                     f"datum {i}: loss_fn_inputs[{name!r}] has {len(values)} values for {length} "
                     "input tokens; every loss input has one value per input position"
                 )
+            if values.dtype.kind == "f" and not np.isfinite(values).all():
+                bad = values[~np.isfinite(values)][0]
+                raise ConfigurationError(
+                    f"datum {i}: loss_fn_inputs[{name!r}] holds {bad}; every value must be a "
+                    "finite number"
+                )
+        targets = datum.inputs["target_tokens"]
+        if targets.dtype.kind == "f" and (fractional := np.rint(targets) != targets).any():
+            raise ConfigurationError(
+                f"datum {i}: target_tokens holds {targets[fractional][0]}, not a token id; token "
+                "ids are whole numbers"
+            )
         for name, ids in (
             ("model_input", datum.tokens),
             ("target_tokens", datum.inputs["target_tokens"]),

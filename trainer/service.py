@@ -32,6 +32,7 @@ from serving.engine.engine import TorchEngine
 from trainer import checkpoints
 from trainer.checkpoints import SAMPLER_WEIGHTS, WEIGHTS, CheckpointPath
 from trainer.compute import Work, check_request, plan_passes, run_pass
+from trainer.errors import QueueFull
 from trainer.futures import Category, Futures
 from trainer.lora import ALPHA, Layers, Router, Targets, TenantLora, wrap
 from trainer.records import AdamParams, SamplerSave, Session, TrainingModel
@@ -49,10 +50,6 @@ ACTIVE_S = 1.0
 SESSION_TIMEOUT_S = 120.0
 """A session whose client has not been heard from for this long (the SDK sends a heartbeat
 every 10 s) is finished as `expired`, and its models' memory freed."""
-
-
-class QueueFull(MintError):
-    """A model has `trainer_queue` requests waiting: the client should send this one later."""
 
 
 class Trainer:
@@ -267,10 +264,19 @@ class Trainer:
         for model, op in ops:
             request = op.payload
             assert isinstance(request, ForwardBackward)
+            # Every value is checked before it joins a pass: a pass fails for no one's data.
             try:
                 check_request(request, self.vocab, self.base.context_length)
             except MintError as e:
                 self.futures.fail(op.request_id, str(e))
+                continue
+            except Exception:
+                log.exception("checking forward/backward request %s failed", op.request_id)
+                self.futures.fail(
+                    op.request_id,
+                    f"checking request {op.request_id} failed; the trainer's log has the details",
+                    Category.SERVER,
+                )
                 continue
             works.append((Work(request, model.lora), op.request_id))
         if not works:
@@ -290,7 +296,10 @@ class Trainer:
             log.exception("a forward/backward pass failed")
             for _, request_id in works:
                 self.futures.fail(
-                    request_id, f"the forward/backward pass failed: {e}", Category.SERVER
+                    request_id,
+                    f"the forward/backward pass failed ({type(e).__name__}); the trainer's log "
+                    "has the details",
+                    Category.SERVER,
                 )
             return
         for work, request_id in works:
@@ -312,7 +321,11 @@ class Trainer:
             self.futures.fail(op.request_id, str(e))
         except Exception as e:  # one request's failure, not the loop's
             log.exception("%s of %s failed", op.kind, model.id)
-            self.futures.fail(op.request_id, f"{op.kind} failed: {e}", Category.SERVER)
+            self.futures.fail(
+                op.request_id,
+                f"{op.kind} failed ({type(e).__name__}); the trainer's log has the details",
+                Category.SERVER,
+            )
         else:
             if result is not None:
                 self.futures.finish(op.request_id, result)
@@ -466,7 +479,12 @@ class Trainer:
                 self.futures.fail(request_id, f"registering {path} failed: {e}", Category.SERVER)
             except Exception as e:
                 log.exception("registering %s failed", path)
-                self.futures.fail(request_id, f"registering {path} failed: {e}", Category.SERVER)
+                self.futures.fail(
+                    request_id,
+                    f"registering {path} failed ({type(e).__name__}); the trainer's log has the "
+                    "details",
+                    Category.SERVER,
+                )
             else:
                 log.info("%s registered as %s", path, revision)
                 self.futures.finish(

@@ -5,6 +5,7 @@ output and a sampling result out. The message definitions are the SDK's own gene
 Everything else on the wire is JSON (the SDK's pydantic models, read in `trainer.app`).
 """
 
+import io
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,8 +13,15 @@ import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
 from mint_core.errors import ConfigurationError
+from serving.http.errors import BodyTooLarge, clip
 
 PROTOBUF = "application/x-protobuf"
+MAX_REQUEST_BYTES = 16 << 20
+"""Largest request body the trainer takes, after decompression: the SDK splits a
+forward_backward into requests of about 5 MB (`fwdbwd_max_chunk_bytes_count`); every other
+body is a few KB."""
+MAX_DATUMS = 1024
+"""Most datums in one forward_backward request (the SDK's `fwdbwd_max_chunk_len`)."""
 _NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 
 
@@ -40,16 +48,31 @@ class ForwardBackward:
         return sum(len(d.tokens) for d in self.data)
 
 
-def read_forward_backward(body: bytes, encoding: str | None) -> ForwardBackward:
-    """The SDK's `ForwardBackwardRequest` (zstd-compressed when `encoding` says so);
-    ConfigurationError naming what is not one MinT can run."""
-    if encoding == "zstd":
-        body = zstandard.ZstdDecompressor().decompress(body)
+def read_forward_backward(
+    body: bytes, encoding: str | None, limit: int = MAX_REQUEST_BYTES
+) -> ForwardBackward:
+    """The SDK's `ForwardBackwardRequest` (zstd-compressed when `encoding` says so), of at most
+    `limit` bytes decompressed (BodyTooLarge past it); ConfigurationError naming what is not
+    one MinT can run."""
+    if encoding is not None and encoding.strip().lower() not in ("zstd", "identity", ""):
+        raise ConfigurationError(
+            f"content-encoding {clip(repr(encoding))} is not one this trainer reads; send zstd "
+            "or none"
+        )
+    if encoding is not None and encoding.strip().lower() == "zstd":
+        body = decompress(body, limit)
     message = pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(body)
-    except Exception as e:  # protobuf's DecodeError
-        raise ConfigurationError(f"the body is not a ForwardBackwardRequest protobuf: {e}") from e
+    except Exception as e:  # protobuf's DecodeError: what it says is of no use to the client
+        raise ConfigurationError(
+            "the body is not a ForwardBackwardRequest protobuf (tinker.proto); send the SDK's"
+        ) from e
+    if len(message.data) > MAX_DATUMS:
+        raise ConfigurationError(
+            f"forward_backward has {len(message.data)} datums, more than {MAX_DATUMS} in one "
+            "request; send fewer (the SDK splits a batch into requests of at most that many)"
+        )
     config: dict[str, float | str] = dict(message.loss_fn_config)
     for key, value in message.loss_fn_config_v2.items():
         config[key] = value.text if value.WhichOneof("value") == "text" else value.number
@@ -62,7 +85,12 @@ def read_forward_backward(body: bytes, encoding: str | None) -> ForwardBackward:
                     f"datum {i} has a {chunk.WhichOneof('chunk')} chunk: mint trainer takes "
                     "text tokens only (EncodedTextChunk)"
                 )
-            tokens.append(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32))
+            raw = chunk.encoded_text.tokens
+            if len(raw) % 4:
+                raise ConfigurationError(
+                    f"datum {i}: model_input tokens are {len(raw)} bytes, not whole int32s"
+                )
+            tokens.append(np.frombuffer(raw, dtype=np.int32))
         inputs = {name: _tensor(name, tensor, i) for name, tensor in datum.loss_fn_inputs.items()}
         data.append(
             Datum(
@@ -79,6 +107,24 @@ def read_forward_backward(body: bytes, encoding: str | None) -> ForwardBackward:
     )
 
 
+def decompress(body: bytes, limit: int) -> bytes:
+    """`body`, a zstd frame, decompressed as a stream (a frame need not say its size) and no
+    further than `limit` bytes: BodyTooLarge past it, ConfigurationError if it is no zstd."""
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(body))
+    out = bytearray()
+    try:
+        while piece := reader.read(min(1 << 20, limit + 1 - len(out))):
+            out += piece
+            if len(out) > limit:
+                raise BodyTooLarge(limit)
+    except zstandard.ZstdError as e:
+        raise ConfigurationError(
+            "the body is not zstd, as its content-encoding says; compress it with zstd or "
+            "leave content-encoding out"
+        ) from e
+    return bytes(out)
+
+
 def _tensor(name: str, tensor: "pb.Tensor", datum: int) -> np.ndarray:
     if tensor.WhichOneof("encoding") == "sparse_csr":
         raise ConfigurationError(
@@ -90,7 +136,18 @@ def _tensor(name: str, tensor: "pb.Tensor", datum: int) -> np.ndarray:
         raise ConfigurationError(
             f"datum {datum}: loss_fn_inputs[{name!r}] has dtype {tensor.dtype}"
         )
+    size = np.dtype(dtype).itemsize
+    if len(tensor.dense) % size:
+        raise ConfigurationError(
+            f"datum {datum}: loss_fn_inputs[{name!r}] has {len(tensor.dense)} bytes, not whole "
+            f"{np.dtype(dtype).name} values"
+        )
     array = np.frombuffer(tensor.dense, dtype=dtype)
+    if len(tensor.shape) == 1 and tensor.shape[0] != len(array):
+        raise ConfigurationError(
+            f"datum {datum}: loss_fn_inputs[{name!r}] has shape {list(tensor.shape)} but "
+            f"{len(array)} values"
+        )
     if len(tensor.shape) > 1:
         raise ConfigurationError(
             f"datum {datum}: loss_fn_inputs[{name!r}] has shape {list(tensor.shape)}; mint "

@@ -1,0 +1,67 @@
+"""The trainer's answers to errors: MinT's one table (`serving.http.errors.error_response`,
+the worker's and the gateway's), and the two cases only the trainer has.
+
+- A model's queue full (`QueueFull`) is a 429 with Retry-After: the SDK waits and sends the
+  request again, as it should.
+- A JSON body nested deeper than the parser goes (it raises RecursionError) is a 422 that
+  says so, not "not JSON".
+
+What the SDK does with an answer decides the rest: it resends a 5xx (and 408, 409, 429)
+without limit, and gives up on any other 4xx. So a bad request is a 4xx (422 with the field
+named, from the table), and a 500, a bug a resend cannot mend, carries `x-should-retry:
+false`, which the SDK obeys; its details go to the trainer's log with the traceback.
+"""
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+from starlette.responses import Response
+
+from mint_core.errors import MintError
+from serving.http.errors import ErrorResponse, clip, error_response, retry_after
+
+log = logging.getLogger(__name__)
+
+SERVICE = "trainer"
+_NOTED = frozenset({"client_disconnected", "body_too_large"})
+
+
+class QueueFull(MintError):
+    """A model has `trainer_queue` requests waiting: the client should send this one later."""
+
+
+def trainer_error(e: Exception, request: Request | None = None) -> ErrorResponse:
+    """The response to `e`: MinT's table, with the trainer's own cases first."""
+    match e:
+        case QueueFull():
+            return ErrorResponse(429, "queue_full", str(e), headers=retry_after(1.0))
+        case HTTPException(status_code=400, __cause__=RecursionError()):
+            return ErrorResponse(
+                422,
+                "validation",
+                "the body is nested too deeply to parse; the Tinker API's bodies nest a few "
+                "levels (send the SDK's request)",
+            )
+    answer = error_response(e, request)
+    if answer.status >= 500 and answer.error_type == "internal":
+        return ErrorResponse(
+            answer.status, answer.error_type, answer.message, headers={"x-should-retry": "false"}
+        )
+    return answer
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Answer every error of `app` from the table (an unknown route, a refused body, a bug)."""
+    app.state.service = SERVICE
+    for raised in (MintError, RequestValidationError, HTTPException, ClientDisconnect, Exception):
+        app.add_exception_handler(raised, _answer)
+
+
+def _answer(request: Request, e: Exception) -> Response:
+    answer = trainer_error(e, request)
+    if answer.error_type in _NOTED:
+        log.warning("%s %s: %s", request.method, clip(request.url.path), answer.body["error"])
+    return answer.to_response()
