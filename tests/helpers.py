@@ -184,6 +184,9 @@ class MemoryRegistry:
     def all_revisions(self) -> Iterator[list[RegisteredRevision]]:
         yield list(self.revisions.values())
 
+    def has_adapter(self, adapter: str) -> bool:
+        return adapter in self.adapters
+
     def get(self, revision: RevisionId) -> RegisteredRevision:
         if revision not in self.revisions:
             raise NotFoundError(f"{revision} is not registered")

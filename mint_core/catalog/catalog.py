@@ -19,7 +19,11 @@ A worker starts from the snapshot the control plane publishes in the artifact st
 (`build_snapshot`, `start_from_snapshot`) and syncs on from the snapshot's cursor; without one,
 its first sync reads every revision from MLflow. A revision registered after that is read from
 MLflow when first named, and kept; requests that name it at the same time (a restarted worker's
-burst, before its first sync) share that one read (`catalog.flights`).
+burst, before its first sync) share that one read (`catalog.flights`). The registry's "not
+found" about an adapter it does not know is kept briefly, until a sync sees the adapter
+(`catalog.absent`): unknown names, however many requests send them, do not keep MLflow busy.
+When the registry cannot answer, the caller is told so in its own terms; MLflow's address and
+its answer go to the log.
 """
 
 import logging
@@ -36,6 +40,7 @@ from typing import TypeVar
 from mint_core.alias_intents import HeldMove
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.catalog import snapshot as catalog_snapshot
+from mint_core.catalog.absent import Absent
 from mint_core.catalog.flights import Flights
 from mint_core.catalog.hot import HotMap
 from mint_core.catalog.index import CatalogIndex
@@ -125,6 +130,10 @@ class Catalog:
         self._lock = threading.Lock()
         self._flights: Flights[object] = Flights()
         """Registry reads in flight, by the name asked about (see `_from_registry`)."""
+        self._absent = Absent()
+        """Names the registry said it does not have, until the next sync (`catalog.absent`)."""
+        self.lookups = 0
+        """How many times a name this catalog had not seen was asked of the registry."""
         self.snapshot: Snapshot | None = None
         """The snapshot this catalog started from, if any."""
         self.last_sync: float | None = None
@@ -160,6 +169,7 @@ class Catalog:
             log.info("no catalog snapshot in the store; the first sync reads the whole registry")
             return None
         self._hot.invalidate()
+        self._absent.clear()
         with self._lock:
             self._changes += 1
             self.snapshot = snapshot
@@ -179,23 +189,52 @@ class Catalog:
         if changed:
             # Committed to the index: no answer kept from before is given after this returns.
             self._hot.invalidate(adapter.adapter for adapter in changed)
+            self._absent.forget(adapter.adapter for adapter in changed)  # registered now
             with self._lock:
                 self._changes += 1
         self.last_sync = time.time()
         self.unreachable = None
         return [adapter.adapter for adapter in changed]
 
-    def _from_registry(self, name: RevisionRef | RevisionId | str, read: Callable[[], T]) -> T:
-        """`read()`, which asks the registry about `name`, which this catalog has not seen;
+    @property
+    def absent_answers(self) -> int:
+        """How many times a name was answered "not found" from memory, not asked again."""
+        return self._absent.answered
+
+    def _from_registry(
+        self, name: RevisionRef | RevisionId | str, adapter: str, read: Callable[[], T]
+    ) -> T:
+        """`read()`, which asks the registry about `name` (of `adapter`), which this catalog
+        has not seen. A "not found" the registry gave recently about an adapter this catalog
+        does not know is answered again at once (until a sync sees the adapter);
         RegistryError at once if the last sync found the registry down. Concurrent asks about
         one name share one read (a restarted worker's burst asks MLflow once, not once per
-        request), its answer or its error."""
+        request), its answer or its error. A RegistryError says that the registry cannot
+        answer, not what MLflow said or where it is: that goes to the log."""
+        self._absent.check(name)
         if self.unreachable is not None:
-            raise RegistryError(
-                f"{name} is not in this worker's catalog and the registry cannot be asked now: "
-                f"{self.unreachable}; try again once it answers"
-            )
-        return self._flights.run(name, read)  # type: ignore[return-value]
+            raise RegistryError(_unavailable(name))
+
+        def asked() -> T:
+            try:
+                return read()
+            except NotFoundError as e:
+                # Only about adapters the index lacks: one it holds gets new revisions and
+                # aliases that a request may name before a sync has seen them.
+                if not self._index.knows(adapter):
+                    self._absent.keep(name, adapter, e)
+                raise
+            except RegistryError as e:
+                log.warning("the registry did not answer about %s: %s", name, e)
+                raise RegistryError(_unavailable(name)) from None
+
+        return self._flights.run(name, asked)  # type: ignore[arg-type,return-value]
+
+    def _asking(self) -> None:
+        """Count one question to the registry (`lookups`); under the flight's key, so one
+        per name however many callers wait on it."""
+        with self._lock:
+            self.lookups += 1
 
     def wanted(self) -> "Wanted":
         """What the registry wants served on this worker's base: the revisions being rolled
@@ -293,13 +332,15 @@ class Catalog:
                 kept = self.kept(ref)  # by a read that ended after this caller's first look
                 if kept is not None:
                     return kept
+                self._asking()
                 found = self.registry.resolve(ref)
                 self._index.put_revisions([found])
                 self._hot.put(stamp, ("r", ref.adapter, found.id.number), found)
                 self._hot.put(stamp, ("@", ref.adapter, ref.alias), found)
                 return found
 
-            return self._from_registry(ref, read)
+            self._check_registered(ref.adapter)
+            return self._from_registry(ref, ref.adapter, read)
         registered = self.record(RevisionId(ref.adapter, number))
         self._hot.put(stamp, ("@", ref.adapter, ref.alias), registered)
         return registered
@@ -320,24 +361,49 @@ class Catalog:
                 kept = self._index.revision(revision)  # by a read that ended meanwhile
                 if kept is not None:
                     return kept
+                self._asking()
                 found = self.registry.get(revision)
                 self._index.put_revisions([found])
                 return found
 
-            known = self._from_registry(revision, read)
+            self._check_registered(revision.adapter)
+            known = self._from_registry(revision, revision.adapter, read)
         self._hot.put(stamp, key, known)
         return known
 
     def adapters(self) -> list[str]:
         return self._index.adapters()
 
+    def _check_registered(self, adapter: str) -> None:
+        """NotFoundError if the registry does not have `adapter`: asked first, once for all
+        of an adapter's revisions and aliases (`knows`), once the index holds the registry as
+        of some time: then most names it lacks are no adapter at all (one request to MLflow,
+        where resolving one costs two or more). Before that (a restarted worker's first
+        requests), resolving is asked at once: the adapter is most likely registered."""
+        if self._index.cursor_ms > 0 and not self.knows(adapter):
+            raise NotFoundError(f"adapter {adapter!r} is not registered")
+
     def knows(self, adapter: str) -> bool:
         """Whether `adapter` is registered (asking the registry if not synced yet)."""
         if self._index.knows(adapter):
             return True
-        return self._from_registry(
-            f"adapter {adapter!r}", lambda: self.registry.has_adapter(adapter)
-        )
+
+        def read() -> bool:
+            self._asking()
+            if not self.registry.has_adapter(adapter):
+                raise NotFoundError(f"adapter {adapter!r} is not registered")
+            return True
+
+        try:
+            return self._from_registry(f"adapter {adapter!r}", adapter, read)
+        except NotFoundError:
+            return False
+
+
+def _unavailable(name: object) -> str:
+    return (
+        f"{name} is not in this worker's catalog and the registry is unavailable; try again shortly"
+    )
 
 
 def sweep_indexes(folder: Path) -> list[Path]:

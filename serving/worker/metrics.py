@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from mint_core.planning.residency import Residency
 
 if TYPE_CHECKING:
+    from mint_core.catalog.catalog import Catalog
     from serving.engine.generation import Request
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -40,6 +41,26 @@ class _TierCollector(Collector):
             "mint_host_cache_bytes",
             "Bytes of adapter weights in the host cache",
             value=self.residency.host_bytes,
+        )
+
+
+class CatalogCollector(Collector):
+    """The catalog's questions to the registry about names it had not seen, and the "not
+    found" answers it gave from memory instead (`mint_core.catalog.absent`)."""
+
+    def __init__(self, catalog: "Catalog") -> None:
+        self.catalog = catalog
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily(
+            "mint_registry_lookups",
+            "Names not in the catalog that were asked of the registry",
+            value=self.catalog.lookups,
+        )
+        yield CounterMetricFamily(
+            "mint_registry_absent_answers",
+            "Requests answered 'not found' from a recent registry answer, without asking it",
+            value=self.catalog.absent_answers,
         )
 
 

@@ -89,6 +89,7 @@ from serving.backends.protocol import Backend
 from serving.engine.engine import BASE
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
+from serving.worker.metrics import CatalogCollector
 from serving.worker.outcomes import Outcomes
 from serving.worker.peers import Peers
 from serving.worker.prewarm import Prewarm
@@ -131,6 +132,7 @@ class Worker:
         self.outcomes = Outcomes()
         """Request ids and what happened to each answer, per revision."""
         self.metrics.registry.register(self.outcomes)
+        self.metrics.registry.register(CatalogCollector(catalog))
         self._draw = random.Random()
         """Which requests for `production` go to a canary."""
         self._readiness = ReadinessTable(admission_k)
