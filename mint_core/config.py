@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from mint_core.access import ADMIN, parse_api_keys
+from mint_core.connections import ConnectionBounds
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseSource
 from mint_core.retraining import RetrainSchedule
@@ -379,6 +380,14 @@ class MintConfig:
         "MLflow's backend store for `mint registry` and `mint up`: a "
         "`postgresql://user:password@host:port/database` URI, or `sqlite:///path`; unset, a "
         "sqlite file under `home`.",
+    )
+    http_bounds: ConnectionBounds = setting(
+        "MINT_HTTP_BOUNDS",
+        ConnectionBounds(),
+        "How long a worker's, gateway's or trainer's connection may wait to send its request's "
+        "head and body, or stay idle, and how many connections each takes (`ConnectionBounds`).",
+        parse=ConnectionBounds.parse,
+        blank_is_default=True,
     )
 
     def __post_init__(self) -> None:

@@ -5,11 +5,10 @@ import logging
 import os
 from collections.abc import Mapping
 
-import uvicorn
-
 from control.services import LOOPBACK, ManagedProcess, start_mint
 from mint_core.config import TRAINER_PORT, MintConfig
 from mint_core.model.base import load_base
+from serving.http.server import serve_http
 from trainer.app import create_app
 from trainer.futures import Futures
 from trainer.service import Trainer
@@ -23,7 +22,7 @@ def serve_trainer(config: MintConfig, host: str = LOOPBACK, port: int = TRAINER_
     def make(futures: Futures) -> Trainer:
         return Trainer(config, load_base(config.base, config.home), futures)
 
-    uvicorn.run(create_app(make, config.api_keys), host=host, port=port, log_level="warning")
+    serve_http(create_app(make, config.api_keys), host, port, config.http_bounds)
 
 
 def start_trainer(

@@ -10,7 +10,6 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 import orjson
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -36,6 +35,7 @@ from serving.http.common import (
 )
 from serving.http.errors import ErrorResponse, install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
+from serving.http.server import serve_http
 from serving.worker.peers import ASK_INTERVAL_S
 
 log = logging.getLogger(__name__)
@@ -476,7 +476,7 @@ def build_gateway(config: MintConfig) -> Gateway:
 
 def serve_gateway(config: MintConfig, host: str = LOOPBACK, port: int = GATEWAY_PORT) -> None:
     app = build_gateway(config).app()
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    serve_http(app, host, port, config.http_bounds)
 
 
 def start_gateway(

@@ -4,7 +4,6 @@ import logging
 import os
 from collections.abc import Mapping
 
-import uvicorn
 from transformers.utils import logging as transformers_logging
 
 from control.services import LOOPBACK, ManagedProcess, start_mint
@@ -17,6 +16,7 @@ from serving.backends.embedded import EmbeddedBackend
 from serving.backends.protocol import Backend
 from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
+from serving.http.server import serve_http
 from serving.worker.peers import Peers
 from serving.worker.worker import Worker
 
@@ -75,7 +75,7 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> 
     worker = build_worker(config, f"http://{host}:{port}")
     app = create_app(worker, config.api_keys, config.admin_principals)
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        serve_http(app, host, port, config.http_bounds)
     finally:
         worker.close()  # a vLLM backend's server runs in a process group of its own
 

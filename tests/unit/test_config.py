@@ -13,6 +13,7 @@ from mint_core.config import (
     Setting,
     variable,
 )
+from mint_core.connections import ConnectionBounds
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseSource
 from mint_core.retraining import RetrainSchedule
@@ -53,6 +54,7 @@ CHANGED = MintConfig(
     admin_principals=("ops", "admin"),
     registry_retry_s=7.5,
     registry_db="sqlite:////srv/mint/mlflow.db",
+    http_bounds=ConnectionBounds(keep_alive_s=2.5, head_s=4, body_s=30, connections=50),
 )
 """Every field away from its default."""
 
@@ -84,6 +86,8 @@ def test_unset_variables_give_the_defaults_and_to_env_gives_every_field_back() -
         ({"MINT_S3_PREFIX": ""}, ("s3_prefix", "")),
         ({"MINT_SYNC_INTERVAL_MS": "250"}, ("sync_interval_s", 0.25)),
         ({"MINT_WORKER_URLS": " http://a/, http://b ,"}, ("worker_urls", ("http://a", "http://b"))),
+        ({"MINT_HTTP_BOUNDS": " head_s=3, "}, ("http_bounds", ConnectionBounds(head_s=3))),
+        ({"MINT_HTTP_BOUNDS": ""}, ("http_bounds", ConnectionBounds())),
     ],
 )
 def test_a_variable_reads_as_its_row_says(
@@ -106,3 +110,19 @@ def test_a_bad_value_is_refused_naming_its_variable() -> None:
 def test_a_registry_wait_that_is_not_a_length_of_time_is_refused(text: str) -> None:
     with pytest.raises(ConfigurationError, match=f"MINT_REGISTRY_RETRY_S={text} must be 0 or"):
         MintConfig.from_env({"MINT_REGISTRY_RETRY_S": text})
+
+
+@pytest.mark.parametrize(
+    ("text", "refusal"),
+    [
+        ("head=3", "names 'head'; the bounds are keep_alive_s, head_s, body_s, connections"),
+        ("body_s=soon", "has body_s='soon', which is not a number"),
+        ("head_s=0", "has head_s=0; it must be a positive number of seconds"),
+        ("keep_alive_s=inf", "has keep_alive_s=inf; it must be a positive"),
+        ("connections=1.5", "has connections='1.5', which is not a number"),
+        ("connections=0", "has connections=0; it must be at least 1"),
+    ],
+)
+def test_connection_bounds_that_are_no_bounds_are_refused(text: str, refusal: str) -> None:
+    with pytest.raises(ConfigurationError, match=f"MINT_HTTP_BOUNDS='{text}' {refusal}"):
+        MintConfig.from_env({"MINT_HTTP_BOUNDS": text})
