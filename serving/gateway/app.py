@@ -19,6 +19,7 @@ from control.services import LOOPBACK, ManagedProcess, start_mint
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import GATEWAY_PORT, MintConfig
+from mint_core.connections import ConnectionBounds
 from mint_core.errors import NotFoundError, RegistryError, ServiceError
 from mint_core.planning.placement import Demand
 from mint_core.registry import RegisteredRevision, Registry
@@ -135,8 +136,13 @@ class Gateway:
             timeout = aiohttp.ClientTimeout(
                 total=GENERATION_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S
             )
+            # An idle connection is reused for half as long as a worker keeps it open: aiohttp
+            # keeps it 15 s by default, and a request sent on one the worker has just closed
+            # fails instead of being answered.
+            reuse_s = ConnectionBounds.keep_alive_s / 2
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=reuse_s)
             self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), timeout=timeout, auto_decompress=False
+                connector=connector, timeout=timeout, auto_decompress=False
             )
         return self._http
 

@@ -189,7 +189,10 @@ def error_response(e: Exception, request: Request | None = None) -> ErrorRespons
             )
 
 
-_GONE = "the client closed the connection before it had sent the request's body"
+_GONE = (
+    "the request's body stopped before its end: the client closed the connection, "
+    "or stopped sending it"
+)
 
 
 def _log_of(request: Request | None) -> str:
