@@ -29,9 +29,9 @@ of the same name), and that an adapter folder taken out of MinT may carry."""
 MAX_REVISION = 2**63 - 1
 """The largest revision number: MLflow numbers model versions with integers its database holds
 in a signed 64-bit column (SQLite's INTEGER), so a larger one can name nothing."""
-_ECHO = 64
+_ECHO = 200
 """Longest stretch of a refused name or reference a message here echoes (what a caller sent
-may be any length)."""
+may be any length): as much as the API's error messages echo (`serving.http.errors`)."""
 
 # Names and references are matched whole (fullmatch: `$` alone lets a trailing newline
 # through) over ASCII only (`\d` and `\w` take any script's digits and letters).
@@ -71,9 +71,9 @@ def check_revision_number(number: int, ref: str = "") -> int:
     if number < 1:
         raise ConfigurationError(f"revision r{number}{where} must be r1 or later")
     if number > MAX_REVISION:
+        # Not written out: a number of thousands of digits is past what str() converts.
         raise ConfigurationError(
-            f"revision {_echo(f'r{number}')}{where} is larger than any revision can be "
-            f"(at most r{MAX_REVISION})"
+            f"the revision{where} is larger than any revision can be (at most r{MAX_REVISION})"
         )
     return number
 
@@ -110,8 +110,8 @@ class RevisionRef:
             # not by Python's limit on converting long strings.
             if len(digits.lstrip("0")) > len(str(MAX_REVISION)):
                 raise ConfigurationError(
-                    f"revision {_echo(f'r{digits}')} in {_echo(text)} is larger than any "
-                    f"revision can be (at most r{MAX_REVISION})"
+                    f"the revision in {_echo(text)} is larger than any revision can be "
+                    f"(at most r{MAX_REVISION})"
                 )
             return cls(adapter, revision=check_revision_number(int(digits), text))
         alias = match["alias"]
