@@ -32,7 +32,8 @@ MAX_INT = (1 << 63) - 1
 Id = Annotated[str, StringConstraints(max_length=MAX_ID)]
 Name = Annotated[str, StringConstraints(max_length=MAX_NAME)]
 Count = Annotated[int, Field(ge=0, le=MAX_INT)]
-Seed = Annotated[int, Field(ge=0, le=1 << 62)]
+Seed = Annotated[int, Field(ge=-(1 << 62), le=1 << 62)]
+"""A random seed: any int64 torch takes, with room for the per-sample offsets added to it."""
 Metadata = dict[str, Any]
 """`user_metadata`: the trainer reads its `mint_adapter` (an adapter name, checked where it is
 used); the rest is the client's."""

@@ -275,9 +275,13 @@ async def get_sampler(
 async def asample(
     body: bodies.Sample, who: Caller, trainer: Service, futures: Pending
 ) -> dict[str, object]:
-    sampler = trainer.samplers.get(body.sampling_session_id, who)
     request = body.model_dump()
-    answer = future(futures, who, lambda rid: trainer.samplers.sample(sampler, request, rid))
+
+    def work(request_id: str) -> None:
+        sampler = trainer.samplers.get(body.sampling_session_id, who)
+        trainer.samplers.sample(sampler, request, request_id)
+
+    answer = future(futures, who, work)
     ids = [f"{answer['request_id']}:{i}" for i in range(body.num_samples)]
     return {**answer, "sample_sequence_ids": ids}
 

@@ -140,7 +140,7 @@ def test_a_supervised_loop_learns_and_its_revision_answers_through_a_worker_as_i
         answers = greedy(sampler, toy, words[:8])
         with (
             service(trainer, "tml-team-b") as other,
-            pytest.raises(tinker.BadRequestError, match="'team-b' may not use"),
+            pytest.raises(tinker.PermissionDeniedError, match="'team-b' may not use"),
         ):
             other.create_sampling_client(model_path=path).result()
 
