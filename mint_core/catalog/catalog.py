@@ -206,14 +206,14 @@ class Catalog:
     ) -> T:
         """`read()`, which asks the registry about `name` (of `adapter`), which this catalog
         has not seen. A "not found" the registry gave recently about an adapter this catalog
-        does not know is answered again at once (until a sync sees the adapter);
-        RegistryError at once if the last sync found the registry down. Concurrent asks about
+        does not know is answered again at once (until a sync sees the adapter), unless the
+        last sync found the registry down: then RegistryError at once. Concurrent asks about
         one name share one read (a restarted worker's burst asks MLflow once, not once per
         request), its answer or its error. A RegistryError says that the registry cannot
         answer, not what MLflow said or where it is: that goes to the log."""
-        self._absent.check(name)
         if self.unreachable is not None:
             raise RegistryError(_unavailable(name))
+        self._absent.check(name)
 
         def asked() -> T:
             try:
