@@ -27,8 +27,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 
+from serving.http.errors import install_error_handlers
 from serving.http.limits import BodyLimit
-from trainer.errors import install_error_handlers
+from trainer.errors import trainer_error
 from trainer.futures import Futures
 from trainer.routes import router
 from trainer.service import Trainer
@@ -58,7 +59,7 @@ def create_app(
     app.state.api_keys = dict(api_keys)
     app.state.calls = {}  # requests per API route since start (`/health` shows them)
     app.state.max_request_bytes = max_request_bytes
-    install_error_handlers(app)
+    install_error_handlers(app, "trainer", trainer_error)
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     app.include_router(router)
     app.add_api_route("/health", health, methods=["GET"])

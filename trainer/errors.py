@@ -12,21 +12,11 @@ named, from the table), and a 500, a bug a resend cannot mend, carries `x-should
 false`, which the SDK obeys; its details go to the trainer's log with the traceback.
 """
 
-import logging
-
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import Request
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
-from starlette.responses import Response
 
 from mint_core.errors import MintError
-from serving.http.errors import ErrorResponse, clip, error_response, retry_after
-
-log = logging.getLogger(__name__)
-
-SERVICE = "trainer"
-_NOTED = frozenset({"client_disconnected", "body_too_large"})
+from serving.http.errors import ErrorResponse, error_response, retry_after
 
 
 class QueueFull(MintError):
@@ -51,17 +41,3 @@ def trainer_error(e: Exception, request: Request | None = None) -> ErrorResponse
             answer.status, answer.error_type, answer.message, headers={"x-should-retry": "false"}
         )
     return answer
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Answer every error of `app` from the table (an unknown route, a refused body, a bug)."""
-    app.state.service = SERVICE
-    for raised in (MintError, RequestValidationError, HTTPException, ClientDisconnect, Exception):
-        app.add_exception_handler(raised, _answer)
-
-
-def _answer(request: Request, e: Exception) -> Response:
-    answer = trainer_error(e, request)
-    if answer.error_type in _NOTED:
-        log.warning("%s %s: %s", request.method, clip(request.url.path), answer.body["error"])
-    return answer.to_response()

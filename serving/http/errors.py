@@ -8,9 +8,10 @@ a revision of another base 409, body over the size limit 413, malformed request 
 500 names). Inside a stream, an error is one last event of that shape.
 
 `install_error_handlers` puts the table in front of an app, the worker's and the gateway's
-alike: every error, an unknown route (404) or method (405) too, answers in that shape. A
-client that goes away mid-body, or sends too much, is one line in the log, not a traceback: it
-is no failure of the service; an unexpected error is logged with its traceback.
+alike (and the trainer's, with its own cases first): every error, an unknown route (404) or
+method (405) too, answers in that shape. A client that goes away mid-body, or sends too much,
+is one line in the log, not a traceback: it is no failure of the service; an unexpected error
+is logged with its traceback.
 
 Values echoed in messages are cut short (`shorten`): a caller may send anything, of any
 length, and an error message is no place to send it all back.
@@ -19,7 +20,7 @@ length, and an error message is no place to send it all back.
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -94,7 +95,7 @@ class BodyTooLarge(HTTPException):
         super().__init__(
             HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
             f"the request body is larger than this service's limit of {limit} bytes "
-            "(max_request_bytes); send a shorter prompt or fewer messages",
+            "(max_request_bytes); send less (a shorter prompt, fewer messages or datums)",
         )
 
 
@@ -117,22 +118,26 @@ class ErrorResponse:
         return MintJSONResponse(self.body, status_code=self.status, headers=dict(self.headers))
 
 
-def install_error_handlers(app: Starlette, service: str) -> None:
-    """Answer every error of `app` (a FastAPI or Starlette app) from the table, and name
-    `service` ("worker", "gateway") in its 500s: the log to read is that service's."""
+def install_error_handlers(
+    app: Starlette, service: str, table: Callable[[Exception, Request], ErrorResponse] | None = None
+) -> None:
+    """Answer every error of `app` (a FastAPI or Starlette app) from `table` (MinT's,
+    `error_response`, unless a service puts its own cases first), and name `service`
+    ("worker", "gateway", "trainer") in its 500s: the log to read is that service's."""
     app.state.service = service
+    answer_of = table or error_response
+
+    def answer(request: Request, e: Exception) -> Response:
+        answer = answer_of(e, request)
+        if answer.error_type in _NOTED:
+            log.warning("%s %s: %s", request.method, clip(request.url.path), answer.body["error"])
+        return answer.to_response()
+
     # Exception goes to Starlette's outermost middleware, which passes the error on to the
     # server after this response: the server logs it with its traceback. The others are
     # answered where they are raised.
     for raised in (MintError, RequestValidationError, HTTPException, ClientDisconnect, Exception):
-        app.add_exception_handler(raised, _answer)
-
-
-def _answer(request: Request, e: Exception) -> Response:
-    answer = error_response(e, request)
-    if answer.error_type in _NOTED:
-        log.warning("%s %s: %s", request.method, clip(request.url.path), answer.body["error"])
-    return answer.to_response()
+        app.add_exception_handler(raised, answer)
 
 
 def error_response(e: Exception, request: Request | None = None) -> ErrorResponse:

