@@ -5,6 +5,8 @@ the worker's and the gateway's), and the two cases only the trainer has.
   request again, as it should.
 - A JSON body nested deeper than the parser goes (it raises RecursionError) is a 422 that
   says so, not "not JSON".
+- A MinT error the table does not name is the request's (400), not a 503 to try again:
+  only a registry or an engine that cannot answer now is that.
 
 What the SDK does with an answer decides the rest: it resends a 5xx (and 408, 409, 429)
 without limit, and gives up on any other 4xx. So a bad request is a 4xx (422 with the field
@@ -15,7 +17,7 @@ false`, which the SDK obeys; its details go to the trainer's log with the traceb
 from fastapi import Request
 from starlette.exceptions import HTTPException
 
-from mint_core.errors import MintError
+from mint_core.errors import MintError, RegistryError, ServiceError
 from serving.http.errors import ErrorResponse, error_response, retry_after
 
 
@@ -36,6 +38,11 @@ def trainer_error(e: Exception, request: Request | None = None) -> ErrorResponse
                 "levels (send the SDK's request)",
             )
     answer = error_response(e, request)
+    if answer.status == 503 and not isinstance(e, RegistryError | ServiceError):
+        # The table's 503 for a MinT error it does not name is a worker's "try later". Here
+        # such an error (a checkpoint that fails its digest, a refused transition) is the
+        # request's, and the SDK would resend a 503 without limit.
+        return ErrorResponse(400, answer.error_type, answer.message)
     if answer.status >= 500 and answer.error_type == "internal":
         return ErrorResponse(
             answer.status, answer.error_type, answer.message, headers={"x-should-retry": "false"}

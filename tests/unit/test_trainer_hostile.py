@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from mint_core.errors import ConfigurationError, NotFoundError
+from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError, RegistryError
 from serving.http.errors import BodyTooLarge
 from trainer import bodies
 from trainer.checkpoints import CheckpointPath
@@ -128,6 +128,8 @@ def test_the_error_table_answers_the_trainers_own_cases() -> None:
     assert trainer_error(QueueFull("wait")).status == 429
     assert trainer_error(NotFoundError("no model")).status == 404
     assert trainer_error(ConfigurationError("bad")).status == 422
+    assert trainer_error(IntegrityError("digest differs")).status == 400  # not 503: no resend
+    assert trainer_error(RegistryError("down")).status == 503
     bug = trainer_error(RuntimeError("secret /tmp/path"))
     assert bug.status == 500 and bug.headers["x-should-retry"] == "false"
     assert "secret" not in str(bug.body)
