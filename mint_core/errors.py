@@ -3,7 +3,18 @@
 Every error says which value was wrong and what to do about it. Category errors also inherit
 the standard-library error they stand in for, so callers that only know Python's errors can
 still catch them.
+
+A value an error quotes is what a caller sent, of any length: it is cut short (`clip`).
 """
+
+ECHO_LIMIT = 200
+"""Longest stretch of a value (adapter id, model name, field value) an error message echoes;
+the rest becomes an ellipsis. A value is what the caller sent: it may be any length."""
+
+
+def clip(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text`, cut to `limit` characters and an ellipsis if longer."""
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 class MintError(Exception):

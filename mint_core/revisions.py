@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, Field, asdict, dataclass, field, fields
 from typing import Self
 
-from mint_core.errors import ConfigurationError
+from mint_core.errors import ConfigurationError, clip
 
 PRODUCTION = "production"
 CANDIDATE = "candidate"
@@ -29,22 +29,19 @@ of the same name), and that an adapter folder taken out of MinT may carry."""
 MAX_REVISION = 2**63 - 1
 """The largest revision number: MLflow numbers model versions with integers its database holds
 in a signed 64-bit column (SQLite's INTEGER), so a larger one can name nothing."""
-_ECHO = 200
-"""Longest stretch of a refused name or reference a message here echoes (what a caller sent
-may be any length): as much as the API's error messages echo (`serving.http.errors`)."""
 
 # Names and references are matched whole (fullmatch: `$` alone lets a trailing newline
 # through) over ASCII only (`\d` and `\w` take any script's digits and letters).
 _NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}", re.ASCII)
-_ALIAS = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}", re.ASCII)
+_ALIAS = _NAME  # an alias follows an adapter name's rules
 _REF = re.compile(
     r"(?P<adapter>[^:@]+)(?::r(?P<revision>[0-9]+)|@(?P<alias>[^:@]*))?", re.ASCII | re.DOTALL
 )
 
 
 def _echo(text: str) -> str:
-    """`text` as a message quotes it: repr'd, cut to _ECHO characters."""
-    return repr(text if len(text) <= _ECHO else text[:_ECHO] + "…")
+    """`text` as a message quotes it: cut short (`clip`), repr'd."""
+    return repr(clip(text))
 
 
 def check_adapter_name(name: str) -> str:
@@ -106,14 +103,11 @@ class RevisionRef:
             )
         adapter = check_adapter_name(match["adapter"])
         if (digits := match["revision"]) is not None:
-            # Counted before int(): a number of thousands of digits is refused by its length,
-            # not by Python's limit on converting long strings.
-            if len(digits.lstrip("0")) > len(str(MAX_REVISION)):
-                raise ConfigurationError(
-                    f"the revision in {_echo(text)} is larger than any revision can be "
-                    f"(at most r{MAX_REVISION})"
-                )
-            return cls(adapter, revision=check_revision_number(int(digits), text))
+            # Counted before int(): a number of thousands of digits is past any revision by its
+            # length, and past what Python converts from a string.
+            too_long = len(digits.lstrip("0")) > len(str(MAX_REVISION))
+            number = MAX_REVISION + 1 if too_long else int(digits)
+            return cls(adapter, revision=check_revision_number(number, text))
         alias = match["alias"]
         return cls(adapter, alias=PRODUCTION if alias is None else check_alias_name(alias))
 

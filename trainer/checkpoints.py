@@ -30,12 +30,11 @@ from mint_core.access import allows
 from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.config import MintConfig
-from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundError
+from mint_core.errors import AccessDeniedError, ConfigurationError, NotFoundError, clip
 from mint_core.model.base import BaseText
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
-from serving.http.errors import clip
 
 SCHEME = "tinker://"
 WEIGHTS = "weights"

@@ -12,8 +12,8 @@ import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
-from mint_core.errors import ConfigurationError
-from serving.http.errors import BodyTooLarge, clip
+from mint_core.errors import ConfigurationError, clip
+from serving.http.errors import BodyTooLarge
 
 PROTOBUF = "application/x-protobuf"
 MAX_REQUEST_BYTES = 16 << 20

@@ -33,6 +33,7 @@ from starlette.requests import ClientDisconnect
 from starlette.responses import Response
 
 from mint_core.errors import (
+    ECHO_LIMIT,
     AccessDeniedError,
     AuthenticationError,
     BaseMismatchError,
@@ -41,6 +42,7 @@ from mint_core.errors import (
     MintError,
     NotFoundError,
     RegistryError,
+    clip,
 )
 from serving.http.common import MintJSONResponse, entry_json
 from serving.worker.readiness import RevisionNotReady
@@ -48,9 +50,6 @@ from serving.worker.readiness import RevisionNotReady
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-ECHO_LIMIT = 200
-"""Longest stretch of a value (adapter id, model name, field value) an error message echoes;
-the rest becomes an ellipsis. A value is what the caller sent: it may be any length."""
 MESSAGE_LIMIT = 4 * ECHO_LIMIT
 """Longest error message."""
 LISTED_FIELDS = 5
@@ -70,11 +69,6 @@ def retry_after(seconds: float | None) -> dict[str, str]:
         return dict(_RETRY)
     whole = max(1, math.ceil(seconds))
     return {"Retry-After": str(whole), "Retry-After-Ms": str(round(seconds * 1000))}
-
-
-def clip(text: str, limit: int = ECHO_LIMIT) -> str:
-    """`text`, cut to `limit` characters and an ellipsis if longer."""
-    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def shorten(message: str) -> str:

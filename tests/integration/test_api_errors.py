@@ -18,11 +18,10 @@ from fastapi.testclient import TestClient
 
 from control.services import ManagedProcess
 from control.worker_client import WorkerClient
-from mint_core.errors import ServiceError
+from mint_core.errors import ECHO_LIMIT, ServiceError
 from serving.engine.engine import BASE
 from serving.engine.generation import Request, TokenEvent
 from serving.engine.sampling import SamplingParams
-from serving.http.errors import ECHO_LIMIT
 from serving.worker.worker import Worker
 from tests.integration.helpers import app_client, error_of, in_process_worker, strict_json
 
