@@ -54,12 +54,13 @@ def read_forward_backward(
     """The SDK's `ForwardBackwardRequest` (zstd-compressed when `encoding` says so), of at most
     `limit` bytes decompressed (BodyTooLarge past it); ConfigurationError naming what is not
     one MinT can run."""
-    if encoding is not None and encoding.strip().lower() not in ("zstd", "identity", ""):
+    coding = (encoding or "").strip().lower()
+    if coding not in ("zstd", "identity", ""):
         raise ConfigurationError(
             f"content-encoding {clip(repr(encoding))} is not one this trainer reads; send zstd "
             "or none"
         )
-    if encoding is not None and encoding.strip().lower() == "zstd":
+    if coding == "zstd":
         body = decompress(body, limit)
     message = pb.ForwardBackwardRequest()
     try:
