@@ -1,16 +1,20 @@
 """The house's layout holds: the project's own modules import one another without cycles, no
 module in the domain (`mint_core`) or the workers (`serving`) grows past about 500 lines, the
-domain controls no processes and speaks no HTTP, and the gateway (a stateless forwarder) is
-kept apart from the engine. Read from the source (ast), so nothing is imported or started."""
+domain controls no processes and speaks no HTTP, the gateway (a stateless forwarder) is kept
+apart from the engine, the workers and the trainer lean on neither the control plane nor the
+pipeline, process start-up is neutral ground, the engine sits below the worker, the registry is
+composed of parts, and a module opens with its why, not a manual. Read from the source (ast),
+so nothing is imported or started."""
 
 import ast
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("mint_core", "serving", "control", "tasks", "flows", "trainer", "mint_cli")
+PACKAGES = ("mint_core", "serving", "control", "tasks", "flows", "trainer", "mint_cli", "processes")
 MAX_LINES = 520
 """About 500: a module past it holds more than one concept (the issue that set it said ~500)."""
 NOT_IN_THE_DOMAIN = {
@@ -18,6 +22,7 @@ NOT_IN_THE_DOMAIN = {
     "multiprocessing": "process control",
     "signal": "process control",
     "control": "process control",
+    "processes": "process control",
     "httpx": "HTTP",
     "fastapi": "HTTP",
     "starlette": "HTTP",
@@ -29,6 +34,11 @@ NOT_IN_THE_DOMAIN = {
 }
 """What `mint_core` never imports, and why it would be wrong there."""
 MODEL_LIBRARIES = {"torch", "transformers", "peft", "safetensors", "vllm"}
+PIPELINE = {"control", "tasks", "flows", "mint_cli"}
+"""The control plane and the release pipeline: they drive workers and the trainer, never the
+other way round (both run on hosts that have neither)."""
+MAX_DOCSTRING_LINES = 25
+"""A module's docstring says why it exists in a few lines; the how belongs in the README."""
 
 
 def module_name(path: Path) -> str:
@@ -60,6 +70,29 @@ def top_level_imports(path: Path) -> Iterator[str]:
                 or (ROOT / Path(*m.split("."))).with_suffix(".py").exists()
             ]
             yield from submodules or [node.module]
+
+
+def all_imports(path: Path) -> Iterator[str]:
+    """Every module `path` names in an import, wherever the import stands: at module level,
+    inside functions (deferred) and under `if TYPE_CHECKING:` alike."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+
+
+def leaning_on(packages: tuple[str, ...], forbidden: set[str]) -> list[str]:
+    """`module imports target` for each import, at any level, of a module under `packages` that
+    reaches into one of the `forbidden` packages or modules."""
+    return sorted(
+        f"{name} imports {target}"
+        for name, path in modules().items()
+        if name.split(".")[0] in packages or name.startswith(packages)
+        for target in all_imports(path)
+        if target.split(".")[0] in forbidden
+        or any(target == f or target.startswith(f"{f}.") for f in forbidden)
+    )
 
 
 def own_graph() -> dict[str, set[str]]:
@@ -153,3 +186,90 @@ def test_the_gateway_imports_no_engine() -> None:
         if target.split(".")[0] in MODEL_LIBRARIES
     )
     assert heavy == []
+
+
+def test_the_import_reader_sees_deferred_imports(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("import os\ndef f():\n    from tasks.packaging import x\n")
+    assert list(all_imports(module)) == ["os", "tasks.packaging"]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 item 4: moves in progress")
+def test_serving_imports_neither_the_control_plane_nor_the_pipeline() -> None:
+    assert leaning_on(("serving",), PIPELINE) == []
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 items 2 and 4: moves in progress")
+def test_the_trainer_imports_neither_the_control_plane_nor_the_pipeline() -> None:
+    assert leaning_on(("trainer",), PIPELINE) == []
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 item 4: moves in progress")
+def test_process_start_up_is_neutral_ground() -> None:
+    """`processes` starts and stops child processes for every role (control plane, workers,
+    the trainer), so it may lean on nothing but the standard library and the domain."""
+    assert (ROOT / "processes" / "__init__.py").exists()
+    wrong = [
+        f"{name} imports {target}"
+        for name, path in modules().items()
+        if name.split(".")[0] == "processes"
+        for target in all_imports(path)
+        if target.split(".")[0] not in sys.stdlib_module_names | {"processes", "mint_core"}
+    ]
+    assert wrong == []
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 item 4: moves in progress")
+def test_the_engine_and_its_backends_sit_below_the_worker() -> None:
+    """The engine and the backends are driven by the worker, its HTTP API and the gateway;
+    none of them is imported back (which made package cycles through the worker's metrics)."""
+    above = {"serving.worker", "serving.http", "serving.gateway"}
+    assert leaning_on(("serving.engine", "serving.backends"), above) == []
+
+
+def base_classes_defined_beside(package: Path) -> list[str]:
+    """`Class(Base)` for each class under `package` whose base class is defined there too."""
+    trees = {path: ast.parse(path.read_text()) for path in package.rglob("*.py")}
+    defined = {
+        node.name
+        for tree in trees.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+    return sorted(
+        f"{path.name}: {node.name}({base.id})"
+        for path, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        for base in node.bases
+        if isinstance(base, ast.Name) and base.id in defined
+    )
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35 item 3: composition in progress")
+def test_the_registry_is_composed_not_inherited() -> None:
+    """An alias move is found by reading `Registry`'s fields, not an inheritance order."""
+    assert base_classes_defined_beside(ROOT / "mint_core" / "registry") == []
+
+
+DOCSTRINGS_IN_PROGRESS = pytest.mark.xfail(strict=True, reason="issue 35 item 5: in progress")
+
+
+@pytest.mark.parametrize(
+    "package",
+    [
+        pytest.param("mint_core", marks=DOCSTRINGS_IN_PROGRESS),
+        pytest.param("serving", marks=DOCSTRINGS_IN_PROGRESS),
+        "trainer",
+        "control",
+        "processes",
+    ],
+)
+def test_a_module_docstring_says_why_in_a_few_lines(package: str) -> None:
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in (ROOT / package).rglob("*.py")
+        if (doc := ast.get_docstring(ast.parse(path.read_text()), clean=False))
+        and (lines := len(doc.splitlines())) > MAX_DOCSTRING_LINES
+    }
+    assert long == {}, f"say why in a few lines; the how goes to the README: {long}"
