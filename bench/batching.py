@@ -37,7 +37,7 @@ from mint_core.planning.residency import Residency
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import Scheduler
-from serving.worker.metrics import WorkerMetrics
+from serving.metrics import WorkerMetrics
 
 
 def build_base(scale: float, device: str = "cpu") -> tuple[BaseModel, TinySpec]:

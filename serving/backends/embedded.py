@@ -15,7 +15,7 @@ from serving.engine.engine import AdapterWeights, TorchEngine
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import DEFAULT_MAX_BATCH, Scheduler
-from serving.worker.metrics import WorkerMetrics
+from serving.metrics import WorkerMetrics
 
 
 class EmbeddedBackend:

@@ -19,7 +19,7 @@ from mint_core.model.base import BaseText
 from mint_core.planning.residency import Residency
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
-from serving.worker.metrics import WorkerMetrics
+from serving.metrics import WorkerMetrics
 
 
 class Backend(Protocol):

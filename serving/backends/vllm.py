@@ -61,7 +61,7 @@ from serving.backends.vllm_calls import Calls, choice_of, error_message, events,
 from serving.engine.engine import BASE
 from serving.engine.generation import Request, check_prompt
 from serving.engine.sampling import SamplingParams
-from serving.worker.metrics import WorkerMetrics
+from serving.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

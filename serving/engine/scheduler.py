@@ -46,7 +46,7 @@ from mint_core.planning.residency import Residency, SlotGrant
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.generation import Request, check_prompt
 from serving.engine.sampling import SamplingParams
-from serving.worker.metrics import WorkerMetrics
+from serving.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 

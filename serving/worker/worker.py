@@ -89,7 +89,7 @@ from serving.backends.protocol import Backend
 from serving.engine.engine import BASE
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
-from serving.worker.metrics import CatalogCollector
+from serving.metrics import CatalogCollector
 from serving.worker.outcomes import Outcomes
 from serving.worker.peers import Peers
 from serving.worker.prewarm import Prewarm

@@ -39,7 +39,7 @@ from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.http.app import create_app
-from serving.worker.metrics import WorkerMetrics
+from serving.metrics import WorkerMetrics
 from serving.worker.worker import Worker
 from tests.helpers import ENGINE_SPEC, tiny_base
 

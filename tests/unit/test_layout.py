@@ -219,7 +219,6 @@ def test_process_start_up_is_neutral_ground() -> None:
     assert wrong == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 4: moves in progress")
 def test_the_engine_and_its_backends_sit_below_the_worker() -> None:
     """The engine and the backends are driven by the worker, its HTTP API and the gateway;
     none of them is imported back (which made package cycles through the worker's metrics)."""

@@ -15,8 +15,8 @@ from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
 from serving.engine.generation import Request
 from serving.engine.sampling import SamplingParams
+from serving.metrics import WorkerMetrics
 from serving.worker import readiness
-from serving.worker.metrics import WorkerMetrics
 from serving.worker.readiness import ReadinessTable
 from serving.worker.worker import Worker
 from tests.helpers import make_policy

@@ -18,7 +18,7 @@ from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.generation import Request, TokenEvent
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import Scheduler
-from serving.worker.metrics import WorkerMetrics
+from serving.metrics import WorkerMetrics
 from tests.helpers import ENGINE_PROMPTS as PROMPTS
 from tests.helpers import ENGINE_SPEC as SPEC
 from tests.helpers import config_of, random_adapter, tiny_base, weights_of
