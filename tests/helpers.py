@@ -173,10 +173,12 @@ class MemoryRegistry:
 
     def set(self, adapter: str, share: float | None = None, **aliases: int) -> None:
         old = self.adapters.get(adapter)
-        kept = dict(old.aliases) if old else {}
-        kept.update(aliases)
+        aliases_now = dict(old.aliases) if old else {}
+        aliases_now.update(aliases)
         self.clock_ms += 10
-        self.adapters[adapter] = AdapterAliases(adapter, kept, self.clock_ms, BASE_DIGEST, share)
+        self.adapters[adapter] = AdapterAliases(
+            adapter, aliases_now, self.clock_ms, BASE_DIGEST, share
+        )
 
     def adapters_changed_since(self, since_ms: int) -> list[AdapterAliases]:
         return [a for a in self.adapters.values() if a.updated_ms >= since_ms]

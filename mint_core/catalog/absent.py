@@ -34,7 +34,7 @@ class Absent:
         self.ttl_s = ttl_s
         self.limit = limit
         self._lock = threading.Lock()
-        self._kept: OrderedDict[Hashable, tuple[float, str, str]] = OrderedDict()
+        self._entries: OrderedDict[Hashable, tuple[float, str, str]] = OrderedDict()
         """Name -> (when it expires, its adapter, the message of the NotFoundError the
         registry's answer made)."""
         self.answered = 0
@@ -43,12 +43,12 @@ class Absent:
     def check(self, name: Hashable) -> None:
         """Raise the NotFoundError kept for `name`, if any still holds."""
         with self._lock:
-            kept = self._kept.get(name)
-            if kept is None:
+            entry = self._entries.get(name)
+            if entry is None:
                 return
-            expires, _, message = kept
+            expires, _, message = entry
             if time.monotonic() >= expires:
-                del self._kept[name]
+                del self._entries[name]
                 return
             self.answered += 1
         # A new exception each time: one raised in several threads at once would share (and
@@ -57,10 +57,10 @@ class Absent:
 
     def keep(self, name: Hashable, adapter: str, error: NotFoundError) -> None:
         with self._lock:
-            self._kept.pop(name, None)
-            self._kept[name] = (time.monotonic() + self.ttl_s, adapter, str(error))
-            while len(self._kept) > self.limit:
-                self._kept.popitem(last=False)
+            self._entries.pop(name, None)
+            self._entries[name] = (time.monotonic() + self.ttl_s, adapter, str(error))
+            while len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
 
     def forget(self, adapters: Iterable[str]) -> None:
         """Drop what is kept about `adapters` (a sync saw them appear or change)."""
@@ -68,9 +68,9 @@ class Absent:
         if not changed:
             return
         with self._lock:
-            for name in [n for n, (_, a, _) in self._kept.items() if a in changed]:
-                del self._kept[name]
+            for name in [n for n, (_, a, _) in self._entries.items() if a in changed]:
+                del self._entries[name]
 
     def clear(self) -> None:
         with self._lock:
-            self._kept.clear()
+            self._entries.clear()

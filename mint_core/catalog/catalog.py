@@ -35,7 +35,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from mint_core.alias_intents import HeldMove
 from mint_core.artifacts.stores import ArtifactStore
@@ -47,7 +47,7 @@ from mint_core.catalog.index import CatalogIndex
 from mint_core.catalog.snapshot import Snapshot
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS
 from mint_core.errors import IntegrityError, NotFoundError, RegistryError, ServiceError
-from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
+from mint_core.registry import AdapterAliases, RegisteredRevision
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from mint_core.states import Stage
 
@@ -74,9 +74,29 @@ serves, without a lookup in the index each time. A record takes about 2 KB, so a
 (an answer by alias shares its revision's record)."""
 
 
+class RegistryReader(Protocol):
+    """What a catalog reads of the registry (`mint_core.registry.Registry` is one): a
+    catalog never writes to it."""
+
+    def get(self, revision: RevisionId) -> RegisteredRevision:
+        """The record of `revision`; NotFoundError if it is not registered."""
+
+    def resolve(self, ref: RevisionRef) -> RegisteredRevision:
+        """The revision `ref` names now; NotFoundError names what is missing."""
+
+    def has_adapter(self, adapter: str) -> bool:
+        """Whether `adapter` is registered (one request, where resolving a name costs more)."""
+
+    def all_revisions(self) -> Iterable[list[RegisteredRevision]]:
+        """Every revision of every adapter, a page at a time."""
+
+    def adapters_changed_since(self, since_ms: int) -> list[AdapterAliases]:
+        """Every adapter updated at or after `since_ms` on the registry's clock."""
+
+
 @dataclass(frozen=True)
-class Wanted:
-    """What the registry wants served on one base (`Catalog.wanted`)."""
+class ServingTargets:
+    """What the registry wants served on one base (`Catalog.serving_targets`)."""
 
     rollout: frozenset[RevisionId]
     """`candidate` and `canary` revisions: their placement takes them in."""
@@ -90,7 +110,7 @@ class Wanted:
 class Catalog:
     def __init__(
         self,
-        registry: Registry,
+        registry: RegistryReader,
         pins: Iterable[RevisionId] = (),
         base_digest: str | None = None,
         folder: Path | None = None,
@@ -122,9 +142,9 @@ class Catalog:
         self._hot: HotMap[object] = HotMap(HOT_ANSWERS)
         """Recent answers, read without a lock (see `catalog.hot`)."""
         self._changes = 0
-        """How many times what the index holds has changed: `wanted()`'s answer is kept
-        until it does (or the base is changed)."""
-        self._wanted: tuple[tuple[int, str | None], Wanted] | None = None
+        """How many times what the index holds has changed: `serving_targets()`'s answer is
+        kept until it does (or the base is changed)."""
+        self._serving_targets: tuple[tuple[int, str | None], ServingTargets] | None = None
         self._replicas: tuple[int, dict[str, int]] = (-1, {})
         """Adapters whose gates set their replicas, as of a count of `_changes`."""
         self._lock = threading.Lock()
@@ -236,39 +256,40 @@ class Catalog:
         with self._lock:
             self.lookups += 1
 
-    def wanted(self) -> "Wanted":
+    def serving_targets(self) -> ServingTargets:
         """What the registry wants served on this worker's base: the revisions being rolled
         out (`candidate`, `canary`), the `production` ones, and the pins. Asked every sync
         interval: the index is queried only after a sync brought changes."""
         with self._lock:
             key = (self._changes, self.base_digest)
-            kept = self._wanted[1] if self._wanted and self._wanted[0] == key else None
-        if kept is None:
-            kept = Wanted(
+            last = self._serving_targets
+            cached = last[1] if last and last[0] == key else None
+        if cached is None:
+            cached = ServingTargets(
                 rollout=frozenset(self._index.named(ROLLOUT_ALIASES, self.base_digest)),
                 production=frozenset(self._index.named((PRODUCTION,), self.base_digest)),
                 pins=self.pins,
             )
             with self._lock:
-                self._wanted = (key, kept)  # if a change came meanwhile, `key` is already old
-        return kept
+                self._serving_targets = (key, cached)  # a change meanwhile: `key` is already old
+        return cached
 
     def desired(self) -> set[RevisionId]:
-        """Every revision `wanted` names: production, candidate and canary revisions of this
-        worker's base, and the pins."""
-        wanted = self.wanted()
-        return set(wanted.rollout | wanted.production | wanted.pins)
+        """Every revision `serving_targets` names: production, candidate and canary revisions
+        of this worker's base, and the pins."""
+        targets = self.serving_targets()
+        return set(targets.rollout | targets.production | targets.pins)
 
     def replicas(self, adapter: str) -> int:
         """How many workers hold each revision of `adapter`, as its gates say; 0: the fleet's
         setting. From memory: placement asks it for every revision at each sync."""
         with self._lock:
-            kept = self._replicas if self._replicas[0] == self._changes else None
-        if kept is None:
-            kept = (self._changes, self._index.replicas_set())
+            cached = self._replicas if self._replicas[0] == self._changes else None
+        if cached is None:
+            cached = (self._changes, self._index.replicas_set())
             with self._lock:
-                self._replicas = kept
-        return kept[1].get(adapter, 0)
+                self._replicas = cached
+        return cached[1].get(adapter, 0)
 
     def alias_target(self, adapter: str, alias: str) -> int | None:
         return self._index.alias_target(adapter, alias)
@@ -291,16 +312,16 @@ class Catalog:
         """The revision that takes a share of `adapter@production`'s requests, and the share
         in percent, as of the last sync; None when the adapter has no canary."""
         key = ("canary", adapter)  # keys are tuples: hashed in C (see `catalog.hot`)
-        kept = self._hot.get(adapter, key)
-        if kept is not None:  # asked for every request to adapter@production
-            return kept[0]  # type: ignore[index,no-any-return]
+        cached = self._hot.get(adapter, key)
+        if cached is not None:  # asked for every request to adapter@production
+            return cached[0]  # type: ignore[index,no-any-return]
         stamp = self._hot.stamp(adapter)
         found = self._index.canary(adapter)
         answer = None if found is None else (RevisionId(adapter, found[0]), found[1])
         self._hot.put(stamp, key, (answer,))  # kept even when None: the map keeps no None
         return answer
 
-    def kept(self, ref: RevisionRef) -> RegisteredRevision | None:
+    def cached(self, ref: RevisionRef) -> RegisteredRevision | None:
         """What `resolve(ref)` answered recently, if it still holds; None when answering would
         read the index or the registry. Never blocks: an event loop asks this first and takes
         a thread only for what `resolve` has to read."""
@@ -313,9 +334,9 @@ class Catalog:
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         """The revision `ref` names, from the catalog when it knows; asks the registry only for
         what it has not seen (NotFoundError, or RegistryError if MLflow is down)."""
-        kept = self.kept(ref)
-        if kept is not None:
-            return kept
+        cached = self.cached(ref)
+        if cached is not None:
+            return cached
         if ref.revision is not None:
             return self.record(RevisionId(ref.adapter, ref.revision))
         stamp = self._hot.stamp(ref.adapter)  # before the index is read: see `catalog.hot`
@@ -329,9 +350,9 @@ class Catalog:
             # (which drops its kept answers): a burst's stragglers, which found no read in
             # flight, are answered from memory rather than asking MLflow again.
             def read() -> RegisteredRevision:
-                kept = self.kept(ref)  # by a read that ended after this caller's first look
-                if kept is not None:
-                    return kept
+                cached = self.cached(ref)  # by a read that ended after this caller's first look
+                if cached is not None:
+                    return cached
                 self._asking()
                 found = self.registry.resolve(ref)
                 self._index.put_revisions([found])
@@ -350,17 +371,17 @@ class Catalog:
         change (its stage in the copy kept here may be old, and the index keeps no history
         tags: `mint history` reads those from the registry)."""
         key = ("r", revision.adapter, revision.number)
-        kept = self._hot.get(revision.adapter, key)
-        if kept is not None:
-            return kept  # type: ignore[return-value]
+        cached = self._hot.get(revision.adapter, key)
+        if cached is not None:
+            return cached  # type: ignore[return-value]
         stamp = self._hot.stamp(revision.adapter)
         known = self._index.revision(revision)
         if known is None:
 
             def read() -> RegisteredRevision:
-                kept = self._index.revision(revision)  # by a read that ended meanwhile
-                if kept is not None:
-                    return kept
+                indexed = self._index.revision(revision)  # by a read that ended meanwhile
+                if indexed is not None:
+                    return indexed
                 self._asking()
                 found = self.registry.get(revision)
                 self._index.put_revisions([found])
@@ -429,7 +450,7 @@ def _runs(pid: int) -> bool:
 
 
 def catch_up(
-    index: CatalogIndex, registry: Registry, every_adapter: bool = False
+    index: CatalogIndex, registry: RegistryReader, every_adapter: bool = False
 ) -> list[AdapterAliases]:
     """Write into `index` what changed in `registry` since its cursor (everything, every
     revision included, when it holds nothing yet; with `every_adapter`, every adapter's
@@ -444,7 +465,10 @@ def catch_up(
 
 
 def build_snapshot(
-    registry: Registry, store: ArtifactStore, folder: Path, keep: int = DEFAULT_CATALOG_SNAPSHOTS
+    registry: RegistryReader,
+    store: ArtifactStore,
+    folder: Path,
+    keep: int = DEFAULT_CATALOG_SNAPSHOTS,
 ) -> Snapshot:
     """Read the whole registry into a new index under `folder` and publish it as the current
     catalog snapshot in `store`, keeping the newest `keep` (what `mint catalog snapshot`

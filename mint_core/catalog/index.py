@@ -358,11 +358,11 @@ class CatalogIndex:
     def named(self, aliases: Iterable[str], base: str | None) -> set[RevisionId]:
         """The revisions that `aliases` name, over adapters on `base` (and adapters whose base
         the registry does not record); None: every base."""
-        wanted = list(aliases)
-        marks = ", ".join("?" * len(wanted))
+        names = list(aliases)
+        marks = ", ".join("?" * len(names))
         if base is None:
             query = f"SELECT adapter, number FROM aliases WHERE alias IN ({marks})"
-            parameters: list[str] = wanted
+            parameters: list[str] = names
         else:
             # By base first (its index), then each adapter's aliases by primary key.
             query = (
@@ -370,7 +370,7 @@ class CatalogIndex:
                 "ON aliases.adapter = adapters.name "
                 f"WHERE adapters.base IN (?, '') AND aliases.alias IN ({marks})"
             )
-            parameters = [base, *wanted]
+            parameters = [base, *names]
         with self._lock:
             rows = self._db.execute(query, parameters).fetchall()
         return {RevisionId(adapter, number) for adapter, number in rows}

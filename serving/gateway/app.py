@@ -198,9 +198,9 @@ class Gateway:
         only for what the catalog has to read from its index or the registry, which must not
         block the loop."""
         ref = RevisionRef.parse(model)
-        kept = self.catalog.kept(ref)
-        if kept is not None:
-            return kept
+        cached = self.catalog.cached(ref)
+        if cached is not None:
+            return cached
         return await asyncio.to_thread(self.catalog.resolve, ref)
 
     def _ask_admit(self, worker: WorkerView, revision: RevisionId) -> None:

@@ -7,14 +7,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 import pytest
 
 from mint_core.catalog.absent import Absent
 from mint_core.catalog.catalog import Catalog
 from mint_core.errors import NotFoundError, RegistryError
-from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from tests.helpers import BASE_DIGEST, MemoryRegistry
 
@@ -47,7 +45,7 @@ def registry() -> CountingRegistry:
 
 @pytest.fixture
 def catalog(registry: CountingRegistry, tmp_path: Path) -> Iterator[Catalog]:
-    catalog = Catalog(cast(Registry, registry), base_digest=BASE_DIGEST, folder=tmp_path)
+    catalog = Catalog(registry, base_digest=BASE_DIGEST, folder=tmp_path)
     catalog.sync()
     yield catalog
     catalog.close()

@@ -9,14 +9,13 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 import pytest
 
 from mint_core.catalog.catalog import Catalog
 from mint_core.catalog.hot import HotMap
 from mint_core.catalog.index import CatalogIndex
-from mint_core.registry import AdapterAliases, Registry
+from mint_core.registry import AdapterAliases
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from tests.helpers import BASE_DIGEST as BASE
 from tests.helpers import MemoryRegistry
@@ -33,7 +32,7 @@ def registry() -> MemoryRegistry:
 
 @pytest.fixture
 def catalog(registry: MemoryRegistry, tmp_path: Path) -> Iterator[Catalog]:
-    catalog = Catalog(cast(Registry, registry), base_digest=BASE, folder=tmp_path)
+    catalog = Catalog(registry, base_digest=BASE, folder=tmp_path)
     catalog.sync()
     yield catalog
     catalog.close()
@@ -98,18 +97,18 @@ def test_an_adapter_reported_again_unchanged_is_no_change_and_keeps_its_answers(
     """A sync asks again for the last changes it saw (its overlap) and an audit reads every
     adapter: what comes back as the index holds it is not a change, so its answers stay."""
     catalog = Catalog(
-        cast(Registry, registry), base_digest=BASE, folder=tmp_path, audit_interval_s=0
+        registry, base_digest=BASE, folder=tmp_path, audit_interval_s=0
     )  # every sync an audit
     production = RevisionRef.parse("bot@production")
     try:
         assert catalog.sync() == ["bot"]
         assert catalog.resolve(production).id == RevisionId("bot", 1)
         assert catalog.sync() == []
-        assert catalog.kept(production) is not None
+        assert catalog.cached(production) is not None
 
         registry.set("bot", production=2)
         assert catalog.sync() == ["bot"]
-        assert catalog.kept(production) is None
+        assert catalog.cached(production) is None
         assert catalog.resolve(production).id == RevisionId("bot", 2)
 
         # Moved without moving the last-updated time (as by hand in MLflow's UI): the audit's

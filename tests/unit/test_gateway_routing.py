@@ -5,13 +5,11 @@ adapter, and only that adapter (a real catalog, against a registry held in memor
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import cast
 
 import pytest
 
 from mint_core.catalog.catalog import Catalog
 from mint_core.errors import NotFoundError
-from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from serving.gateway.app import Gateway
 from tests.helpers import BASE_DIGEST, MemoryRegistry, make_policy
@@ -34,7 +32,7 @@ def registry() -> MemoryRegistry:
 
 @pytest.fixture
 def catalog(registry: MemoryRegistry, tmp_path: Path) -> Iterator[Catalog]:
-    catalog = Catalog(cast(Registry, registry), base_digest=BASE_DIGEST, folder=tmp_path)
+    catalog = Catalog(registry, base_digest=BASE_DIGEST, folder=tmp_path)
     catalog.sync()
     yield catalog
     catalog.close()
