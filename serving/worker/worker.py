@@ -238,8 +238,8 @@ class Worker:
         self._note_held_moves()
         if self.backend.problem() is not None:
             return []  # nothing can load now; admitted once the engine is back
-        wanted = self.catalog.wanted()
-        self.residency.protect(str(revision) for revision in wanted.pins)
+        targets = self.catalog.serving_targets()
+        self.residency.protect(str(revision) for revision in targets.pins)
         admitted: list[RevisionId] = []
 
         def take(revision: RevisionId, priority: Priority) -> bool:
@@ -249,9 +249,9 @@ class Worker:
             admitted.append(revision)
             return True
 
-        for revision in in_order(wanted.pins):
+        for revision in in_order(targets.pins):
             take(revision, Priority.NORMAL)
-        for revision in in_order(wanted.rollout):
+        for revision in in_order(targets.rollout):
             if self.placed_here(revision):
                 take(revision, self._priority(revision))
         # Production revisions placed here fill free room only: evicting one for another
@@ -260,7 +260,7 @@ class Worker:
         # configured, a prefill never takes what its worker will hold again once back).
         room = self.residency.room() - self._readiness.admitting
         whole_fleet = self.peers.fleet
-        for revision in in_order(wanted.production):
+        for revision in in_order(targets.production):
             if room <= 0:
                 break
             placed = place(str(revision), whole_fleet, self._replicas_of(revision))
