@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from mint_core.planning.admission import Priority
 from mint_core.revisions import MAX_REVISION, RevisionId, check_adapter_name
 from serving.http.common import entry_json
-from serving.http.context import WorkerOf, admin_only
+from serving.http.context import CurrentWorker, admin_only
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
 
@@ -22,19 +22,19 @@ class AdmitRequest(BaseModel):
 
 
 @router.post("/admit", status_code=202)
-def admit(body: AdmitRequest, worker: WorkerOf) -> dict[str, object]:
+def admit(body: AdmitRequest, worker: CurrentWorker) -> dict[str, object]:
     revision = RevisionId(check_adapter_name(body.adapter), body.revision)
     return entry_json(worker.admit_known(revision, Priority[body.priority.upper()]))
 
 
 @router.post("/sync", status_code=202)
-def sync(worker: WorkerOf) -> dict[str, object]:
+def sync(worker: CurrentWorker) -> dict[str, object]:
     """Catch up with the registry now (activation calls it after moving an alias)."""
     return {"admitted": [str(r) for r in worker.sync()]}
 
 
 @router.get("/routing")
-def routing(worker: WorkerOf) -> dict[str, object]:
+def routing(worker: CurrentWorker) -> dict[str, object]:
     """What `mint gateway` routes by: the base, the ready revisions, the engine keys in
     device slots (adapter affinity) and the load."""
     ready, slots = worker.routing()
@@ -49,7 +49,7 @@ def routing(worker: WorkerOf) -> dict[str, object]:
 
 
 @router.get("/events")
-def events(worker: WorkerOf) -> dict[str, object]:
+def events(worker: CurrentWorker) -> dict[str, object]:
     """The last readiness changes on this worker (`serving.worker.readiness.EVENT_LOG_LENGTH`),
     oldest first; and the last held alias moves that appeared or ended."""
     return {

@@ -118,7 +118,9 @@ def access_of(request: Request) -> Access:
 
 # The dependencies are coroutines, though they never await: FastAPI runs a plain function
 # dependency on a thread of its pool, a hop (two thread wake-ups) per request for a dict lookup.
-async def caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> Caller:
+async def current_caller(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> Caller:
     access = access_of(request)
     who = access.principal(authorization)
     return Caller(worker_of(request), who, access.is_admin(who), not access.keys)
@@ -128,21 +130,21 @@ async def _worker(request: Request) -> WorkerAPI:
     return worker_of(request)
 
 
-CallerOf = Annotated[Caller, Depends(caller)]
-WorkerOf = Annotated[WorkerAPI, Depends(_worker)]
+CurrentCaller = Annotated[Caller, Depends(current_caller)]
+CurrentWorker = Annotated[WorkerAPI, Depends(_worker)]
 
 
-async def admin_only(request: Request, of: CallerOf) -> None:
+async def admin_only(request: Request, caller: CurrentCaller) -> None:
     """Every route under /admin depends on this: with API keys, only admin principals."""
-    if of.open_worker:
+    if caller.open_worker:
         return
-    if of.principal == ANONYMOUS:
+    if caller.principal == ANONYMOUS:
         raise AuthenticationError(
             f"{request.method} {request.url.path} needs an admin key of this worker; send "
             "'Authorization: Bearer <key>' with a key whose principal is in "
             "MINT_ADMIN_PRINCIPALS"
         )
-    check_admin(of.principal, access_of(request).admins)
+    check_admin(caller.principal, access_of(request).admins)
 
 
 @dataclass(frozen=True)
@@ -201,14 +203,14 @@ class Routed:
         return StreamingResponse(body(), media_type="text/event-stream", headers=self.headers)
 
 
-def route(of: Caller, model: str | None, kind: str) -> Routed:
+def route(caller: Caller, model: str | None, kind: str) -> Routed:
     """Route `model` (a revision reference, or none/the base id for the base) through the
     readiness gate, once for the whole request, and give the response its request id
     (`<kind>-<hex>`)."""
-    worker = of.worker
+    worker = caller.worker
     base_names = (*BASE_NAMES, worker.base.model_id)
     ref = None if model in base_names else RevisionRef.parse(str(model))
-    revision, key = worker.route(ref, of.principal, admin=of.admin)
+    revision, key = worker.route(ref, caller.principal, admin=caller.admin)
     served = str(revision) if revision else worker.base.model_id
-    request_id = worker.outcomes.started(served, of.principal, kind)
+    request_id = worker.outcomes.started(served, caller.principal, kind)
     return Routed(worker, served, key, request_id, time.perf_counter())

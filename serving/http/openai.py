@@ -15,7 +15,7 @@ from fastapi.responses import Response
 
 from serving.engine.generation import Request as Generating
 from serving.http.common import ADAPTER_PREFIX, MintJSONResponse, adapter_of_url
-from serving.http.context import CallerOf, route
+from serving.http.context import CurrentCaller, route
 from serving.protocols import openai
 
 router = APIRouter()
@@ -24,11 +24,11 @@ _OpenAI = TypeVar("_OpenAI", bound=openai.OpenAIRequest)
 
 
 @router.post("/v1/completions", response_model=None)
-def completions(body: openai.CompletionRequest, of: CallerOf) -> Response:
-    worker = of.worker
+def completions(body: openai.CompletionRequest, caller: CurrentCaller) -> Response:
+    worker = caller.worker
     params = body.sampling(worker.base.context_length)
     encoded = [worker.codec.encode(prompt) for prompt in body.prompts()]
-    routed = route(of, body.model, "cmpl")
+    routed = route(caller, body.model, "cmpl")
     head = openai.Head.new(routed.request_id, routed.served)
     if body.stream:
         with routed.recorded(streaming=True):
@@ -51,12 +51,12 @@ def completions(body: openai.CompletionRequest, of: CallerOf) -> Response:
 
 
 @router.post("/v1/chat/completions", response_model=None)
-def chat_completions(body: openai.ChatRequest, of: CallerOf) -> Response:
-    worker = of.worker
+def chat_completions(body: openai.ChatRequest, caller: CurrentCaller) -> Response:
+    worker = caller.worker
     params = body.sampling(worker.base.context_length)
     # ConfigurationError (422) naming the base when it has no chat template.
     prompt_ids = worker.codec.encode_chat(body.conversation())
-    routed = route(of, body.model, "chatcmpl")
+    routed = route(caller, body.model, "chatcmpl")
     head = openai.Head.new(routed.request_id, routed.served)
     if body.stream:
         with routed.recorded(streaming=True):
@@ -72,9 +72,9 @@ def chat_completions(body: openai.ChatRequest, of: CallerOf) -> Response:
 
 
 @router.get("/v1/models")
-def models(of: CallerOf) -> dict[str, object]:
-    revisions = [str(r) for r in of.worker.ready_revisions(of.principal)]
-    return openai.models(of.worker.base.model_id, revisions, int(time.time()))
+def models(caller: CurrentCaller) -> dict[str, object]:
+    revisions = [str(r) for r in caller.worker.ready_revisions(caller.principal)]
+    return openai.models(caller.worker.base.model_id, revisions, int(time.time()))
 
 
 def _as(ref: str, body: _OpenAI) -> _OpenAI:
@@ -83,10 +83,12 @@ def _as(ref: str, body: _OpenAI) -> _OpenAI:
 
 
 @adapter_router.post("/v1/completions", response_model=None)
-def adapter_completions(ref: str, body: openai.CompletionRequest, of: CallerOf) -> Response:
-    return completions(_as(ref, body), of)
+def adapter_completions(
+    ref: str, body: openai.CompletionRequest, caller: CurrentCaller
+) -> Response:
+    return completions(_as(ref, body), caller)
 
 
 @adapter_router.post("/v1/chat/completions", response_model=None)
-def adapter_chat_completions(ref: str, body: openai.ChatRequest, of: CallerOf) -> Response:
-    return chat_completions(_as(ref, body), of)
+def adapter_chat_completions(ref: str, body: openai.ChatRequest, caller: CurrentCaller) -> Response:
+    return chat_completions(_as(ref, body), caller)

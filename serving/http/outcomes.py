@@ -6,7 +6,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query
 from pydantic import BaseModel, Field
 
-from serving.http.context import CallerOf, WorkerOf, admin_only
+from serving.http.context import CurrentCaller, CurrentWorker, admin_only
 from serving.protocols import Text
 
 router = APIRouter()
@@ -21,15 +21,17 @@ class FeedbackRequest(BaseModel):
 
 
 @router.post("/v1/feedback")
-def feedback(body: FeedbackRequest, of: CallerOf) -> dict[str, object]:
+def feedback(body: FeedbackRequest, caller: CurrentCaller) -> dict[str, object]:
     """A client's score of one response, by its request id: one per response, from the
     principal that asked."""
-    served = of.worker.outcomes.score(body.request_id, body.score, of.principal)
+    served = caller.worker.outcomes.score(body.request_id, body.score, caller.principal)
     return {"request_id": body.request_id, "revision": served, "score": body.score}
 
 
 @admin_router.get("/outcomes")
-def outcomes(worker: WorkerOf, since: Annotated[float, Query(ge=0)] = 0.0) -> dict[str, object]:
+def outcomes(
+    worker: CurrentWorker, since: Annotated[float, Query(ge=0)] = 0.0
+) -> dict[str, object]:
     """Per revision, the requests answered at or after `since` (Unix time): requests,
     errors and their rate, p50/p95 latency in seconds, feedback and its mean score. What a
     canary is watched by."""

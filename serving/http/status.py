@@ -7,13 +7,13 @@ from fastapi.responses import Response
 
 from mint_core.revisions import check_adapter_name
 from serving.http.common import entry_json
-from serving.http.context import CallerOf, WorkerOf
+from serving.http.context import CurrentCaller, CurrentWorker
 
 router = APIRouter()
 
 
 @router.get("/health")
-def health(worker: WorkerOf) -> dict[str, object]:
+def health(worker: CurrentWorker) -> dict[str, object]:
     """`ok`, or `degraded` while the registry cannot be reached (serving goes on) or the
     engine is down (being restarted); the backend, and the base it serves: model id,
     weights digest, family and context length."""
@@ -39,17 +39,17 @@ def health(worker: WorkerOf) -> dict[str, object]:
 
 
 @router.get("/metrics")
-def metrics(worker: WorkerOf) -> Response:
+def metrics(worker: CurrentWorker) -> Response:
     return Response(worker.exposition(), media_type="text/plain; version=0.0.4")
 
 
 @router.get("/v1/adapters/{name}")
-def adapter_status(name: str, of: CallerOf) -> dict[str, object]:
+def adapter_status(name: str, caller: CurrentCaller) -> dict[str, object]:
     """Each revision of `name` on this worker that the caller may use (admins, and everyone
     on a worker without API keys: all of them, as the pipeline reads readiness with its
     admin key), with where its weights are."""
     check_adapter_name(name)
-    sees_all = of.open_worker or of.admin
+    sees_all = caller.open_worker or caller.admin
     revisions = [
         entry_json(entry)
         | {
@@ -59,6 +59,6 @@ def adapter_status(name: str, of: CallerOf) -> dict[str, object]:
                 "pins": residence.pins,
             }
         }
-        for entry, residence in of.worker.adapter_status(name, of.principal, sees_all)
+        for entry, residence in caller.worker.adapter_status(name, caller.principal, sees_all)
     ]
     return {"adapter": name, "revisions": revisions}

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from serving.http.common import ADAPTER_PREFIX, MintJSONResponse, adapter_of_url
-from serving.http.context import CallerOf, Routed, route
+from serving.http.context import CurrentCaller, Routed, route
 from serving.protocols import tgi
 
 router = APIRouter()
@@ -26,22 +26,24 @@ Special = Annotated[frozenset[int], Depends(special_of)]
 
 
 def _generated(
-    body: tgi.GenerateRequest, of: CallerOf, special: Special
+    body: tgi.GenerateRequest, caller: CurrentCaller, special: Special
 ) -> tuple[dict[str, object], Routed]:
-    worker = of.worker
+    worker = caller.worker
     params = body.parameters.sampling(worker.base.context_length)
     prompt_ids = worker.codec.encode(body.inputs)
-    routed = route(of, body.parameters.adapter_id, "gen")
+    routed = route(caller, body.parameters.adapter_id, "gen")
     with routed.recorded():
         generating = worker.generate(prompt_ids, routed.key, params, streamed=False)
         return tgi.generated(generating.events(), body, special), routed
 
 
-def _streamed(body: tgi.GenerateRequest, of: CallerOf, special: Special) -> StreamingResponse:
-    worker = of.worker
+def _streamed(
+    body: tgi.GenerateRequest, caller: CurrentCaller, special: Special
+) -> StreamingResponse:
+    worker = caller.worker
     params = body.parameters.sampling(worker.base.context_length)
     prompt_ids = worker.codec.encode(body.inputs)
-    routed = route(of, body.parameters.adapter_id, "gen")
+    routed = route(caller, body.parameters.adapter_id, "gen")
     with routed.recorded(streaming=True):
         generating = worker.generate(prompt_ids, routed.key, params, streamed=True)
     events = tgi.stream(generating.events(), body, special)
@@ -49,23 +51,27 @@ def _streamed(body: tgi.GenerateRequest, of: CallerOf, special: Special) -> Stre
 
 
 @router.post("/generate")
-def generate(body: tgi.GenerateRequest, of: CallerOf, special: Special) -> MintJSONResponse:
-    payload, routed = _generated(body, of, special)
+def generate(
+    body: tgi.GenerateRequest, caller: CurrentCaller, special: Special
+) -> MintJSONResponse:
+    payload, routed = _generated(body, caller, special)
     return MintJSONResponse(payload, headers=routed.headers)
 
 
 @router.post("/generate_stream")
-def generate_stream(body: tgi.GenerateRequest, of: CallerOf, special: Special) -> StreamingResponse:
-    return _streamed(body, of, special)
+def generate_stream(
+    body: tgi.GenerateRequest, caller: CurrentCaller, special: Special
+) -> StreamingResponse:
+    return _streamed(body, caller, special)
 
 
 @router.post("/", response_model=None)
-def tgi_compat(body: tgi.GenerateRequest, of: CallerOf, special: Special) -> Response:
+def tgi_compat(body: tgi.GenerateRequest, caller: CurrentCaller, special: Special) -> Response:
     """Where `InferenceClient(base_url=...).text_generation` posts: a list of one result,
     or the stream when `stream` is true."""
     if body.stream:
-        return _streamed(body, of, special)
-    payload, routed = _generated(body, of, special)
+        return _streamed(body, caller, special)
+    payload, routed = _generated(body, caller, special)
     return MintJSONResponse([payload], headers=routed.headers)
 
 
@@ -79,20 +85,20 @@ def _as(ref: str, body: tgi.GenerateRequest) -> tgi.GenerateRequest:
 @adapter_router.post("", response_model=None)
 @adapter_router.post("/", response_model=None)
 def adapter_tgi_compat(
-    ref: str, body: tgi.GenerateRequest, of: CallerOf, special: Special
+    ref: str, body: tgi.GenerateRequest, caller: CurrentCaller, special: Special
 ) -> Response:
-    return tgi_compat(_as(ref, body), of, special)
+    return tgi_compat(_as(ref, body), caller, special)
 
 
 @adapter_router.post("/generate")
 def adapter_generate(
-    ref: str, body: tgi.GenerateRequest, of: CallerOf, special: Special
+    ref: str, body: tgi.GenerateRequest, caller: CurrentCaller, special: Special
 ) -> MintJSONResponse:
-    return generate(_as(ref, body), of, special)
+    return generate(_as(ref, body), caller, special)
 
 
 @adapter_router.post("/generate_stream")
 def adapter_generate_stream(
-    ref: str, body: tgi.GenerateRequest, of: CallerOf, special: Special
+    ref: str, body: tgi.GenerateRequest, caller: CurrentCaller, special: Special
 ) -> StreamingResponse:
-    return generate_stream(_as(ref, body), of, special)
+    return generate_stream(_as(ref, body), caller, special)
