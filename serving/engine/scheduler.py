@@ -307,8 +307,8 @@ class Scheduler:
             except RuntimeError as e:  # one request's sampling parameters fail it alone
                 request.fail(ServiceError(f"sampling for {request.key} failed: {e}"))
                 continue
-            wanted = position is not None and request.params.return_routes
-            request.push(token, logprob, _route(position) if wanted else None)
+            with_route = position is not None and request.params.return_routes
+            request.push(token, logprob, _route(position) if with_route else None)
         self.metrics.generated_tokens.inc(len(requests))
 
 

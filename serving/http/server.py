@@ -217,12 +217,12 @@ def _raise_fd_limit(needed: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return
-    wanted = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-    if wanted < needed:
+    limit = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+    if limit < needed:
         log.warning(
             "this process may open %d files (its hard limit), fewer than the %d its connection "
             "bound needs: lower MINT_HTTP_BOUNDS' connections, or raise the limit (ulimit -n)",
-            wanted,
+            limit,
             needed,
         )
