@@ -10,7 +10,7 @@ import dataclasses
 import os
 import time
 
-from control.services import ManagedProcess, start_mlflow, stop_all
+from control.services import start_mlflow
 from control.status import format_stage_times, format_table, status_rows
 from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
@@ -24,6 +24,7 @@ from mint_core.model.toy import (
     write_task_data,
 )
 from mint_core.registry_accounts import ACCOUNTS_FILE, RegistryAccounts
+from processes import ManagedProcess, stop_all
 from serving.worker.server import start_worker
 
 ADAPTERS = {"upper-bot": Task.UPPER, "reverse-bot": Task.REVERSE}

@@ -37,11 +37,11 @@ import httpx
 import psutil
 
 from bench import harness
-from control.services import ManagedProcess
 from mint_core.config import BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
+from processes import ManagedProcess
 from serving.backends.vllm import VllmServer, VllmSettings
 from serving.worker.server import start_worker
 from tasks.pipeline import wait_fleet_ready

@@ -51,7 +51,6 @@ import psutil
 from mlflow.tracking import MlflowClient
 
 from bench import harness
-from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.artifacts.stores import LocalArtifactStore
 from mint_core.catalog import snapshot as catalog_snapshot
@@ -67,6 +66,7 @@ from mint_core.revisions import (
     RevisionRef,
 )
 from mint_core.states import Stage
+from processes import ManagedProcess
 from tasks.pipeline import rollout_lock
 
 SYNC_INTERVAL_S = 1.0

@@ -24,8 +24,9 @@ from typing import Any
 import psutil
 
 from bench import plots
-from control.services import ManagedProcess, start_mlflow, stop_all
+from control.services import start_mlflow
 from mint_core.registry_accounts import RegistryAccounts
+from processes import ManagedProcess, stop_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -48,10 +48,10 @@ from bench.sync import (
     side_by_side,
 )
 from bench.synthetic import ATTENTION_PROJECTIONS, QWEN3_30B_A3B, MoeLoraShape
-from control.services import ManagedProcess
 from mint_core.model.experts import EXPERT_PARAMETERS
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import save_base_folder
+from processes import ManagedProcess
 
 REFERENCE_SPEEDUP = 2.85
 """The reference's adapter sync over full-weight sync on a 30B MoE."""

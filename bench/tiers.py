@@ -63,9 +63,9 @@ import psutil
 
 from bench import harness
 from bench.harness import percentile
-from control.services import ManagedProcess, free_port
 from mint_core.config import LOOPBACK, MintConfig
 from mint_core.revisions import PRODUCTION
+from processes import ManagedProcess, free_port
 
 PROMPT = "tiers="
 NEW_TOKENS = 4

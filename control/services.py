@@ -1,21 +1,13 @@
-"""Starting and stopping the processes MinT runs beside itself, on loopback only.
-
-Each process gets its own process group, so stopping it also stops whatever it spawned (MLflow's
-server forks a web server), and its output goes to a log file under the state dir.
+"""The services the control plane runs beside MinT, on loopback only: MLflow, an S3 API, Prefect,
+and the `Supervisor` that keeps `mint up`'s services running. Starting and stopping a process is
+`processes`'s, shared with serving and the trainer.
 """
 
 import contextlib
-import os
-import signal
-import socket
 import sqlite3
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,180 +22,10 @@ from mint_core.registry_accounts import (
     RegistryAccounts,
     auth_config,
 )
+from processes import ManagedProcess, free_port, start_process, stop_all
 
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
-        return probe.getsockname()[1]
-
-
-@dataclass
-class ManagedProcess:
-    """A started service: its process, base URL and log file."""
-
-    name: str
-    process: subprocess.Popen[bytes]
-    url: str
-    log_path: Path
-    grace_s: float = 10.0
-    """How long `stop` lets it shut down after SIGTERM before it kills what is left."""
-    accounts: RegistryAccounts | None = None
-    """For an MLflow server with authentication: who may sign in, and as what."""
-
-    def stop(self, grace_s: float | None = None) -> None:
-        """Stop the process and everything in its process group: SIGTERM, then SIGKILL to
-        whatever still runs after `grace_s` (default: its own). Returns once none of them runs,
-        even when the leader had already exited: MLflow's uvicorn outlives a `mlflow server`
-        that is gone."""
-        grace_s = self.grace_s if grace_s is None else grace_s
-        group = self.process.pid
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            if not group_running(group):
-                break
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(group, sig)
-            deadline = time.monotonic() + wait_s
-            while group_running(group) and time.monotonic() < deadline:
-                self.process.poll()  # reap the leader as soon as it exits
-                time.sleep(0.05)
-        self.process.poll()
-        if group_running(group):
-            raise ServiceError(
-                f"{self.name} (process group {group}) still runs after SIGKILL; a process in "
-                f"uninterruptible sleep waits on a device or file system: see `ps -g {group}`"
-            )
-
-    def log_tail(self, chars: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    def log_excerpt(self) -> str:
-        """Where its log is and how it ends, for an error message; an empty log is said to be
-        empty rather than quoted."""
-        tail = self.log_tail().strip()
-        if not tail:
-            return f"its log ({self.log_path}) is empty"
-        return f"its log ({self.log_path}) ends with:\n{tail}"
-
-
-def group_running(group: int) -> bool:
-    """Whether a process of process group `group` runs. Zombies do not count: they have
-    exited, and where PID 1 does not reap orphans (some containers) they stay in the group."""
-    try:
-        os.killpg(group, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return True  # no /proc to tell zombies apart; init reaps orphans on such systems
-    for stat in proc.glob("[0-9]*/stat"):
-        try:
-            # After the command name in parentheses: state, parent pid, process group.
-            state, _, pgrp = stat.read_text().rpartition(")")[2].split()[:3]
-        except OSError:  # exited while we looked
-            continue
-        if int(pgrp) == group and state not in ("Z", "X"):
-            return True
-    return False
-
-
-def stop_all(services: Sequence[ManagedProcess]) -> None:
-    """Stop several services at once: each gets its grace period, in parallel, not in turn."""
-    with ThreadPoolExecutor(max(1, len(services))) as pool:
-        list(pool.map(ManagedProcess.stop, services))
-
-
-def responds_ok(url: str) -> bool:
-    """Whether `url` responds 200 right now: a health probe."""
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status == 200
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False
-
-
-def start_process(
-    name: str,
-    argv: Sequence[str],
-    url: str,
-    health: str | Callable[[], bool],
-    log_path: Path,
-    env: Mapping[str, str] | None = None,
-    timeout_s: float = 120.0,
-    die_with_parent: bool = False,
-    grace_s: float = 10.0,
-) -> ManagedProcess:
-    """Start `argv` and return once it is healthy: `url + health` answers 200 (a path), or
-    `health()` is true (a check); ServiceError if it exits or times out first.
-    `die_with_parent`: the process gets SIGTERM when the thread that started it ends (Linux),
-    so a child this process supervises never outlives it, even when it is SIGKILLed.
-    `grace_s`: how long it may take to shut down when stopped (see `ManagedProcess.stop`)."""
-    healthy = health if callable(health) else lambda: responds_ok(url + health)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            _term_with_parent(argv) if die_with_parent else list(argv),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-    service = ManagedProcess(name, process, url, log_path, grace_s)
-    try:
-        _wait_healthy(service, healthy, timeout_s)
-    except BaseException:
-        service.stop()  # whatever it forked before failing, too
-        raise
-    return service
-
-
-TERM_WITH_PARENT = """
-import ctypes, os, signal, sys
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-if os.getppid() != int(sys.argv[1]):
-    sys.exit("its parent exited before it could start")
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-"""Run as `python -c` before the service: asks Linux for SIGTERM when the thread that started
-it ends, then execs the service (the request survives exec)."""
-
-
-def _term_with_parent(argv: Sequence[str]) -> list[str]:
-    """`argv` behind a small Python that gets it SIGTERM when the thread that started it
-    ends, asked for in the child itself: not through Popen's `preexec_fn`, which runs Python
-    between fork and exec and can deadlock a threaded program (a worker is one). Where Linux's
-    prctl is not, `argv` as it is."""
-    if sys.platform != "linux":
-        return list(argv)
-    # -I -S: the shim starts in tens of milliseconds and reads nothing from the environment.
-    return [sys.executable, "-I", "-S", "-c", TERM_WITH_PARENT, str(os.getpid()), *argv]
-
-
-def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if service.process.poll() is not None:
-            raise ServiceError(
-                f"{service.name} exited with code {service.process.returncode} while starting; "
-                + service.log_excerpt()
-            )
-        if healthy():
-            return
-        time.sleep(0.2)
-    raise ServiceError(
-        f"{service.name} was not healthy at {service.url} within {timeout_s:.0f} s; "
-        + service.log_excerpt()
-    )
 
 
 MLFLOW_SHUTDOWN_S = 1
@@ -293,31 +115,6 @@ def start_mlflow(
     )
     server.accounts = accounts
     return server
-
-
-def start_mint(
-    command: str,
-    name: str,
-    log: str,
-    config: "MintConfig",
-    port: int | None = None,
-    timeout_s: float = 120.0,
-    env: Mapping[str, str] | None = None,
-) -> ManagedProcess:
-    """`mint <command>` listening on loopback (on `port`, else a free one) in a child process
-    with `config`'s environment plus `env`; returns once its `/health` answers. `name` says
-    what it is in messages; it logs to logs/<log>-<port>.log under `config`'s state dir."""
-    port = port or free_port()
-    argv = [sys.executable, "-m", "mint_cli", command, "--host", LOOPBACK, "--port", str(port)]
-    return start_process(
-        name,
-        argv,
-        f"http://{LOOPBACK}:{port}",
-        "/health",
-        config.home / "logs" / f"{log}-{port}.log",
-        config.to_env() | dict(env or {}),
-        timeout_s,
-    )
 
 
 def start_s3(home: Path, port: int | None = None) -> ManagedProcess:

@@ -16,7 +16,6 @@ from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
 from prefect.types.entrypoint import EntrypointType
 
-from control.services import ManagedProcess, responds_ok, start_process
 from flows.approval import approve
 from flows.canary import canary
 from flows.catalog import catalog_snapshot
@@ -26,6 +25,7 @@ from flows.repair import repair
 from flows.rl import rl
 from mint_core.config import MintConfig
 from mint_core.revisions import check_adapter_name
+from processes import ManagedProcess, responds_ok, start_process
 
 # Flows are found by module path, so runs start from any working directory.
 _BY_MODULE = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["mint"]}

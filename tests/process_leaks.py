@@ -172,7 +172,7 @@ def fail_on_leftovers(session: pytest.Session) -> None:
         for pid, command in sorted(left.items()):
             reporter.write_line(f"pid {pid}: {command}")
         reporter.write_line("killed them; a fixture or test must stop what it starts (all of its")
-        reporter.write_line("process group: see control.services.ManagedProcess.stop)")
+        reporter.write_line("process group: see processes.ManagedProcess.stop)")
     if session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 

@@ -5,9 +5,9 @@ import logging
 import os
 from collections.abc import Mapping
 
-from control.services import LOOPBACK, ManagedProcess, start_mint
-from mint_core.config import TRAINER_PORT, MintConfig
+from mint_core.config import LOOPBACK, TRAINER_PORT, MintConfig
 from mint_core.model.base import load_base
+from processes import ManagedProcess, start_mint
 from serving.http.server import serve_http
 from trainer.app import create_app
 from trainer.futures import Futures

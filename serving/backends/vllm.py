@@ -45,10 +45,9 @@ import aiohttp
 import httpx
 import orjson
 
-from control.services import LOOPBACK, ManagedProcess, free_port, responds_ok, start_process
 from mint_core.artifacts.folders import publish_folder
 from mint_core.artifacts.packing import PackedAdapter, write_peft
-from mint_core.config import BackendKind, MintConfig
+from mint_core.config import LOOPBACK, BackendKind, MintConfig
 from mint_core.errors import (
     ConfigurationError,
     EngineUnavailableError,
@@ -57,6 +56,7 @@ from mint_core.errors import (
 )
 from mint_core.model.base import BaseText
 from mint_core.planning.residency import Residency
+from processes import ManagedProcess, free_port, responds_ok, start_process
 from serving.backends.vllm_calls import Calls, choice_of, error_message, events, generation_error
 from serving.engine.engine import BASE
 from serving.engine.generation import Request, check_prompt

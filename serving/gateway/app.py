@@ -15,15 +15,15 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from control.services import LOOPBACK, ManagedProcess, start_mint
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
-from mint_core.config import GATEWAY_PORT, MintConfig
+from mint_core.config import GATEWAY_PORT, LOOPBACK, MintConfig
 from mint_core.connections import ConnectionBounds
 from mint_core.errors import NotFoundError, RegistryError, ServiceError
 from mint_core.planning.placement import Demand
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef
+from processes import ManagedProcess, start_mint
 from serving.gateway.fleet import Fleet, WorkerView
 from serving.gateway.requests import gateway_document, model_of
 from serving.http.common import (

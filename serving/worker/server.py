@@ -6,12 +6,12 @@ from collections.abc import Mapping
 
 from transformers.utils import logging as transformers_logging
 
-from control.services import LOOPBACK, ManagedProcess, start_mint
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
-from mint_core.config import WORKER_PORT, BackendKind, MintConfig
+from mint_core.config import LOOPBACK, WORKER_PORT, BackendKind, MintConfig
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
+from processes import ManagedProcess, start_mint
 from serving.backends.embedded import EmbeddedBackend
 from serving.backends.protocol import Backend
 from serving.engine.engine import TorchEngine

@@ -16,16 +16,12 @@ from typing import TYPE_CHECKING
 import psutil
 import pytest
 
-from control.services import (
-    ManagedProcess,
-    start_mlflow,
-    start_s3,
-    stop_all,
-)
+from control.services import start_mlflow, start_s3
 from control.worker_client import WorkerClient
 from mint_cli import quiet_libraries
 from mint_core.config import BackendKind, MintConfig
 from mint_core.model.base import BaseModel, load_base
+from processes import ManagedProcess, stop_all
 from serving.worker.server import start_worker
 from tests.integration.helpers import Fleet, MixedFleet, create_bucket, postgres_database
 

@@ -27,7 +27,6 @@ import pytest
 from fastapi.testclient import TestClient
 from peft import LoraConfig
 
-from control.services import ManagedProcess, free_port
 from mint_core.access import EVERYONE
 from mint_core.artifacts.packing import PackedIndex
 from mint_core.artifacts.stores import (
@@ -44,6 +43,7 @@ from mint_core.model.toy import RECIPE, Task, write_held_out_data, write_task_da
 from mint_core.model.training import TrainingConfig
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
+from processes import ManagedProcess, free_port
 from serving.backends.embedded import EmbeddedBackend
 from serving.engine.engine import TorchEngine
 from serving.http.app import create_app

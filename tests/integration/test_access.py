@@ -6,11 +6,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.services import ManagedProcess
 from mint_core.access import ANONYMOUS, check_access, parse_api_keys, principal_for
 from mint_core.config import MintConfig
 from mint_core.errors import AccessDeniedError, AuthenticationError, ConfigurationError
 from mint_core.revisions import RevisionId
+from processes import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import toy_release as release
 

@@ -16,9 +16,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from control.services import ManagedProcess
 from control.worker_client import WorkerClient
 from mint_core.errors import ECHO_LIMIT, ServiceError
+from processes import ManagedProcess
 from serving.engine.engine import BASE
 from serving.engine.generation import Request, TokenEvent
 from serving.engine.sampling import SamplingParams

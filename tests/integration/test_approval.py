@@ -12,7 +12,6 @@ import pytest
 from prefect import get_client
 from prefect.flow_runs import resume_flow_run
 
-from control.services import ManagedProcess
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
 from mint_core.artifacts.digests import sha256_json
@@ -24,6 +23,7 @@ from mint_core.model.toy import Task, write_held_out_data
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from mint_core.states import Stage
+from processes import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import paused_run, register_random_adapter, run_logs
 from tests.integration.helpers import toy_release as release

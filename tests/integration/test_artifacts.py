@@ -10,7 +10,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from control.services import ManagedProcess
 from mint_core.artifacts.freezing import PEFT_WEIGHTS, freeze
 from mint_core.artifacts.packing import load, pack, verify
 from mint_core.artifacts.stores import (
@@ -26,6 +25,7 @@ from mint_core.model.base import BaseSource, load_base
 from mint_core.model.datasets import Dataset, parse_jsonl
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
+from processes import ManagedProcess
 from tests.integration.helpers import corrupt_in_place, create_bucket
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)

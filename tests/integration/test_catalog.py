@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 import mint_cli
-from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.artifacts.stores import ArtifactStore, LocalArtifactStore, S3ArtifactStore
 from mint_core.catalog import snapshot as catalog_snapshot
@@ -25,6 +24,7 @@ from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS, MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
+from processes import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import create_bucket, move_alias
 

@@ -13,12 +13,12 @@ import httpx
 import pytest
 import requests
 
-from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.catalog.catalog import Catalog
 from mint_core.errors import NotFoundError
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from processes import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import move_alias
 

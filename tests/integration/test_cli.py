@@ -24,7 +24,7 @@ from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from control.services import ManagedProcess, free_port, start_mlflow
+from control.services import start_mlflow
 from mint_core.config import MintConfig
 from mint_core.errors import RegistryError
 from mint_core.model.base import BaseModel
@@ -32,6 +32,7 @@ from mint_core.registry import Registry
 from mint_core.registry_accounts import RegistryAccounts
 from mint_core.revisions import PRODUCTION
 from mint_core.states import Stage
+from processes import ManagedProcess, free_port
 from tests.helpers import make_policy
 from tests.integration.helpers import (
     MINT,

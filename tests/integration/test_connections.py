@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
 from mint_core.connections import ConnectionBounds
+from processes import ManagedProcess
 from serving.gateway import start_gateway
 from trainer.server import start_trainer
 

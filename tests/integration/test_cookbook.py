@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from control.services import ManagedProcess
 from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
+from processes import ManagedProcess
 from trainer.checkpoints import CheckpointPath, sampler_revision
 from trainer.server import start_trainer
 

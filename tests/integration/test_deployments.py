@@ -19,13 +19,13 @@ import pytest
 from prefect import flow, get_client
 from prefect.deployments import run_deployment
 
-from control.services import ManagedProcess, free_port
 from flows.deployments import start_flow_server
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, RolloutBusyError
 from mint_core.model.base import BaseModel
 from mint_core.model.training import TrainingConfig
 from mint_core.retraining import RetrainSchedule
+from processes import ManagedProcess, free_port
 from tasks.pipeline import load_data, rollout_lock, train_adapter
 from tests.integration.helpers import answer, toy_data
 from tests.integration.helpers import toy_release as release

@@ -18,12 +18,12 @@ from transformers import (
     AutoTokenizer,
 )
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
 from mint_core.model.base import FAMILY_EXPERT_TARGETS, FAMILY_TARGETS, BaseSource
 from mint_core.model.toy import Task, held_out_words, training_stream
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
+from processes import ManagedProcess
 from serving.worker.server import start_worker
 from tests.helpers import FAMILIES, family_folder
 

@@ -14,7 +14,7 @@ from prefect import flow, get_client
 from prefect.deployments import run_deployment
 from prefect.states import State
 
-from control.services import ManagedProcess, start_mlflow
+from control.services import start_mlflow
 from flows.deployments import start_flow_server
 from flows.ending import ends_on_mint_error
 from flows.promote import rollback
@@ -24,6 +24,7 @@ from mint_core.errors import NotFoundError
 from mint_core.gates import Gates
 from mint_core.registry import Registry
 from mint_core.registry_accounts import RegistryAccounts
+from processes import ManagedProcess
 from tests.integration.helpers import run_logs, run_markdown
 from tests.integration.helpers import toy_release as release
 

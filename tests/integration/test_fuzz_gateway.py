@@ -12,8 +12,8 @@ import pytest
 import schemathesis
 from schemathesis.checks import max_response_time, not_a_server_error
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
+from processes import ManagedProcess
 from serving.gateway import start_gateway
 from tests.integration.helpers import FUZZ_TIMEOUT_S, openapi_lane
 

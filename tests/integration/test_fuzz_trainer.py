@@ -15,8 +15,8 @@ import pytest
 import schemathesis
 from schemathesis.checks import max_response_time, not_a_server_error
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
+from processes import ManagedProcess
 from tests.integration.helpers import FUZZ_TIMEOUT_S, openapi_lane
 from trainer.server import start_trainer
 from trainer.wire import PROTOBUF

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
+from processes import ManagedProcess
 from serving.gateway import start_gateway
 from serving.http.errors import MESSAGE_LIMIT
 from serving.http.limits import MAX_REQUEST_BYTES

@@ -14,7 +14,13 @@ HEAVY = ("torch", "transformers", "safetensors.torch")
 
 @pytest.mark.parametrize(
     "module",
-    ["serving.gateway", "serving.http.common", "serving.http.errors", "serving.http.limits"],
+    [
+        "serving.gateway",
+        "serving.http.common",
+        "serving.http.errors",
+        "serving.http.limits",
+        "processes",
+    ],
 )
 def test_importing_loads_no_engine(module: str) -> None:
     check = (

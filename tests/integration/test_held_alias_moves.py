@@ -12,7 +12,6 @@ import httpx
 import pytest
 from mlflow.tracking import MlflowClient
 
-from control.services import ManagedProcess
 from mint_cli import main as mint
 from mint_core.alias_intents import AliasIntent, HeldMove, sanctioned
 from mint_core.artifacts.digests import sha256_json
@@ -22,6 +21,7 @@ from mint_core.errors import NotFoundError
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
+from processes import ManagedProcess
 from serving.http.common import REVISION_HEADER
 from serving.worker.server import start_worker
 from tests.helpers import make_policy

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from control.services import ManagedProcess
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote, rollback
 from mint_core.artifacts.digests import sha256_json
@@ -29,6 +28,7 @@ from mint_core.model.base import BaseModel
 from mint_core.registry import AliasMove, Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Stage
+from processes import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import move_alias, paused_run, register_random_adapter, toy_release
 

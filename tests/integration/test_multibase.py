@@ -16,11 +16,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.services import ManagedProcess, start_mlflow, stop_all
+from control.services import start_mlflow
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.planning.placement import place, ranking
 from mint_core.revisions import RevisionId
+from processes import ManagedProcess, stop_all
 from serving.gateway import WORKER_HEADER, Fleet, WorkerView, start_gateway
 from serving.worker.server import start_worker
 from tasks.pipeline import admit_revision, prewarm_revision

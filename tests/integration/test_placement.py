@@ -17,7 +17,7 @@ import httpx
 import pytest
 from peft import LoraConfig
 
-from control.services import ManagedProcess, free_port, start_mlflow, stop_all
+from control.services import start_mlflow
 from control.status import worker_rows
 from control.worker_client import WorkerClient
 from mint_core.config import LOOPBACK, MintConfig
@@ -27,6 +27,7 @@ from mint_core.planning.placement import place
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Readiness, Stage
+from processes import ManagedProcess, free_port, stop_all
 from serving.gateway import WORKER_HEADER, start_gateway
 from serving.worker.server import start_worker
 from tasks.pipeline import admit_revision, rollout_lock

@@ -14,7 +14,7 @@ import pytest
 from playwright.sync_api import Locator
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from control.services import ManagedProcess, start_prefect
+from control.services import start_prefect
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
 from mint_core.config import MintConfig
@@ -23,6 +23,7 @@ from mint_core.gates import Gates
 from mint_core.model.base import BaseModel
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
+from processes import ManagedProcess
 from tests.integration.browser import UiPage, screenshot
 from tests.integration.helpers import register_random_adapter
 

@@ -20,7 +20,6 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import PreTrainedModel
 
-from control.services import ManagedProcess
 from control.worker_client import WorkerClient
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
@@ -33,6 +32,7 @@ from mint_core.model.tiny import TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.planning.residency import Residency
 from mint_core.registry import Registry
+from processes import ManagedProcess
 from serving.backends.embedded import EmbeddedBackend
 from serving.backends.vllm import VllmBackend
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine

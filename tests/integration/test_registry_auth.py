@@ -19,11 +19,12 @@ from mlflow.exceptions import MlflowException
 from mlflow.server.auth.routes import CREATE_USER, DELETE_USER, UPDATE_USER_PASSWORD
 from mlflow.tracking import MlflowClient
 
-from control.services import ManagedProcess, free_port, start_mlflow
+from control.services import start_mlflow
 from mint_core.errors import RegistryError
 from mint_core.registry import Registry
 from mint_core.registry_accounts import ACCOUNTS_FILE, Account, RegistryAccounts
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from processes import ManagedProcess, free_port
 from tests.helpers import make_policy
 from tests.integration.browser import TIMEOUT_MS
 from tests.integration.helpers import mint_env, move_alias, start_mint, stop_and_check, wait_for

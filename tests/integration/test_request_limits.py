@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from control.services import ManagedProcess
+from processes import ManagedProcess
 from serving.http.app import create_app
 from serving.http.limits import MAX_REQUEST_BYTES
 from serving.protocols import openai

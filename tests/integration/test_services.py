@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from control.services import ManagedProcess, group_running, start_process
 from mint_core.errors import ServiceError
+from processes import ManagedProcess, group_running, start_process
 
 
 def started(tmp_path: Path, script: str) -> tuple[ManagedProcess, int]:

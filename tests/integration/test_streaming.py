@@ -22,7 +22,6 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import LlamaForCausalLM
 
-from control.services import ManagedProcess
 from mint_core.artifacts.folders import publish_folder
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
@@ -31,6 +30,7 @@ from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import EOS, IM_END, TinySpec, byte_tokenizer, save_base_folder
 from mint_core.registry import Registry
+from processes import ManagedProcess
 from serving.backends.embedded import EmbeddedBackend
 from serving.engine.engine import TorchEngine
 from serving.http.app import create_app

@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import held_out_words, prompt_for
+from processes import ManagedProcess
 from serving.gateway import start_gateway
 from tasks.pipeline import admit_revision, prewarm_revision
 from tests.integration.helpers import activate, register_random_adapter

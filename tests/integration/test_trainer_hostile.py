@@ -22,9 +22,9 @@ import zstandard
 from tinker import types
 from tinker.proto import tinker_public_pb2 as pb
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
+from processes import ManagedProcess
 from trainer.server import start_trainer
 from trainer.wire import MAX_REQUEST_BYTES
 

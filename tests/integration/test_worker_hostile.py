@@ -16,12 +16,13 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from control.services import ManagedProcess, start_mlflow
+from control.services import start_mlflow
 from mint_core.config import MintConfig
 from mint_core.errors import ECHO_LIMIT
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.registry_accounts import Account, RegistryAccounts
+from processes import ManagedProcess
 from serving.worker.server import start_worker
 from tests.helpers import make_policy
 from tests.integration.helpers import app_client, error_of, in_process_worker

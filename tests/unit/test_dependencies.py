@@ -11,8 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CODE = (
-    "mint_core", "serving", "control", "flows", "tasks", "trainer", "mint_cli", "bench",
-    "mint_demo.py", "mint_mlflow.py",
+    "mint_core", "serving", "control", "flows", "tasks", "trainer", "mint_cli", "processes",
+    "bench", "mint_demo.py", "mint_mlflow.py",
 )  # fmt: skip
 """The project's own code: the package's modules and the benchmarks."""
 OWN = {Path(name).stem for name in CODE} | {"tests"}

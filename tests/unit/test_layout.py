@@ -204,7 +204,6 @@ def test_the_trainer_imports_neither_the_control_plane_nor_the_pipeline() -> Non
     assert leaning_on(("trainer",), PIPELINE) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 4: moves in progress")
 def test_process_start_up_is_neutral_ground() -> None:
     """`processes` starts and stops child processes for every role (control plane, workers,
     the trainer), so it may lean on nothing but the standard library and the domain."""
