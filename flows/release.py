@@ -14,13 +14,14 @@ from prefect import flow
 
 from flows.ending import ends_on_mint_error
 from flows.rollout import StageClock, roll_out
-from flows.ship import Shipment, ship
+from flows.ship import ship
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
 from mint_core.model.datasets import DEFAULT_EVAL_FRACTION
 from mint_core.model.training import EVAL_GENERATION_ROWS, TrainingConfig
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
+from mint_core.shipping import Shipment
 from tasks.pipeline import check_import, load_data, train_adapter
 from tasks.runs import label_run, production_move, summarize
 

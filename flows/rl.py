@@ -17,7 +17,7 @@ from prefect import flow
 from flows.ending import ends_on_mint_error
 from flows.release import on_base
 from flows.rollout import StageClock, roll_out
-from flows.ship import Shipment, ship
+from flows.ship import ship
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
 from mint_core.model.experts import experts_modules
@@ -32,6 +32,7 @@ from mint_core.model.rl import (
 from mint_core.model.toy import Task
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
+from mint_core.shipping import Shipment
 from tasks.pipeline import Fleet
 from tasks.rl import (
     RlRun,

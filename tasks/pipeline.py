@@ -2,7 +2,7 @@
 mint_core (or, for the fleet steps, into the workers' HTTP API):
 
 - `tasks.training`: load-data, train, check-import
-- `tasks.packaging`: freeze, pack, export, register, ensure-exported
+- `tasks.packaging`: freeze, pack, export, register (`SHIP_TASKS`), ensure-exported
 - `tasks.fleet`: admit, readmit, prewarm, activate, on the `Fleet` of the revision's base
 - `tasks.evaluation`: evaluate
 - `tasks.catalog`: catalog-snapshot
@@ -24,6 +24,7 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 
 from mint_core.errors import RolloutBusyError
 from mint_core.registry import RolloutSlot, held_slot
+from mint_core.shipping import Exported
 from tasks.catalog import snapshot_catalog
 from tasks.evaluation import evaluate_revision
 from tasks.fleet import (
@@ -37,7 +38,7 @@ from tasks.fleet import (
     wait_fleet_ready,
 )
 from tasks.packaging import (
-    Exported,
+    SHIP_TASKS,
     ensure_exported,
     export_adapter,
     freeze_adapter,
@@ -49,6 +50,7 @@ from tasks.training import check_import, load_data, train_adapter
 
 __all__ = [
     "ROLLOUT_TIMEOUT_S",
+    "SHIP_TASKS",
     "Exported",
     "Fleet",
     "activate_revision",
