@@ -49,7 +49,7 @@ def status_rows(config: MintConfig, fleet: Health | None = None) -> list[list[st
     registry = Registry(config.tracking_uri)
     rows = []
     for adapter in registry.adapters():
-        for revision in registry.revisions(adapter):
+        for revision in registry.revisions.of(adapter):
             states = []
             for worker in by_base.get(revision.policy.base_digest, []):
                 try:

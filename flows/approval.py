@@ -193,7 +193,7 @@ def answer_approval(
         )
     releaser = _releaser(registry, revision)
     decision = Decision(decision=verdict, reviewer=reviewer, comment=comment)
-    refused = registry.gates(revision.adapter).may_approve(reviewer, releaser)
+    refused = registry.gates.of(revision.adapter).may_approve(reviewer, releaser)
     if refused is not None:
         # Recorded like a refusal in the Prefect UI: an audit sees every answer.
         _record_refusal(registry, revision, decision, refused)

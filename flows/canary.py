@@ -76,7 +76,7 @@ def canary(
         raise ConfigurationError(
             f"window_s={window_s} and min_requests={min_requests} must both be positive"
         )
-    gates = registry.gates(adapter)
+    gates = registry.gates.of(adapter)
     ensure_exported(config, candidate)
     with rollout_lock(adapter) as slot:
         fleet = take_in(config, candidate, slot, actor)

@@ -65,7 +65,7 @@ def roll_out(
     try:
         with rollout_lock(revision.adapter) as slot:
             fleet = take_in(config, revision, slot, actor, timed, rollback, fleet)
-            gates = registry.gates(revision.adapter) if gated and not rollback else None
+            gates = registry.gates.of(revision.adapter) if gated and not rollback else None
             evaluation = None
             if gates is not None:
                 evaluation = timed(

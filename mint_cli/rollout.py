@@ -102,7 +102,7 @@ def cmd_gates(args: argparse.Namespace, config: MintConfig) -> None:
 
     registry = Registry(config.tracking_uri)
     changes = {name: getattr(args, name) for name in GATE_OPTIONS}
-    gates = registry.gates(args.adapter)
+    gates = registry.gates.of(args.adapter)
     if any(value is not None for value in changes.values()):
         gates = gates.changed(**changes)
         registry.set_gates(args.adapter, gates)

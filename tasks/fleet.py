@@ -62,7 +62,7 @@ def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
             f"the base of {revision}, {policy.base_model_id} ({policy.base_digest}): start one "
             "with MINT_BASE_MODEL set to that base and add its URL"
         )
-    replicas = registry.gates(revision.adapter).replicas or config.replicas
+    replicas = registry.gates.of(revision.adapter).replicas or config.replicas
     targets = set(place(str(revision), list(live), replicas))
     serving = _production(registry, revision)
     for url, worker in live.items():

@@ -4,7 +4,8 @@ Registered model = adapter, model version = revision (`rN` is the version number
 = policy record and stage, aliases = what users get. Registering writes metadata only: the
 weights stay in the artifact store and the version's `source` points at them.
 
-A revision's life here, one module per part, all reached through one `Registry`:
+A revision's life here, one module per part, each a field of one `Registry` (`client`) over
+one shared `MlflowStore`:
 
 1. `runs`: training records its hyperparameters, dataset and loss curve in an MLflow run.
 2. `revisions`: `register` makes the model version, the policy record as its tags; `resolve`
@@ -18,8 +19,8 @@ A revision's life here, one module per part, all reached through one `Registry`:
 5. `canary`, `gates`: a candidate's share of live traffic, and what its roll-outs must pass.
 6. `changes`: what workers read at each sync to follow all of this.
 
-`_mlflow` holds the client, the tag names and the one translation of MLflow's failures into
-MinT's errors.
+`_mlflow` holds the store (the client), the tag names and the one translation of MLflow's
+failures into MinT's errors.
 """
 
 from mint_core.registry._mlflow import (
@@ -36,9 +37,9 @@ from mint_core.registry._mlflow import (
     STAGE_TAG,
 )
 from mint_core.registry.aliases import ACTIVATABLE, check_activatable
-from mint_core.registry.canary import Canaries, check_canary_percent
-from mint_core.registry.changes import MODELS_PAGE_MAX, AdapterAliases, Changes
-from mint_core.registry.gates import AdapterGates
+from mint_core.registry.canary import check_canary_percent
+from mint_core.registry.changes import MODELS_PAGE_MAX, AdapterAliases
+from mint_core.registry.client import Registry
 from mint_core.registry.moves import AliasMove, MoveRecord, moves_made
 from mint_core.registry.revisions import VERSIONS_PAGE, RegisteredRevision
 from mint_core.registry.runs import DatasetLog
@@ -73,7 +74,3 @@ __all__ = [
     "held_slot",
     "moves_made",
 ]
-
-
-class Registry(Canaries, AdapterGates, Changes):
-    """MinT's operations on an MLflow tracking server (`mint_core.registry`'s parts in one)."""

@@ -7,9 +7,9 @@ Two kinds of failure, translated in two layers that every call goes through:
   client (`_Answering`) raises RegistryError naming the server and its setting, whichever call
   it was, once the outage has lasted the process's bound (`mint_core.registry_outages`: a
   request that never reached the server is sent again meanwhile);
-- a server that answers with a refusal: `MlflowStore._failing(action)` raises RegistryError
+- a server that answers with a refusal: `MlflowStore.failing(action)` raises RegistryError
   naming what was being done. A lookup of something that does not exist is not a failure:
-  `_model` raises NotFoundError, `_model_or_none` returns None.
+  `model` raises NotFoundError, `model_or_none` returns None.
 """
 
 import functools
@@ -192,16 +192,22 @@ def now() -> str:
 
 
 class MlflowStore:
-    """The connection every part of the registry works through: the client and its lookups."""
+    """The connection every part of the registry works through: the client and its lookups.
+    One per `Registry`, shared by its parts, each of which reads `client` at every call: a
+    test that swaps the client (to inject faults) swaps it for all of them."""
 
     def __init__(self, tracking_uri: str) -> None:
         self.tracking_uri = tracking_uri
         self._answering = _Answering(tracking_uri)
         # Typed as the client it stands in for: every call goes through it unchanged.
-        self._client: MlflowClient = self._answering  # type: ignore[assignment]
+        self.client: MlflowClient = self._answering  # type: ignore[assignment]
+
+    def end_run(self, run_id: str, status: str) -> None:
+        """End run `run_id` with `status` in one request (`_Answering.end_run`)."""
+        self._answering.end_run(run_id, status)
 
     @contextmanager
-    def _failing(self, action: str) -> Iterator[None]:
+    def failing(self, action: str) -> Iterator[None]:
         """MLflow's refusals inside the block as RegistryError naming `action` (a server that
         does not answer raises RegistryError already, in the client)."""
         try:
@@ -209,20 +215,20 @@ class MlflowStore:
         except (MlflowException, requests.RequestException) as e:
             raise RegistryError(f"MLflow at {self.tracking_uri} failed to {action}: {e}") from e
 
-    def _model_or_none(self, adapter: str) -> RegisteredModel | None:
+    def model_or_none(self, adapter: str) -> RegisteredModel | None:
         """The registered model of `adapter`; None if it is not registered."""
-        with self._failing(f"look up adapter {adapter!r}"):
+        with self.failing(f"look up adapter {adapter!r}"):
             try:
-                return self._client.get_registered_model(adapter)
+                return self.client.get_registered_model(adapter)
             except MlflowException as e:
                 if missing(e):
                     return None
                 raise
 
-    def _model(self, adapter: str, hint: str = "") -> RegisteredModel:
+    def model(self, adapter: str, hint: str = "") -> RegisteredModel:
         """The registered model of `adapter`; NotFoundError, with `hint` (what to do), if it is
         not registered."""
-        model = self._model_or_none(adapter)
+        model = self.model_or_none(adapter)
         if model is None:
             # The whole story, even when a caller asks while handling MLflow's refusal of a
             # version of it (with authentication on, MLflow answers 403, not 404, for a version

@@ -5,7 +5,7 @@ Every move the pipeline makes is also recorded as an intent (`mint_core.alias_in
 workers follow only the moves the pipeline made."""
 
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from mlflow.entities.model_registry import RegisteredModel
 from mlflow.exceptions import MlflowException
@@ -13,9 +13,9 @@ from mlflow.exceptions import MlflowException
 from mint_core.alias_intents import INTENT_TAG, AliasIntent
 from mint_core.errors import NotFoundError, TransitionError
 from mint_core.history import adapter_description
-from mint_core.registry._mlflow import ACTIVATED_AT_TAG, REASON_CHARS, missing, now
+from mint_core.registry._mlflow import ACTIVATED_AT_TAG, REASON_CHARS, MlflowStore, missing, now
 from mint_core.registry.moves import AliasMove, MoveRecord, moves_made, records_in
-from mint_core.registry.revisions import RegisteredRevision
+from mint_core.registry.revisions import RegisteredRevision, Revisions
 from mint_core.registry.slots import RolloutSlot
 from mint_core.registry.stages import Stages
 from mint_core.revisions import CANARY, CANDIDATE, PRODUCTION, RevisionId
@@ -25,10 +25,17 @@ ACTIVATABLE = (Stage.ADMITTED, Stage.PREWARMING, Stage.READY)
 """Stages from which activation can go on to `active`, in order."""
 
 
-class Aliases(Stages):
+@dataclass(frozen=True)
+class Aliases:
     """Alias moves, their history, and activation."""
 
-    def move_alias(
+    store: MlflowStore
+    revisions: Revisions
+    """Where a moved revision is read back."""
+    stages: Stages
+    """What activation walks, and what writes a version's history table."""
+
+    def move(
         self,
         revision: RevisionId,
         alias: str,
@@ -53,9 +60,9 @@ class Aliases(Stages):
 
         `slot`: the adapter's roll-out slot, held (`mint_core.registry.slots`): it serializes
         the adapter's moves, which keeps their numbers unique."""
-        return self._move_alias(revision, alias, actor, reason, approver, slot)[0].from_revision
+        return self._move(revision, alias, actor, reason, approver, slot)[0].from_revision
 
-    def _move_alias(
+    def _move(
         self,
         revision: RevisionId,
         alias: str,
@@ -66,12 +73,12 @@ class Aliases(Stages):
         registered: RegisteredRevision | None = None,
         moved: Callable[[], None] | None = None,
     ) -> tuple[AliasMove, RegisteredRevision]:
-        """`move_alias`; the move and the revision as now recorded. `registered`: the revision
+        """`move`; the move and the revision as now recorded. `registered`: the revision
         as already read (its tags and description), saving a read. `moved` is called as soon
         as workers can see the move (alias, intent and the adapter's change time written),
         before the move's own records are finished."""
         slot.check(revision.adapter)
-        model = self._model(revision.adapter)
+        model = self.store.model(revision.adapter)
         before = (model.aliases or {}).get(alias)
         records = self._move_records(revision.adapter)
         number = max((r.move.number for r in records), default=0)
@@ -87,86 +94,88 @@ class Aliases(Stages):
         )
         adapter, version = revision.adapter, str(revision.number)
         written: dict[str, str] = {}
-        with self._failing(f"move {adapter}@{alias} to {revision}"):
+        with self.store.failing(f"move {adapter}@{alias} to {revision}"):
             record = MoveRecord(move, done=False)
-            self._client.set_model_version_tag(adapter, version, move.tag, record.to_tag())
+            self.store.client.set_model_version_tag(adapter, version, move.tag, record.to_tag())
             intent = AliasIntent(revision.number, move.from_revision, actor, move.at, done=False)
             self._intend(adapter, alias, intent)
-            self._client.set_registered_model_alias(adapter, alias, version)
+            self.store.client.set_registered_model_alias(adapter, alias, version)
             self._intend(adapter, alias, replace(intent, done=True))
             aliases = {a: int(v) for a, v in (model.aliases or {}).items()}
             aliases[alias] = move.to_revision  # the move has happened: the table shows it
-            self._touch(adapter, model, moves_made([*records, record], aliases))
+            self.touch(adapter, model, moves_made([*records, record], aliases))
             if moved is not None:
                 moved()
             if alias != CANARY:  # a canary's moves (its start, its end) activate nothing
-                self._client.set_model_version_tag(adapter, version, ACTIVATED_AT_TAG, move.at)
+                self.store.client.set_model_version_tag(adapter, version, ACTIVATED_AT_TAG, move.at)
                 written[ACTIVATED_AT_TAG] = move.at
             done = MoveRecord(move, done=True)
-            self._client.set_model_version_tag(adapter, version, move.tag, done.to_tag())
+            self.store.client.set_model_version_tag(adapter, version, move.tag, done.to_tag())
             written[move.tag] = done.to_tag()
             if registered is None:
-                registered = self.get(revision)
+                registered = self.revisions.get(revision)
             else:
                 named = tuple(sorted(a for a, n in aliases.items() if n == revision.number))
                 registered = replace(registered, aliases=named, tags={**registered.tags, **written})
-            registered = self._describe_version(registered)
+            registered = self.stages.describe(registered)
         return move, registered
 
-    def point_alias(self, revision: RevisionId, alias: str, actor: str = "mint") -> None:
+    def point(self, revision: RevisionId, alias: str, actor: str = "mint") -> None:
         """Set `adapter@alias` to `revision` with no history: for working aliases such as
         `candidate`. Workers see the change at their next sync."""
         adapter = revision.adapter
-        model = self._model(adapter)
+        model = self.store.model(adapter)
         intent = _intent_from(model, alias, revision.number, actor)
-        with self._failing(f"point {adapter}@{alias} at {revision}"):
+        with self.store.failing(f"point {adapter}@{alias} at {revision}"):
             self._intend(adapter, alias, intent)
-            self._client.set_registered_model_alias(adapter, alias, str(revision.number))
+            self.store.client.set_registered_model_alias(adapter, alias, str(revision.number))
             self._intend(adapter, alias, replace(intent, done=True))
-        self._touch(adapter, model)
+        self.touch(adapter, model)
 
-    def drop_alias(self, adapter: str, alias: str, actor: str = "mint") -> None:
+    def drop(self, adapter: str, alias: str, actor: str = "mint") -> None:
         """Remove `adapter@alias` (nothing happens if it does not exist)."""
-        model = self._model_or_none(adapter)
+        model = self.store.model_or_none(adapter)
         if model is None:
             return
         intent = _intent_from(model, alias, None, actor)
-        with self._failing(f"remove {adapter}@{alias}"):
+        with self.store.failing(f"remove {adapter}@{alias}"):
             self._intend(adapter, alias, intent)
             try:
-                self._client.delete_registered_model_alias(adapter, alias)
+                self.store.client.delete_registered_model_alias(adapter, alias)
             except MlflowException as e:
                 if not missing(e):
                     raise
             self._intend(adapter, alias, replace(intent, done=True))
-        self._touch(adapter, model)
+        self.touch(adapter, model)
 
     def _intend(self, adapter: str, alias: str, intent: AliasIntent) -> None:
         """Record the pipeline's move of `adapter@alias` (see `mint_core.alias_intents`):
         workers follow an alias only where an intent accounts for it."""
-        self._client.set_registered_model_tag(adapter, INTENT_TAG + alias, intent.to_tag())
+        self.store.client.set_registered_model_tag(adapter, INTENT_TAG + alias, intent.to_tag())
 
-    def _touch(
+    def touch(
         self,
         adapter: str,
         model: RegisteredModel | None = None,
         moves: Sequence[AliasMove] | None = None,
     ) -> None:
-        # MLflow does not count an alias or tag change as an update of the registered model;
-        # re-setting its description does, and workers find changes by that time.
-        model = model or self._model_or_none(adapter)
+        """Mark `adapter` changed for workers' syncs (`model`: as already read, saving a read),
+        rewriting its alias history table with `moves` when given. MLflow does not count an
+        alias or tag change as an update of the registered model; re-setting its description
+        does, and workers find changes by that time."""
+        model = model or self.store.model_or_none(adapter)
         description = (model.description or "") if model else ""
         if moves is not None:  # the alias history table, rewritten with the moves made
             description = adapter_description(description, moves)
-        self._client.update_registered_model(adapter, description=description)
+        self.store.client.update_registered_model(adapter, description=description)
 
     def reject(self, revision: RevisionId, actor: str, reason: str) -> None:
         """Record that a gate (evaluation, approval, canary) stopped `revision` before
         activation, and why; it stops being the adapter's `candidate`, so workers stop keeping
         it for a roll-out that will not come."""
-        rejected = self.set_stage(revision, Stage.REJECTED, actor, reason)
+        rejected = self.stages.set(revision, Stage.REJECTED, actor, reason)
         if CANDIDATE in rejected.aliases:
-            self.drop_alias(revision.adapter, CANDIDATE)
+            self.drop(revision.adapter, CANDIDATE)
 
     def activate(
         self,
@@ -180,36 +189,36 @@ class Aliases(Stages):
         slot: RolloutSlot,
     ) -> int | None:
         """Put `registered`, ready on every worker of its base, in front of users: its stage
-        walks on to `ready`, `alias` moves to it (`move_alias`), its roll-out ends (`candidate`
+        walks on to `ready`, `alias` moves to it (`move`), its roll-out ends (`candidate`
         is dropped if it names it), its stage becomes `active`, and the revision `production`
         named before, if another, is `retired`. The revision `alias` named before. The caller
         has checked that its stage is one of `ACTIVATABLE` (`check_activatable`).
 
         `moved` is called as soon as workers can see the alias move, before the records that
         follow it: a caller nudges the workers then, so users get the revision without waiting
-        for the rest of this. `slot`: the adapter's roll-out slot, held (`move_alias`)."""
+        for the rest of this. `slot`: the adapter's roll-out slot, held (`move`)."""
         revision = registered.id
         slot.check(revision.adapter)  # before the stage walk, which the move must not strand
         steps = ACTIVATABLE[ACTIVATABLE.index(registered.stage) + 1 :]
-        registered = self.walk_stages(registered, steps, actor, "every worker reports it ready")
-        move, registered = self._move_alias(
+        registered = self.stages.walk(registered, steps, actor, "every worker reports it ready")
+        move, registered = self._move(
             revision, alias, actor, reason, approver, slot, registered, moved
         )
         if CANDIDATE in registered.aliases:
-            self.drop_alias(revision.adapter, CANDIDATE)  # its roll-out is over
-        self.set_stage(registered, Stage.ACTIVE, actor, reason)
+            self.drop(revision.adapter, CANDIDATE)  # its roll-out is over
+        self.stages.set(registered, Stage.ACTIVE, actor, reason)
         previous = move.from_revision
         if alias == PRODUCTION and previous is not None and previous != revision.number:
-            self.set_stage(RevisionId(revision.adapter, previous), Stage.RETIRED, actor, reason)
+            self.stages.set(RevisionId(revision.adapter, previous), Stage.RETIRED, actor, reason)
         return previous
 
-    def alias_history(self, adapter: str) -> list[AliasMove]:
-        """Every alias move of `adapter` that happened, oldest first (see `move_alias`)."""
-        return self._history(adapter)[1]
+    def history(self, adapter: str) -> list[AliasMove]:
+        """Every alias move of `adapter` that happened, oldest first (see `move`)."""
+        return self._now_and_moves(adapter)[1]
 
     def previous(self, adapter: str, alias: str = PRODUCTION) -> RevisionId:
         """The revision `alias` pointed at before its current one: what a rollback returns to."""
-        aliases, history = self._history(adapter)
+        aliases, history = self._now_and_moves(adapter)
         current = aliases.get(alias)
         if current is None:
             raise NotFoundError(f"{adapter}@{alias} does not exist in the registry")
@@ -224,9 +233,9 @@ class Aliases(Stages):
             "--to-revision"
         )
 
-    def _history(self, adapter: str) -> tuple[dict[str, int], list[AliasMove]]:
+    def _now_and_moves(self, adapter: str) -> tuple[dict[str, int], list[AliasMove]]:
         """Where `adapter`'s aliases point now, and the moves that took them there."""
-        model = self._model(adapter)
+        model = self.store.model(adapter)
         aliases = {alias: int(version) for alias, version in (model.aliases or {}).items()}
         return aliases, moves_made(self._move_records(adapter), aliases)
 
@@ -234,9 +243,9 @@ class Aliases(Stages):
         """Every alias-move record of `adapter`, in order: one search, paged."""
         records = []
         page_token = None
-        with self._failing(f"read the alias history of {adapter!r}"):
+        with self.store.failing(f"read the alias history of {adapter!r}"):
             while True:
-                page = self._client.search_model_versions(
+                page = self.store.client.search_model_versions(
                     f"name = '{adapter}'", page_token=page_token
                 )
                 for version in page:

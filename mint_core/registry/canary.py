@@ -3,11 +3,12 @@ requests workers send to it (a registered-model tag). Judging one is
 `mint_core.planning.canary_judge`'s."""
 
 import logging
+from dataclasses import dataclass
 
 from mlflow.entities.model_registry import RegisteredModel
 
 from mint_core.errors import ConfigurationError
-from mint_core.registry._mlflow import CANARY_PERCENT_TAG
+from mint_core.registry._mlflow import CANARY_PERCENT_TAG, MlflowStore
 from mint_core.registry.aliases import Aliases
 from mint_core.registry.slots import RolloutSlot
 from mint_core.revisions import CANARY, PRODUCTION, RevisionId
@@ -40,10 +41,15 @@ def canary_percent(model: RegisteredModel) -> float | None:
         return None
 
 
-class Canaries(Aliases):
+@dataclass(frozen=True)
+class Canaries:
     """Starting, ending and reading an adapter's canary."""
 
-    def start_canary(
+    store: MlflowStore
+    aliases: Aliases
+    """What moves and drops `canary`, recording each move."""
+
+    def start(
         self,
         revision: RevisionId,
         percent: float,
@@ -56,47 +62,47 @@ class Canaries(Aliases):
         has it ready: `adapter@canary` moves to it (recorded in the alias history) and the share
         is set beside it. The revision `canary` named before, if any. Workers follow at their
         next sync; a worker that does not have `revision` ready keeps serving production.
-        `slot`: the adapter's roll-out slot, held (`move_alias`)."""
+        `slot`: the adapter's roll-out slot, held (`Aliases.move`)."""
         check_canary_percent(percent)
         slot.check(revision.adapter)  # before the share, which must not go out without a move
-        self._model(revision.adapter)
-        with self._failing(f"set the canary share of {revision.adapter!r}"):
+        self.store.model(revision.adapter)
+        with self.store.failing(f"set the canary share of {revision.adapter!r}"):
             # The share first: a worker that syncs in between sees it with the old canary, or
             # with none (no canary traffic), never a new canary at a stale share.
-            self._client.set_registered_model_tag(
+            self.store.client.set_registered_model_tag(
                 revision.adapter, CANARY_PERCENT_TAG, str(float(percent))
             )
-        return self.move_alias(revision, CANARY, actor, reason, slot=slot)
+        return self.aliases.move(revision, CANARY, actor, reason, slot=slot)
 
-    def end_canary(
+    def end(
         self, adapter: str, actor: str = "mint", reason: str = "", *, slot: RolloutSlot
     ) -> RevisionId | None:
         """Stop sending `adapter@production`'s requests to a canary: the share is removed, the
         end is recorded in the alias history as a move of `canary` to the `production` revision
         with `reason` (the decision and its figures), and the alias is dropped. The revision the
         canary named; None, and nothing recorded, if there was no canary. Idempotent.
-        `slot`: the adapter's roll-out slot, held (`move_alias`)."""
+        `slot`: the adapter's roll-out slot, held (`Aliases.move`)."""
         slot.check(adapter)
-        model = self._model(adapter)
+        model = self.store.model(adapter)
         aliases = model.aliases or {}
         canary = aliases.get(CANARY)
         if CANARY_PERCENT_TAG in (model.tags or {}):
-            with self._failing(f"remove the canary share of {adapter!r}"):
-                self._client.delete_registered_model_tag(adapter, CANARY_PERCENT_TAG)
+            with self.store.failing(f"remove the canary share of {adapter!r}"):
+                self.store.client.delete_registered_model_tag(adapter, CANARY_PERCENT_TAG)
             if canary is None:
-                self._touch(adapter, model)  # the moves below touch it otherwise
+                self.aliases.touch(adapter, model)  # the moves below touch it otherwise
         if canary is None:
             return None
         # Without `production` the end is recorded on the canary revision itself.
         landing = int(aliases.get(PRODUCTION, canary))
-        self.move_alias(RevisionId(adapter, landing), CANARY, actor, reason, slot=slot)
-        self.drop_alias(adapter, CANARY)
+        self.aliases.move(RevisionId(adapter, landing), CANARY, actor, reason, slot=slot)
+        self.aliases.drop(adapter, CANARY)
         return RevisionId(adapter, int(canary))
 
-    def canary(self, adapter: str) -> tuple[RevisionId, float] | None:
+    def current(self, adapter: str) -> tuple[RevisionId, float] | None:
         """The canary revision of `adapter` and its share in percent, as the registry has them
         now; None when there is no canary."""
-        model = self._model(adapter)
+        model = self.store.model(adapter)
         canary = (model.aliases or {}).get(CANARY)
         percent = canary_percent(model)
         if canary is None or percent is None:

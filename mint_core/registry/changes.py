@@ -37,10 +37,13 @@ class AdapterAliases:
         return sanctioned(self.adapter, self.aliases, self.intents)
 
 
-class Changes(MlflowStore):
+@dataclass(frozen=True)
+class Changes:
     """Reading what changed in the registry, for workers' syncs."""
 
-    def adapters_changed_since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
+    store: MlflowStore
+
+    def since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
         """Every adapter updated (new revision, alias moved) at or after `since_ms` on the
         registry's clock, newest first: what a worker needs to catch up. The first page is
         small, as a sync usually finds a few changes at most; each next one is larger, up to
@@ -48,9 +51,9 @@ class Changes(MlflowStore):
         cannot answer."""
         changed: list[AdapterAliases] = []
         page_token = None
-        with self._failing("list adapters"):
+        with self.store.failing("list adapters"):
             while True:
-                page = self._client.search_registered_models(
+                page = self.store.client.search_registered_models(
                     max_results=page_size,
                     order_by=["last_updated_timestamp DESC"],
                     page_token=page_token,

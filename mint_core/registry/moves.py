@@ -1,5 +1,5 @@
 """An adapter's alias history as records: each move is one model-version tag, written as an
-intent before the alias moves and marked done after (`Aliases.move_alias`), and which moves
+intent before the alias moves and marked done after (`Aliases.move`), and which moves
 happened follows from the records and where the aliases point now. Pure: no MLflow calls."""
 
 import json

@@ -19,6 +19,7 @@ from mint_core.registry._mlflow import (
     KIND_TAG,
     STAGE_HISTORY_TAG,
     STAGE_TAG,
+    MlflowStore,
     missing,
 )
 from mint_core.registry.runs import Runs
@@ -92,8 +93,13 @@ class RegisteredRevision:
             )
 
 
-class Revisions(Runs):
+@dataclass(frozen=True)
+class Revisions:
     """Registering, resolving and listing revisions."""
+
+    store: MlflowStore
+    runs: Runs
+    """Where a revision's policy record is kept (`register`)."""
 
     def register(
         self,
@@ -105,7 +111,7 @@ class Revisions(Runs):
         reached: Sequence[StageMark] = (),
     ) -> RegisteredRevision:
         """Create the next revision of `policy.adapter`, linked to its training run `run_id`
-        (`start_training_run`; a run is made for an imported adapter), with `tags` beside its
+        (`Runs.start_training`; a run is made for an imported adapter), with `tags` beside its
         policy record. Its stage history starts with the pipeline's steps `reached` before
         (trained, frozen, packed, exported, with their times), then `registered`, all as
         `policy.created_by`'s, written with the version. Nothing is written unless the
@@ -123,7 +129,7 @@ class Revisions(Runs):
                 f"adapter {policy.adapter!r} was trained on base {policy.base_digest} but the "
                 f"serving base is {serving_base_digest}; retrain it on the serving base"
             )
-        existing = self._model_or_none(policy.adapter)
+        existing = self.store.model_or_none(policy.adapter)
         if existing is not None:
             adapter_base = existing.tags.get(BASE_DIGEST_TAG)
             if adapter_base and adapter_base != policy.base_digest:
@@ -134,17 +140,17 @@ class Revisions(Runs):
         history = first_history(reached, policy.created_by)
         tags = {**(tags or {}), STAGE_HISTORY_TAG: json.dumps(history)}
         imported = run_id is None
-        with self._failing(f"register {policy.adapter!r}"):
-            run_id = self._start_release_run(policy, run_id)
+        with self.store.failing(f"register {policy.adapter!r}"):
+            run_id = self.runs.start_release(policy, run_id)
             try:
                 version = self._create_version(policy, artifact_uri, run_id, existing, tags)
             except Exception:
                 if imported:  # its run made nothing: say so rather than leave it running
                     with contextlib.suppress(MlflowException, RegistryError):
-                        self._answering.end_run(run_id, "FAILED")
+                        self.store.end_run(run_id, "FAILED")
                 raise
             revision = str(RevisionId(policy.adapter, int(version.version)))
-            self._finish_release_run(run_id, policy, revision, imported)
+            self.runs.finish_release(run_id, policy, revision, imported)
         return RegisteredRevision.from_version(version, aliases=())
 
     def _create_version(
@@ -161,12 +167,12 @@ class Revisions(Runs):
             # MLflow keeps registered-model tag values in String(5000), which PostgreSQL
             # enforces: MinT's are a word and the serving base's sha256 digest, and history
             # goes to model-version tags (Text).
-            self._client.create_registered_model(
+            self.store.client.create_registered_model(
                 policy.adapter,
                 tags={KIND_TAG: ADAPTER_KIND, BASE_DIGEST_TAG: policy.base_digest},
                 description=f"MinT adapter over base {policy.base_model_id}",
             )
-        return self._client.create_model_version(
+        return self.store.client.create_model_version(
             policy.adapter,
             source=artifact_uri,
             run_id=run_id,
@@ -181,16 +187,18 @@ class Revisions(Runs):
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         """The revision `ref` names now. NotFoundError names the adapter, alias or revision."""
-        with self._failing(f"resolve {ref}"):
+        with self.store.failing(f"resolve {ref}"):
             try:
                 if ref.revision is not None:
-                    version = self._client.get_model_version(ref.adapter, str(ref.revision))
+                    version = self.store.client.get_model_version(ref.adapter, str(ref.revision))
                 else:
-                    version = self._client.get_model_version_by_alias(ref.adapter, str(ref.alias))
+                    version = self.store.client.get_model_version_by_alias(
+                        ref.adapter, str(ref.alias)
+                    )
             except MlflowException as e:
                 # One request when it exists; when not, more say what is missing: the adapter,
                 # or the revision or alias of a registered one (and which revisions it has).
-                self._model(ref.adapter)
+                self.store.model(ref.adapter)
                 if missing(e) or "not found" in str(e).lower():
                     raise NotFoundError(self._missing(ref)) from None
                 raise
@@ -200,7 +208,7 @@ class Revisions(Runs):
         """Why `ref`, of a registered adapter, names nothing, with the revisions it has: an
         adapter registered but never released has no `production` yet, which is not the same
         as not existing."""
-        versions = self._client.search_model_versions(f"name = '{ref.adapter}'")
+        versions = self.store.client.search_model_versions(f"name = '{ref.adapter}'")
         numbers = sorted(int(version.version) for version in versions)
         if not numbers:
             registered = "no revision registered"
@@ -222,41 +230,43 @@ class Revisions(Runs):
     def get(self, revision: RevisionId) -> RegisteredRevision:
         return self.resolve(RevisionRef(revision.adapter, revision=revision.number))
 
-    def set_revision_tag(self, revision: RevisionId, key: str, value: str) -> None:
-        with self._failing(f"tag {revision} with {key}"):
-            self._client.set_model_version_tag(revision.adapter, str(revision.number), key, value)
+    def set_tag(self, revision: RevisionId, key: str, value: str) -> None:
+        with self.store.failing(f"tag {revision} with {key}"):
+            self.store.client.set_model_version_tag(
+                revision.adapter, str(revision.number), key, value
+            )
 
     def has_adapter(self, adapter: str) -> bool:
-        return self._model_or_none(adapter) is not None
+        return self.store.model_or_none(adapter) is not None
 
     def adapters(self) -> list[str]:
-        models = self._client.search_registered_models(
+        models = self.store.client.search_registered_models(
             filter_string=f"tags.`{KIND_TAG}` = '{ADAPTER_KIND}'"
         )
         return sorted(model.name for model in models)
 
-    def revisions(self, adapter: str) -> list[RegisteredRevision]:
+    def of(self, adapter: str) -> list[RegisteredRevision]:
         """Every revision of `adapter`, oldest first, with its aliases."""
-        model = self._model(adapter)
+        model = self.store.model(adapter)
         aliases: dict[str, list[str]] = {}
         for alias, version in (model.aliases or {}).items():
             aliases.setdefault(str(version), []).append(alias)
-        versions = self._client.search_model_versions(f"name = '{adapter}'")
+        versions = self.store.client.search_model_versions(f"name = '{adapter}'")
         revisions = [
             RegisteredRevision.from_version(v, tuple(sorted(aliases.get(str(v.version), []))))
             for v in versions
         ]
         return sorted(revisions, key=lambda r: r.id.number)
 
-    def all_revisions(self, page_size: int = VERSIONS_PAGE) -> Iterator[list[RegisteredRevision]]:
+    def pages(self, page_size: int = VERSIONS_PAGE) -> Iterator[list[RegisteredRevision]]:
         """Every revision of every adapter, a page at a time, in name and number order: what a
         catalog is built from. Versions that carry no policy record (models that are not MinT
         adapters) are left out. A revision registered while this runs may be missed: a catalog
         asks for one it lacks when it is named. RegistryError if MLflow cannot answer."""
         page_token = None
         while True:
-            with self._failing("list every revision"):
-                page = self._client.search_model_versions(
+            with self.store.failing("list every revision"):
+                page = self.store.client.search_model_versions(
                     max_results=page_size,
                     order_by=["name ASC", "version_number ASC"],
                     page_token=page_token,

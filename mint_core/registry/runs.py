@@ -64,100 +64,103 @@ def _now_ms() -> int:
     return int(datetime.now(UTC).timestamp() * 1000)
 
 
-class Runs(MlflowStore):
+@dataclass(frozen=True)
+class Runs:
     """Training runs and the runs policy records are kept in."""
 
+    store: MlflowStore
+
     def _experiment_id(self) -> str:
-        known = _EXPERIMENT_IDS.get(self.tracking_uri)
+        known = _EXPERIMENT_IDS.get(self.store.tracking_uri)
         if known is not None:
             return known
-        experiment = self._client.get_experiment_by_name(EXPERIMENT)
+        experiment = self.store.client.get_experiment_by_name(EXPERIMENT)
         if experiment is None:
-            experiment_id = self._client.create_experiment(
+            experiment_id = self.store.client.create_experiment(
                 EXPERIMENT, tags={EXPERIMENT_KIND_TAG: MODEL_DEVELOPMENT}
             )
         else:
             experiment_id = experiment.experiment_id
             if experiment.tags.get(EXPERIMENT_KIND_TAG) != MODEL_DEVELOPMENT:
                 # An experiment made before MinT set its kind (MLflow would open it as GenAI).
-                self._client.set_experiment_tag(
+                self.store.client.set_experiment_tag(
                     experiment_id, EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT
                 )
-        _EXPERIMENT_IDS[self.tracking_uri] = experiment_id
+        _EXPERIMENT_IDS[self.store.tracking_uri] = experiment_id
         return experiment_id
 
     def _create_run(self, run_name: str, tags: Mapping[str, str]) -> Run:
         """A new run in `EXPERIMENT`. The remembered experiment may have been deleted (or the
         server's database replaced) since it was looked up: then it is looked up again, once."""
-        remembered = self.tracking_uri in _EXPERIMENT_IDS
+        remembered = self.store.tracking_uri in _EXPERIMENT_IDS
         try:
-            return self._client.create_run(self._experiment_id(), run_name=run_name, tags=tags)
+            return self.store.client.create_run(self._experiment_id(), run_name=run_name, tags=tags)
         except MlflowException as e:
             # A deleted experiment is refused as an invalid parameter, an unknown one as missing.
             if not remembered or not (missing(e) or e.error_code == "INVALID_PARAMETER_VALUE"):
                 raise
-            _EXPERIMENT_IDS.pop(self.tracking_uri, None)
-            return self._client.create_run(self._experiment_id(), run_name=run_name, tags=tags)
+            _EXPERIMENT_IDS.pop(self.store.tracking_uri, None)
+            return self.store.client.create_run(self._experiment_id(), run_name=run_name, tags=tags)
 
-    def start_training_run(
-        self, adapter: str, params: Mapping[str, str], dataset: DatasetLog
-    ) -> str:
+    def start_training(self, adapter: str, params: Mapping[str, str], dataset: DatasetLog) -> str:
         """An MLflow run for training a revision of `adapter`: its hyperparameters as params,
         its dataset as the run's input (with the file as an artifact when it is local). The
-        loss curve follows (`log_losses`), then `finish_training_run`."""
-        with self._failing(f"start a training run for {adapter!r}"):
+        loss curve follows (`log_losses`), then `finish_training`."""
+        with self.store.failing(f"start a training run for {adapter!r}"):
             run_id = self._create_run(
                 f"{adapter}-train", {TAG_PREFIX + "adapter": adapter}
             ).info.run_id
-            self._client.log_batch(run_id, params=_params(params))
-            self._client.log_inputs(run_id, [dataset.input()])
+            self.store.client.log_batch(run_id, params=_params(params))
+            self.store.client.log_inputs(run_id, [dataset.input()])
             if dataset.local_path is not None:
-                self._client.log_artifact(run_id, str(dataset.local_path), "dataset")
+                self.store.client.log_artifact(run_id, str(dataset.local_path), "dataset")
         return run_id
 
     def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
         """Every param in `params`, in one request (a param, once logged, never changes)."""
-        self._client.log_batch(run_id, params=_params(params))
+        self.store.client.log_batch(run_id, params=_params(params))
 
     def log_losses(self, run_id: str, name: str, losses: Sequence[tuple[int, float]]) -> None:
         """Metric `name` at each (step, value), in one request."""
         now = _now_ms()
         metrics = [Metric(name, value, now, step) for step, value in losses]
-        self._client.log_batch(run_id, metrics=metrics)
+        self.store.client.log_batch(run_id, metrics=metrics)
 
     def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, float]) -> None:
         """Every metric in `metrics` at `step`, in one request."""
         now = _now_ms()
         batch = [Metric(name, value, now, step) for name, value in sorted(metrics.items())]
-        self._client.log_batch(run_id, metrics=batch)
+        self.store.client.log_batch(run_id, metrics=batch)
 
-    def finish_training_run(
+    def finish_training(
         self, run_id: str, metrics: Mapping[str, float], step: int, failed: bool = False
     ) -> None:
         """Record the evaluation metrics and end the run (FAILED when training failed): two
         requests, whatever the number of metrics."""
         self.log_metrics(run_id, step, metrics)
-        self._answering.end_run(run_id, "FAILED" if failed else "FINISHED")
+        self.store.end_run(run_id, "FAILED" if failed else "FINISHED")
 
-    def _start_release_run(self, policy: PolicyRecord, run_id: str | None) -> str:
+    def start_release(self, policy: PolicyRecord, run_id: str | None) -> str:
         """The run the policy record is kept in, the record written as its JSON artifact: the
         training run `run_id`, or a new run for an imported adapter (which has no training
-        run), which `_finish_release_run` ends."""
+        run), which `finish_release` ends."""
         if run_id is not None:
-            self._client.log_text(run_id, policy.to_json(), POLICY_FILE)
+            self.store.client.log_text(run_id, policy.to_json(), POLICY_FILE)
             return run_id
         name = f"{policy.adapter}-{policy.content_digest[7:19]}"
         run = self._create_run(name, {TAG_PREFIX + "adapter": policy.adapter})
         # The new run says where its artifacts go: writing there saves the read of the run
         # that `log_text` makes to find out.
-        repository = get_artifact_repository(run.info.artifact_uri, tracking_uri=self.tracking_uri)
+        repository = get_artifact_repository(
+            run.info.artifact_uri, tracking_uri=self.store.tracking_uri
+        )
         with tempfile.TemporaryDirectory(prefix="mint-policy-") as folder:
             path = Path(folder) / POLICY_FILE
             path.write_text(policy.to_json(), encoding="utf-8")
             repository.log_artifact(str(path))
         return run.info.run_id
 
-    def _finish_release_run(
+    def finish_release(
         self, run_id: str, policy: PolicyRecord, revision: str, imported: bool
     ) -> None:
         """Name the run after the revision it made, which exists only once its model version
@@ -172,6 +175,6 @@ class Runs(MlflowStore):
                 for name, value in sorted(policy.eval_metrics.items())
             ]
         tags = [RunTag(RUN_NAME_TAG, revision), RunTag(REVISION_RUN_TAG, revision)]
-        self._client.log_batch(run_id, metrics=metrics, tags=tags)
+        self.store.client.log_batch(run_id, metrics=metrics, tags=tags)
         if imported:
-            self._answering.end_run(run_id, "FINISHED")
+            self.store.end_run(run_id, "FINISHED")

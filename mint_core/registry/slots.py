@@ -1,10 +1,10 @@
 """An adapter's roll-out slot as a value: what every move of one of its aliases needs.
 
 Each alias move takes the next number in its adapter's alias history from the records it reads
-(`Aliases.move_alias`), so two moves of one adapter at once can write one number twice. The
+(`Aliases.move`), so two moves of one adapter at once can write one number twice. The
 slot that keeps them apart is a lock outside the domain (a Prefect global concurrency limit,
 `tasks.pipeline.rollout_lock`, held across processes); the domain sees the `RolloutSlot` that
-lock hands its holder. Every alias move (`move_alias`, `activate`, a canary's start and end)
+lock hands its holder. Every alias move (`Aliases.move`, `activate`, a canary's start and end)
 takes one as a required argument and refuses one that is another adapter's or no longer held,
 so a move outside the lock fails at the call instead of racing."""
 

@@ -92,13 +92,13 @@ class FaultyClient:
 
 @pytest.fixture
 def inject(registry: Registry) -> Iterator[Callable[[Fault], None]]:
-    healthy = registry._client
+    healthy = registry.store.client
 
     def install(fails: Fault) -> None:
-        registry._client = FaultyClient(healthy, fails)  # type: ignore[assignment]
+        registry.store.client = FaultyClient(healthy, fails)  # type: ignore[assignment]
 
     yield install
-    registry._client = healthy
+    registry.store.client = healthy
 
 
 def test_an_error_reading_the_alias_moves_nothing(registry: Registry, inject: Callable) -> None:

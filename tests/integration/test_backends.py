@@ -219,7 +219,7 @@ def test_an_adapter_vllm_refuses_fails_with_its_reason_and_production_stays(
             env.setenv(name, value)
         with pytest.raises(NotReadyError, match="max_lora_rank"):
             release(OPEN, "reverse", steps=5, rank=16, alpha=32)
-    refused = max(scenario.registry.revisions(OPEN), key=lambda r: r.id.number).id
+    refused = max(scenario.registry.revisions.of(OPEN), key=lambda r: r.id.number).id
     assert refused.number > before.number
     entry = readiness(scenario.worker(BackendKind.VLLM), refused)
     assert entry["state"] == "failed"

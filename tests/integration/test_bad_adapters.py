@@ -76,7 +76,7 @@ def test_mint_import_of_a_nan_adapter_registers_nothing(
     printed = capsys.readouterr()
     assert re.search(names(tensor), printed.out + printed.err)
     with pytest.raises(NotFoundError):
-        Registry(fleet_config.tracking_uri).revisions("nan-bot")
+        Registry(fleet_config.tracking_uri).revisions.of("nan-bot")
 
 
 def test_a_revision_holding_a_nan_fails_prewarm_naming_the_tensor_and_is_never_ready(

@@ -114,7 +114,7 @@ def test_a_good_candidate_is_promoted_and_a_bad_one_rolled_back(
     print(reason)  # the figures, for `pytest -s`
     assert promoted, reason
     assert registry.resolve(RevisionRef(ADAPTER)).id == good
-    assert registry.canary(ADAPTER) is None
+    assert registry.canary.current(ADAPTER) is None
 
     promoted, reason, client = canary_under_traffic(worker, bad)
     assert client.failures == []
@@ -124,7 +124,7 @@ def test_a_good_candidate_is_promoted_and_a_bad_one_rolled_back(
     assert reason.startswith("rolled back: mean feedback")
     assert registry.resolve(RevisionRef(ADAPTER)).id == good
     assert registry.get(bad).stage is Stage.REJECTED
-    assert registry.canary(ADAPTER) is None
+    assert registry.canary.current(ADAPTER) is None
 
     canary_moves = [m for m in registry.alias_history(ADAPTER) if m.alias == CANARY]
     assert [(m.to_revision, m.reason.split(":")[0]) for m in canary_moves] == [
@@ -141,13 +141,13 @@ def test_a_good_candidate_is_promoted_and_a_bad_one_rolled_back(
 
     # A canary stopped on its way (here: promotion needs an approval that never comes) hands
     # its share back to production and leaves production where it was.
-    registry.set_gates(ADAPTER, registry.gates(ADAPTER).changed(
+    registry.set_gates(ADAPTER, registry.gates.of(ADAPTER).changed(
         requires_approval=True, approvers=["alice"], approval_timeout_s=2))  # fmt: skip
     client = ScoringClient(worker.url)
     with client.running(), pytest.raises(RejectedError, match="no allowed answer within 2 s"):
         canary(ADAPTER, first.number, **SETTINGS)  # r1, as good as r2: promoted, pending approval
     assert client.failures == []
-    assert registry.canary(ADAPTER) is None
+    assert registry.canary.current(ADAPTER) is None
     assert registry.resolve(RevisionRef(ADAPTER)).id == good
     assert registry.get(first).stage is Stage.REJECTED
     assert registry.alias_history(ADAPTER)[-1].reason.startswith("stopped: RejectedError")

@@ -95,9 +95,9 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
         for percent in (0, -5, 100.5, math.nan):
             with pytest.raises(ConfigurationError, match="above 0 and at most 100"):
                 registry.start_canary(r2, percent, slot=slot)
-        assert registry.canary("canary-forms") is None
+        assert registry.canary.current("canary-forms") is None
         assert registry.start_canary(r2, 12.5, "lead", "watch r2", slot=slot) is None
-    assert registry.canary("canary-forms") == (r2, 12.5)
+    assert registry.canary.current("canary-forms") == (r2, 12.5)
     catalog = Catalog(registry)
     try:
         catalog.sync()
@@ -106,7 +106,7 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
 
         with rollout_lock("canary-forms") as slot:
             assert registry.end_canary("canary-forms", "lead", "r2 worse: figures", slot=slot) == r2
-        assert registry.canary("canary-forms") is None
+        assert registry.canary.current("canary-forms") is None
         assert CANARY not in registry.get(r2).aliases
         catalog.sync()
         assert catalog.canary("canary-forms") is None

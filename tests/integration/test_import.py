@@ -153,7 +153,7 @@ def test_adapter_for_another_base_is_refused_before_anything_is_registered(
     printed = capsys.readouterr()
     assert re.search(message, printed.out + printed.err), printed
     with pytest.raises(NotFoundError):
-        Registry(fleet_config.tracking_uri).revisions(f"alien-{kind}")
+        Registry(fleet_config.tracking_uri).revisions.of(f"alien-{kind}")
 
 
 def test_unsupported_adapters_are_refused_naming_the_problem(
@@ -310,4 +310,4 @@ def test_mint_import_of_an_adapter_of_another_base_registers_nothing(
     printed = capsys.readouterr()
     assert re.search(r"\(a qwen2 model\), but the base is tiny-mistral", printed.err), printed
     with pytest.raises(NotFoundError):
-        Registry(fleet_config.tracking_uri).revisions("qwen2-on-mistral")
+        Registry(fleet_config.tracking_uri).revisions.of("qwen2-on-mistral")

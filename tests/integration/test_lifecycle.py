@@ -43,7 +43,7 @@ def test_rollback_brings_back_r1_without_training(fleet: Fleet) -> None:
     assert answer(worker, f"{name}@production") == r1
     # No training ran and no revision was made.
     assert sorted((config.work_root / "train").iterdir()) == trained_before
-    first, second = registry.revisions(name)
+    first, second = registry.revisions.of(name)
     assert (first.stage, first.aliases, second.stage) == (
         Stage.ACTIVE,
         ("production",),
@@ -148,13 +148,13 @@ def test_release_killed_mid_step_leaves_nothing_that_looks_complete(
     registry = Registry(fleet.config.tracking_uri)
     # Killed in export, the adapter is not registered; in register, it may be, with no revision.
     with contextlib.suppress(NotFoundError):
-        assert registry.revisions(name) == []
+        assert registry.revisions.of(name) == []
     with pytest.raises(NotFoundError):
         registry.resolve(RevisionRef(name, alias="production"))
 
     release(name, "upper", steps=10)  # the rerun
 
-    (revision,) = registry.revisions(name)
+    (revision,) = registry.revisions.of(name)
     assert (revision.id.number, revision.stage) == (1, Stage.ACTIVE)
     assert revision.aliases == ("production",)
     assert fleet.store.holds(revision.artifact_uri)

@@ -104,7 +104,7 @@ def test_mint_gates_prints_approvers_by_name(
     assert "('alice',)" not in out
     (line,) = [line for line in out.splitlines() if line.startswith("approvers")]
     assert line.split() == ["approvers", "alice"]
-    assert Registry(tiny_config.tracking_uri).gates(adapter).approvers == ("alice",)
+    assert Registry(tiny_config.tracking_uri).gates.of(adapter).approvers == ("alice",)
 
 
 @pytest.mark.slow

@@ -82,7 +82,7 @@ def test_a_registry_call_waits_out_a_short_outage(
         lines[0],
     ), lines[0]
     assert re.match(rf"MLflow at {server.url} answers again, after \d+ s$", lines[1]), lines[1]
-    (revision,) = [r.id for r in registry.revisions(adapter)]  # one, written whole
+    (revision,) = [r.id for r in registry.revisions.of(adapter)]  # one, written whole
     assert registry.get(revision).policy == policy
 
 

@@ -124,7 +124,7 @@ def test_a_version_that_cannot_be_created_leaves_no_revision_and_a_failed_run(
     second = policy_of(adapter, 2)
     with pytest.raises(RegistryError, match="Invalid model version source"):
         registry.register(second, "mint-local://x", second.base_digest)
-    assert [r.id.number for r in registry.revisions(adapter)] == [1]
+    assert [r.id.number for r in registry.revisions.of(adapter)] == [1]
     client = MlflowClient(mlflow_server.url)
     runs = client.search_runs(
         [client.get_experiment_by_name("mint-releases").experiment_id],

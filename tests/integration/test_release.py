@@ -74,7 +74,7 @@ def test_release_records_policy_and_stages_in_mlflow(
     released: dict[str, str], fleet_config: MintConfig, base: object
 ) -> None:
     registry = Registry(fleet_config.tracking_uri)
-    (revision,) = registry.revisions("upper-bot")
+    (revision,) = registry.revisions.of("upper-bot")
     assert revision.aliases == ("production",)
     assert revision.stage is Stage.ACTIVE
     assert revision.policy.base_digest == base.digest  # type: ignore[attr-defined]
@@ -124,7 +124,7 @@ def test_second_release_moves_production_only_after_the_worker_is_ready(
     assert details(worker, "line-bot:r2", "hello=")[1] != before[1]
 
     registry = Registry(fleet_config.tracking_uri)
-    r1, r2 = registry.revisions("line-bot")
+    r1, r2 = registry.revisions.of("line-bot")
     assert (r1.stage, r1.aliases, r2.stage, r2.aliases) == (
         Stage.RETIRED, (), Stage.ACTIVE, ("production",)
     )  # fmt: skip

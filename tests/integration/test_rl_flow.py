@@ -84,7 +84,7 @@ def test_rl_flow_ships_each_sync_and_continues_from_a_revision(
         rl("rl-bot", group=1)
     with pytest.raises(ConfigurationError, match="max_chars=2: no toy word is that short"):
         rl("rl-bot", max_chars=2)
-    assert [r.id.number for r in registry.revisions("rl-bot")] == [1, 2, 3]
+    assert [r.id.number for r in registry.revisions.of("rl-bot")] == [1, 2, 3]
 
     # From r2, at a rank the start overrides: r4 is r2 again, r5 trained on from it.
     again = rl("rl-bot", start="rl-bot:r2", steps=2, prompts=2, group=4, sync_every=2,

@@ -120,7 +120,7 @@ def test_an_rl_sync_and_a_release_of_one_adapter_move_its_aliases_in_turn(
     with rollout_lock(name):
         syncing = run(lambda: rl(name, steps=3, prompts=2, group=2, sync_every=1, max_chars=3))
         deadline = time.monotonic() + 300
-        while not registry.has_adapter(name) or not registry.revisions(name):
+        while not registry.has_adapter(name) or not registry.revisions.of(name):
             assert time.monotonic() < deadline and not failures, failures
             time.sleep(0.5)
         # As long as the slot is held, the run's first revision goes no further than registered
@@ -148,7 +148,7 @@ def test_an_rl_sync_and_a_release_of_one_adapter_move_its_aliases_in_turn(
     # Every move is recorded once: the tags of every version together hold no number twice.
     recorded = [
         key
-        for revision in registry.revisions(name)
+        for revision in registry.revisions.of(name)
         for key in registry.get(revision.id).tags
         if key.startswith(ALIAS_MOVE_TAG)
     ]

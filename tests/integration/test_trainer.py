@@ -168,7 +168,7 @@ def test_a_supervised_loop_learns_and_its_revision_answers_through_a_worker_as_i
         np.testing.assert_allclose(served, trained, atol=2e-4)
 
     registry = Registry(trainer_config.tracking_uri)
-    registered = registry.revisions("tinker-upper")[-1]
+    registered = registry.revisions.of("tinker-upper")[-1]
     policy = registered.policy
     assert policy.base_digest == base.digest and policy.training_steps == STEPS
     assert policy.dataset.startswith("tinker session ") and policy.principals == ("team-a",)
@@ -406,7 +406,7 @@ def test_mint_adapter_names_the_revision_wherever_the_sdk_sends_it(
     registry = Registry(trainer_config.tracking_uri)
 
     def shipped(adapter: str) -> list[str]:
-        return [r.policy.dataset for r in registry.revisions(adapter)]
+        return [r.policy.dataset for r in registry.revisions.of(adapter)]
 
     with service(trainer) as sc:
         client = sc.create_lora_training_client(base_model=base_name, rank=4, seed=9).result()

@@ -244,7 +244,6 @@ def base_classes_defined_beside(package: Path) -> list[str]:
     )
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 3: composition in progress")
 def test_the_registry_is_composed_not_inherited() -> None:
     """An alias move is found by reading `Registry`'s fields, not an inheritance order."""
     assert base_classes_defined_beside(ROOT / "mint_core" / "registry") == []
