@@ -10,11 +10,11 @@ import pytest
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
-from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.errors import RegistryError
 from mint_core.registry import AliasMove, MoveRecord, Registry, moves_made
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
+from processes import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import move_alias
 

@@ -23,7 +23,6 @@ import pytest
 import torch
 from peft import PeftModel
 
-from control.services import ManagedProcess
 from flows.promote import rollback
 from mint_core.config import BackendKind
 from mint_core.errors import NotFoundError, NotReadyError
@@ -31,6 +30,7 @@ from mint_core.model.base import BaseModel
 from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import RevisionId, RevisionRef
+from processes import ManagedProcess
 from tests.integration.helpers import MixedFleet, most_prewarming_at_once, register_random_adapter
 from tests.integration.helpers import toy_release as release
 

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from control.worker_client import WorkerClient
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
-from control.services import ManagedProcess
-from control.worker_client import WorkerClient
 from mint_cli import main as mint
 from mint_core.artifacts import freezing
 from mint_core.artifacts.freezing import PEFT_WEIGHTS, freeze
@@ -23,6 +22,7 @@ from mint_core.model import imports
 from mint_core.model.base import BaseModel
 from mint_core.model.imports import inspect_import
 from mint_core.registry import Registry
+from processes import ManagedProcess
 from tasks.pipeline import (
     check_import,
     export_adapter,

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import httpx
 import pytest
 
-from control.services import ManagedProcess
 from flows.canary import canary
 from mint_core.config import MintConfig
 from mint_core.errors import RejectedError
@@ -21,6 +20,7 @@ from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.revisions import CANARY, RevisionId, RevisionRef
 from mint_core.states import Stage
+from processes import ManagedProcess
 from tests.integration.helpers import register_step_by_step
 from tests.integration.helpers import toy_release as release
 

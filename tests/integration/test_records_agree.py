@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from control.services import ManagedProcess
 from mint_cli.rollout import GATE_OPTIONS, cmd_gates
 from mint_core.config import MintConfig
 from mint_core.gates import Gates
@@ -22,6 +21,7 @@ from mint_core.model.training import TrainingConfig, train_lora
 from mint_core.planning.evaluation import EvalSet, Evaluation, SetScore
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
+from processes import ManagedProcess
 from tasks.pipeline import load_data, train_adapter
 from tests.helpers import make_policy
 

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from control.services import ManagedProcess, start_mlflow
+from control.services import start_mlflow
 from mint_core.artifacts.digests import sha256_json
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.registry_outages import LOGGER, wait_out_registry_outages
+from processes import ManagedProcess
 from tests.helpers import make_policy
 from tests.integration.helpers import mint_env, start_mint, toy_data, wait_for
 

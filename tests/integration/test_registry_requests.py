@@ -13,7 +13,6 @@ import pytest
 import requests
 from mlflow.tracking import MlflowClient
 
-from control.services import ManagedProcess
 from mint_core.artifacts.digests import sha256_json
 from mint_core.errors import RegistryError
 from mint_core.registry import (
@@ -26,6 +25,7 @@ from mint_core.registry import (
 from mint_core.registry.stage_log import UNREGISTERED
 from mint_core.revisions import PRODUCTION, RevisionRef
 from mint_core.states import Stage
+from processes import ManagedProcess
 from tasks.pipeline import rollout_lock
 from tests.helpers import make_policy
 

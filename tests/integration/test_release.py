@@ -8,11 +8,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from control.worker_client import WorkerClient
 from mlflow.tracking import MlflowClient
 
-from control.services import ManagedProcess
 from control.status import format_table, status_rows
-from control.worker_client import WorkerClient
 from mint_core.artifacts.digests import sha256_file
 from mint_core.config import MintConfig
 from mint_core.errors import BaseMismatchError, DatasetError, NotFoundError, TransitionError
@@ -22,6 +21,7 @@ from mint_core.model.toy import RECIPE, Task, held_out_words, prompt_for
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
+from processes import ManagedProcess
 from tasks.pipeline import (
     admit_revision,
     prewarm_revision,

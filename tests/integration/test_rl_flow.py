@@ -13,13 +13,13 @@ from collections.abc import Iterator
 import pytest
 from mlflow import MlflowClient
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
 from mint_core.model.base import BaseSource
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
+from processes import ManagedProcess
 from serving.worker.server import start_worker
 
 SPEC = TinySpec(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=32, num_experts=4,

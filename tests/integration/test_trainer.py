@@ -15,12 +15,12 @@ import pytest
 import tinker
 from tinker import types
 
-from control.services import ManagedProcess
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import Task, held_out_words, prompt_for, training_stream
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION
+from processes import ManagedProcess
 from tasks.pipeline import admit_revision
 from tests.integration.helpers import activate
 from trainer.server import start_trainer
