@@ -1,16 +1,28 @@
 """Helpers several test modules of every lane share (fixtures stay in the conftest.py files; a
 test module imports nothing from another test module): synthetic adapters, tiny bases and
 tiny members of each model family built in-process, tiny engines' adapters, a policy
-record, and a registry held in memory. Nothing here starts a process or imports the process
+record, a registry held in memory as a catalog reads it, and an MLflow registry held in memory
+under a real `Registry`. Nothing here starts a process or imports the process
 machinery (services, workers, Prefect, S3, PostgreSQL): tests/unit imports it; what
 integration tests share besides is tests/integration/helpers.py."""
 
 import copy
 import dataclasses
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
+from mlflow.entities.model_registry import (
+    ModelVersion,
+    ModelVersionTag,
+    RegisteredModel,
+    RegisteredModelAlias,
+    RegisteredModelTag,
+)
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, RESOURCE_DOES_NOT_EXIST
+from mlflow.store.entities.paged_list import PagedList
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import (
     AutoModelForCausalLM,
@@ -29,7 +41,7 @@ from mint_core.model.base import BaseModel, BaseSource, load_base
 from mint_core.model.generate import seeded
 from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec, ensure_tiny, save_base_folder
 from mint_core.model.toy import held_out_words, prompt_for
-from mint_core.registry import AdapterAliases, RegisteredRevision
+from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
 
@@ -198,3 +210,254 @@ class MemoryRegistry:
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         raise NotFoundError(f"{ref} names nothing")
+
+
+# --- An MLflow registry held in memory ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _StoredVersion:
+    source: str
+    run_id: str | None
+    tags: dict[str, str]
+    description: str
+
+
+@dataclasses.dataclass
+class _StoredModel:
+    description: str
+    tags: dict[str, str]
+    updated_ms: int
+    aliases: dict[str, int] = dataclasses.field(default_factory=dict)
+    versions: dict[int, _StoredVersion] = dataclasses.field(default_factory=dict)
+
+
+Fault = Callable[[str, int], Exception | None]
+"""(method, how many times it has been called) -> the error this call raises instead of
+happening, or None."""
+
+
+def _absent(what: str) -> MlflowException:
+    return MlflowException(f"{what} not found", error_code=RESOURCE_DOES_NOT_EXIST)
+
+
+class MemoryMlflow:
+    """The `MlflowClient` calls the registry's parts make, over registered models and versions
+    kept in memory, as MLflow's server answers them: every answer is a new entity (what was
+    read does not change when the registry does); an alias or tag write leaves the model's
+    last-updated time, a description or a new version moves it; an absent model, version or
+    alias is refused as `RESOURCE_DOES_NOT_EXIST`. Runs are only ids: what is logged to them
+    is kept in `logged`.
+
+    `fails(method, call)` injects a fault: a call it returns an error for raises it and
+    changes nothing (a server that refused, or a mover killed before that write). `calls`
+    counts every call by method, `writes` lists each write that happened, in order."""
+
+    def __init__(self) -> None:
+        self.models: dict[str, _StoredModel] = {}
+        self.calls: Counter[str] = Counter()
+        self.writes: list[tuple[str, tuple[object, ...]]] = []
+        self.logged: list[tuple[str, str]] = []
+        """(run id, what was logged) per logging call."""
+        self.fails: Fault = lambda method, call: None
+        self.clock_ms = 1000
+
+    def _call(self, method: str, *written: object) -> None:
+        self.calls[method] += 1
+        error = self.fails(method, self.calls[method])
+        if error is not None:
+            raise error
+        if written:
+            self.writes.append((method, written))
+
+    def _model(self, name: str) -> _StoredModel:
+        if name not in self.models:
+            raise _absent(f"Registered Model with name={name}")
+        return self.models[name]
+
+    def _version(self, name: str, version: str) -> _StoredVersion:
+        stored = self._model(name).versions.get(int(version))
+        if stored is None:
+            raise _absent(f"Model Version (name={name}, version={version})")
+        return stored
+
+    def _tick(self, model: _StoredModel) -> None:
+        self.clock_ms += 10
+        model.updated_ms = self.clock_ms
+
+    def _registered_model(self, name: str) -> RegisteredModel:
+        model = self.models[name]
+        return RegisteredModel(
+            name,
+            last_updated_timestamp=model.updated_ms,
+            description=model.description,
+            tags=[RegisteredModelTag(k, v) for k, v in model.tags.items()],
+            aliases=[RegisteredModelAlias(a, str(n)) for a, n in model.aliases.items()],
+        )
+
+    def _model_version(self, name: str, number: int) -> ModelVersion:
+        model = self.models[name]
+        stored = model.versions[number]
+        return ModelVersion(
+            name,
+            str(number),
+            creation_timestamp=0,
+            description=stored.description,
+            source=stored.source,
+            run_id=stored.run_id,
+            tags=[ModelVersionTag(k, v) for k, v in stored.tags.items()],
+            aliases=sorted(a for a, n in model.aliases.items() if n == number),
+        )
+
+    # Registered models.
+
+    def get_registered_model(self, name: str) -> RegisteredModel:
+        self._call("get_registered_model")
+        self._model(name)
+        return self._registered_model(name)
+
+    def create_registered_model(
+        self, name: str, tags: Mapping[str, str] | None = None, description: str | None = None
+    ) -> RegisteredModel:
+        self._call("create_registered_model", name)
+        if name in self.models:
+            raise MlflowException(f"{name} exists", error_code=RESOURCE_ALREADY_EXISTS)
+        self.models[name] = _StoredModel(description or "", dict(tags or {}), 0)
+        self._tick(self.models[name])
+        return self._registered_model(name)
+
+    def update_registered_model(self, name: str, description: str | None = None) -> None:
+        self._call("update_registered_model", name, description)
+        model = self._model(name)
+        model.description = description or ""
+        self._tick(model)
+
+    def set_registered_model_tag(self, name: str, key: str, value: str) -> None:
+        self._call("set_registered_model_tag", name, key, value)
+        self._model(name).tags[key] = value
+
+    def delete_registered_model_tag(self, name: str, key: str) -> None:
+        self._call("delete_registered_model_tag", name, key)
+        self._model(name).tags.pop(key, None)
+
+    def set_registered_model_alias(self, name: str, alias: str, version: str) -> None:
+        self._call("set_registered_model_alias", name, alias, version)
+        self._version(name, version)
+        self._model(name).aliases[alias] = int(version)
+
+    def delete_registered_model_alias(self, name: str, alias: str) -> None:
+        self._call("delete_registered_model_alias", name, alias)
+        if self._model(name).aliases.pop(alias, None) is None:
+            raise _absent(f"Registered model alias {alias}")
+
+    def search_registered_models(
+        self,
+        filter_string: str | None = None,
+        max_results: int = 100,
+        order_by: Sequence[str] | None = None,
+        page_token: str | None = None,
+    ) -> PagedList[RegisteredModel]:
+        self._call("search_registered_models")
+        names = sorted(self.models)
+        if filter_string is not None:  # only the registry's own: tags.`key` = 'value'
+            key, value = filter_string.removeprefix("tags.`").split("` = ", 1)
+            names = [n for n in names if self.models[n].tags.get(key) == value.strip("'")]
+        if order_by == ["last_updated_timestamp DESC"]:
+            names.sort(key=lambda n: -self.models[n].updated_ms)
+        start = int(page_token or 0)
+        page = names[start : start + max_results]
+        after = start + max_results
+        token = str(after) if after < len(names) else None
+        return PagedList([self._registered_model(n) for n in page], token)
+
+    # Model versions.
+
+    def create_model_version(
+        self,
+        name: str,
+        source: str,
+        run_id: str | None = None,
+        tags: Mapping[str, str] | None = None,
+        description: str | None = None,
+    ) -> ModelVersion:
+        self._call("create_model_version", name, source)
+        model = self._model(name)
+        number = max(model.versions, default=0) + 1
+        model.versions[number] = _StoredVersion(source, run_id, dict(tags or {}), description or "")
+        self._tick(model)
+        return self._model_version(name, number)
+
+    def get_model_version(self, name: str, version: str) -> ModelVersion:
+        self._call("get_model_version")
+        self._version(name, version)
+        return self._model_version(name, int(version))
+
+    def get_model_version_by_alias(self, name: str, alias: str) -> ModelVersion:
+        self._call("get_model_version_by_alias")
+        number = self._model(name).aliases.get(alias)
+        if number is None:
+            raise _absent(f"Registered model alias {alias}")
+        return self._model_version(name, number)
+
+    def set_model_version_tag(self, name: str, version: str, key: str, value: str) -> None:
+        self._call("set_model_version_tag", name, version, key, value)
+        self._version(name, version).tags[key] = value
+
+    def update_model_version(self, name: str, version: str, description: str | None = None) -> None:
+        self._call("update_model_version", name, version, description)
+        self._version(name, version).description = description or ""
+
+    def search_model_versions(
+        self,
+        filter_string: str | None = None,
+        max_results: int = 10_000,
+        order_by: Sequence[str] | None = None,
+        page_token: str | None = None,
+    ) -> PagedList[ModelVersion]:
+        self._call("search_model_versions")
+        names = sorted(self.models)
+        if filter_string is not None:  # only the registry's own: name = 'adapter'
+            names = [filter_string.removeprefix("name = ").strip("'")]
+        found = [
+            (name, number)
+            for name in names
+            if name in self.models
+            for number in sorted(self.models[name].versions)
+        ]
+        start = int(page_token or 0)
+        page = found[start : start + max_results]
+        after = start + max_results
+        token = str(after) if after < len(found) else None
+        return PagedList([self._model_version(n, v) for n, v in page], token)
+
+    # Runs: only what a registration logs to a training run it is given.
+
+    def log_text(self, run_id: str, text: str, artifact_file: str) -> None:
+        self._call("log_text", run_id, artifact_file)
+        self.logged.append((run_id, artifact_file))
+
+    def log_batch(self, run_id: str, **logged: Sequence[object]) -> None:
+        self._call("log_batch", run_id)
+        self.logged.append((run_id, ", ".join(sorted(k for k, v in logged.items() if v))))
+
+
+def memory_registry() -> tuple[Registry, MemoryMlflow]:
+    """A `Registry` whose store's client is a `MemoryMlflow` (the address is never called)."""
+    registry = Registry("http://mlflow.invalid")
+    memory = MemoryMlflow()
+    registry.store.client = memory  # type: ignore[assignment]
+    return registry, memory
+
+
+def register_in_memory(registry: Registry, adapter: str, count: int) -> list[RevisionId]:
+    """`count` revisions of `adapter`, each with its own content, registered as trained ones
+    (their training run an id: nothing is logged anywhere but in memory)."""
+    revisions = []
+    for number in range(1, count + 1):
+        policy = make_policy(adapter=adapter, content_digest=f"sha256:{number:064x}")
+        uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+        registered = registry.revisions.register(
+            policy, uri, policy.base_digest, run_id=f"run-{adapter}-{number}"
+        )
+        revisions.append(registered.id)
+    return revisions
