@@ -35,6 +35,7 @@ from mint_core.model.base import BaseText
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
+from mint_core.shipping import Shipment, ship
 
 SCHEME = "tinker://"
 WEIGHTS = "weights"
@@ -194,9 +195,8 @@ def check_writer(registry: Registry, adapter: str, principal: str, admins: Colle
 
 def ship_snapshot(config: MintConfig, base: BaseText, snapshot: Snapshot) -> RevisionId:
     """Register `snapshot` as the next revision of its adapter, through the release pipeline's
-    own steps (called as plain functions: no flow run), once its principal may add to it."""
-    from tasks.packaging import export_adapter, freeze_adapter, pack_adapter, register_revision
-
+    own steps (`mint_core.shipping`, as plain functions: no flow run), once its principal may
+    add to it. Its stage history starts at `registered`, as sampler revisions always have."""
     registry = Registry(config.tracking_uri)
     check_writer(registry, snapshot.adapter, snapshot.principal, config.admin_principals)
 
@@ -224,18 +224,8 @@ def ship_snapshot(config: MintConfig, base: BaseText, snapshot: Snapshot) -> Rev
         steps=snapshot.steps,
         losses=(),
     )
-    frozen = freeze_adapter.fn(config, folder)
-    packed_dir, index = pack_adapter.fn(config, frozen)
-    exported = export_adapter.fn(config, packed_dir, index)
-    return register_revision.fn(
-        config=config,
-        adapter=snapshot.adapter,
-        source=source,
-        frozen=frozen,
-        exported=exported,
-        actor=snapshot.principal,
-        principals=(snapshot.principal,),
-    )
+    shipment = Shipment(snapshot.adapter, source, snapshot.principal, (snapshot.principal,))
+    return ship(config, shipment, record_steps=False)
 
 
 def record_sampler(store: ArtifactStore, path: CheckpointPath, revision: RevisionId) -> None:
