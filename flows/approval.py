@@ -66,9 +66,9 @@ def await_approval(
     registry = Registry(config.tracking_uri)
     log = run_log()
     run_id = str(prefect.runtime.flow_run.id)
-    registry.set_revision_tag(revision, APPROVAL_RUN_TAG, run_id)
+    registry.revisions.set_tag(revision, APPROVAL_RUN_TAG, run_id)
     approvers = ", ".join(gates.approvers) or "nobody"
-    registry.note_stage(
+    registry.stages.note(
         revision,
         releaser,
         f"awaiting approval by {approvers} for up to {gates.approval_timeout_s} s "
@@ -87,7 +87,7 @@ def await_approval(
             answer = pause_flow_run(wait_for_input=form, timeout=left, poll_interval=POLL_S)
         except FlowPauseTimeout:
             reason = f"rejected: no allowed answer within {gates.approval_timeout_s} s"
-            registry.reject(revision, "mint", reason)
+            registry.aliases.reject(revision, "mint", reason)
             log.warning("%s %s", revision, reason)
             raise RejectedError(f"{revision} {reason}; production did not move") from None
         refused = gates.may_approve(answer.reviewer, releaser)
@@ -107,13 +107,13 @@ def await_approval(
             )
             continue
         if answer.decision is Verdict.APPROVE:
-            registry.note_stage(
+            registry.stages.note(
                 revision, answer.reviewer, f"approved: {answer.comment}", approver=answer.reviewer
             )
             log.info("%s approved by %s: %s", revision, answer.reviewer, answer.comment)
             return answer.reviewer
         reason = f"rejected by {answer.reviewer}: {answer.comment}"
-        registry.reject(revision, answer.reviewer, reason)
+        registry.aliases.reject(revision, answer.reviewer, reason)
         log.warning("%s %s", revision, reason)
         raise RejectedError(f"{revision} {reason}; production did not move")
 
@@ -130,10 +130,12 @@ def _question(
     each row means below it: the Resume form is about 450 px wide whatever the window, and a
     wider table hides its figure columns behind a scroll."""
     try:
-        production: RegisteredRevision | None = registry.resolve(RevisionRef(revision.adapter))
+        production: RegisteredRevision | None = registry.revisions.resolve(
+            RevisionRef(revision.adapter)
+        )
     except NotFoundError:
         production = None
-    candidate = registry.get(revision)
+    candidate = registry.revisions.get(revision)
     approvers = ", ".join(gates.approvers) or "nobody"
     serving = f"production r{production.id.number}" if production else "production: none"
     lines = [
@@ -184,7 +186,7 @@ def answer_approval(
     `approve` deployment do); the flow run's id. Refuses at once, leaving the run paused, a
     reviewer the adapter's gates do not allow."""
     registry = Registry(config.tracking_uri)
-    registered = registry.get(revision)
+    registered = registry.revisions.get(revision)
     run_id = registered.tags.get(APPROVAL_RUN_TAG)
     if run_id is None:
         raise NotFoundError(
@@ -213,7 +215,7 @@ def _record_refusal(
 ) -> None:
     """Keep a refused answer in `revision`'s stage history, as its author gave it (decision and
     comment) with why it was not taken: the roll-out goes on waiting."""
-    registry.note_stage(
+    registry.stages.note(
         revision,
         answer.reviewer,
         f"refused {answer.decision}: {refused}; still waiting{_comment(answer)}",
@@ -227,7 +229,7 @@ def _comment(answer: Decision) -> str:
 
 def _releaser(registry: Registry, revision: RevisionId) -> str:
     """Who started the roll-out now waiting: the author of its 'awaiting approval' note."""
-    for move in reversed(registry.stage_history(revision)):
+    for move in reversed(registry.stages.history(revision)):
         if move["reason"].startswith("awaiting approval"):
             return move["actor"]
     return ""

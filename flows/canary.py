@@ -63,7 +63,7 @@ def canary(
     candidate = RevisionId(adapter, revision)
     registry = Registry(config.tracking_uri)
     try:
-        production = registry.resolve(RevisionRef(adapter)).id
+        production = registry.revisions.resolve(RevisionRef(adapter)).id
     except NotFoundError as e:
         raise ConfigurationError(
             f"{adapter} has no production revision to compare a canary with; promote "
@@ -81,7 +81,7 @@ def canary(
     with rollout_lock(adapter) as slot:
         fleet = take_in(config, candidate, slot, actor)
         started = time.time()
-        registry.start_canary(
+        registry.canary.start(
             candidate, percent, actor, f"canary: {percent:g}% of {adapter}@{PRODUCTION}", slot=slot
         )
     _nudge(fleet)
@@ -109,9 +109,9 @@ def canary(
                     fleet=fleet,
                     slot=slot,
                 )
-            registry.end_canary(adapter, actor, verdict.reason, slot=slot)
+            registry.canary.end(adapter, actor, verdict.reason, slot=slot)
             if not verdict.promote:
-                registry.reject(candidate, actor, verdict.reason)
+                registry.aliases.reject(candidate, actor, verdict.reason)
     except BaseException as e:
         # Whatever stopped it (a worker gone, a rejected approval, Ctrl-C in `mint canary`),
         # the candidate's share goes back to production: nothing decided it should go on.
@@ -119,10 +119,10 @@ def canary(
         # Ending it moves `canary`: in the roll-out slot like every move. A slot still busy
         # after the usual wait leaves the canary to the next `mint canary` or a rollback.
         with contextlib.suppress(MintError), rollout_lock(adapter) as slot:
-            registry.end_canary(adapter, actor, stopped, slot=slot)
+            registry.canary.end(adapter, actor, stopped, slot=slot)
         if not isinstance(e, RejectedError):
             with contextlib.suppress(MintError):
-                registry.mark_failed(candidate, stopped, actor)
+                registry.stages.mark_failed(candidate, stopped, actor)
         raise
     _nudge(fleet)
     summarize(

@@ -24,7 +24,7 @@ def promote_to_production(
 ) -> str:
     """Make `revision` what `name@production` serves, once every worker has it ready. Workers
     prewarm a rollback before anything else they have queued."""
-    Registry(config.tracking_uri).get(revision).check_promotable()
+    Registry(config.tracking_uri).revisions.get(revision).check_promotable()
     ensure_exported(config, revision)
     roll_out(config, revision, actor, reason, rollback)
     moved = production_move(config, revision.adapter)
@@ -77,10 +77,12 @@ def rollback(
     target = (
         RevisionId(adapter, to_revision)
         if to_revision is not None
-        else Registry(config.tracking_uri).previous(adapter)
+        else Registry(config.tracking_uri).aliases.previous(adapter)
     )
     try:
-        current = f"r{Registry(config.tracking_uri).resolve(RevisionRef(adapter)).id.number}"
+        current = (
+            f"r{Registry(config.tracking_uri).revisions.resolve(RevisionRef(adapter)).id.number}"
+        )
     except NotFoundError:
         current = "none"
     label_run(adapter, f"rollback {adapter} {current}→r{target.number}")

@@ -54,7 +54,7 @@ def repair(
     label_run(check_adapter_name(adapter))
     target = RevisionId(adapter, revision)
     registry = Registry(config.tracking_uri)
-    held = [alias for alias in registry.get(target).aliases if alias in SERVED_ALIASES]
+    held = [alias for alias in registry.revisions.get(target).aliases if alias in SERVED_ALIASES]
     exported_again = ensure_exported(config, target)
     workers = 0
     if held:
@@ -65,6 +65,6 @@ def repair(
     report = RepairReport(str(target), exported_again, workers)
     artifact = "exported again from its frozen files" if exported_again else "artifact intact"
     fleet = f"ready again on {report.workers} workers" if held else "no worker should hold it"
-    registry.note_stage(target, actor, f"{reason}: {artifact}; {fleet}")
+    registry.stages.note(target, actor, f"{reason}: {artifact}; {fleet}")
     summarize(adapter, f"repaired {target}", {"artifact": artifact, "fleet": fleet})
     return report

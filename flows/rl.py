@@ -146,7 +146,7 @@ def rl(
             figures = metrics.metrics()
             sampled_by = [RevisionRef.parse(r).revision or 0 for r in revisions]
             figures["sampler_revision"] = float(max(sampled_by))
-            registry.log_metrics(run.run_id, metrics.step, figures)
+            registry.runs.log_metrics(run.run_id, metrics.step, figures)
             shown = ", ".join(f"{name} {value:.4g}" for name, value in figures.items())
             run_log().info("rl step %d/%d: %s", metrics.step, steps, shown)
             if metrics.step % sync_every == 0:
@@ -155,9 +155,9 @@ def rl(
                 )
                 shipped.append(revision)
     except BaseException:
-        registry.finish_training_run(run.run_id, {}, trainer.steps, failed=True)
+        registry.runs.finish_training(run.run_id, {}, trainer.steps, failed=True)
         raise
-    registry.finish_training_run(run.run_id, {}, trainer.steps)
+    registry.runs.finish_training(run.run_id, {}, trainer.steps)
     summarize(
         adapter,
         f"rl {adapter} on {toy_task.value}: {trainer.steps} steps",
@@ -203,7 +203,7 @@ def _start_revision(registry: Registry, adapter: str, start: str) -> RegisteredR
             f"adapter's own line: start from {adapter}:rN or {adapter}@alias"
         )
     try:
-        return registry.resolve(ref)
+        return registry.revisions.resolve(ref)
     except NotFoundError as e:
         raise NotFoundError(
             f"start={start!r}: {e}; start from a registered revision of {adapter} (or none)"

@@ -92,7 +92,7 @@ def roll_out(
     except Exception as e:
         # Record the failure on the revision, but never let recording it hide the cause.
         with contextlib.suppress(MintError):
-            registry.mark_failed(revision, f"{type(e).__name__}: {e}", actor)
+            registry.stages.mark_failed(revision, f"{type(e).__name__}: {e}", actor)
         raise
     return fleet
 
