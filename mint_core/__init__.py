@@ -1,6 +1,6 @@
 """MinT's domain: how a LoRA adapter becomes a served revision, with no Prefect and no HTTP.
 
-A revision's life, one module per step:
+A revision's life, one module per step (`shipping` runs steps 2 to 5 in order):
 
 1. `model`: the base is the user's Hugging Face model folder (`model.base`); a PEFT LoRA is
    trained on it from the user's JSONL rows (`model.datasets`, `model.training`), or

@@ -98,9 +98,9 @@ def register_revision(
     parent is the revision `parent` names (a release's is `adapter@production`, an RL sync's
     the revision it trained from), if that resolves to one. `reached`: the steps before
     (trained, frozen, packed, exported) and when: the start of its stage history."""
-    registry = Registry(config.tracking_uri)
+    revisions = Registry(config.tracking_uri).revisions
     try:
-        parent_number = registry.resolve(parent).id.number if parent else None
+        parent_number = revisions.resolve(parent).id.number if parent else None
     except NotFoundError:
         parent_number = None
     policy = PolicyRecord(
@@ -123,7 +123,7 @@ def register_revision(
     if trained_on is not None:
         digests = (row.digest() for row in trained_on.rows)
         tags[TRAIN_ROWS_TAG] = store_digests(store, config.work_root / "eval-rows", digests)
-    revision = registry.register(policy, exported.uri, serving_base, run_id, tags, reached).id
+    revision = revisions.register(policy, exported.uri, serving_base, run_id, tags, reached).id
     log.info("registered %s (%s)", revision, exported.content_digest)
     return revision
 
@@ -134,7 +134,7 @@ def ensure_exported(
     """Make sure the revision's artifact is intact in the store, exporting it again from its
     frozen files if it is missing or damaged there (`mint_core.artifacts.reexport`); whether it
     had to. Never retrains: with the frozen files gone it fails clearly."""
-    registered = Registry(config.tracking_uri).get(revision)
+    registered = Registry(config.tracking_uri).revisions.get(revision)
     store = open_store(config)
     if store.holds(registered.artifact_uri):
         return False
