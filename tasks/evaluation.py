@@ -47,16 +47,16 @@ def evaluate_revision(
     no rows."""
     registry = Registry(config.tracking_uri)
     try:
-        production = registry.resolve(RevisionRef(revision.adapter)).id
+        production = registry.revisions.resolve(RevisionRef(revision.adapter)).id
     except NotFoundError:
         production = None
     if production in (None, revision):
-        registry.note_stage(revision, actor, "evaluation passed: no other revision in production")
+        registry.stages.note(revision, actor, "evaluation passed: no other revision in production")
         run_log().info("%s evaluation passed: no other revision in production", revision)
         return None
     store = open_store(config)
     staging = config.work_root / "eval-rows"
-    tags = {holder: registry.get(holder).tags for holder in (revision, production)}
+    tags = {holder: registry.revisions.get(holder).tags for holder in (revision, production)}
 
     def read(where: str) -> Rows:
         return parse_jsonl(read_data(config, where), located(where)).rows
@@ -76,7 +76,7 @@ def evaluate_revision(
         gates, revision, production, read, stored, training_rows, EVAL_GENERATION_ROWS
     )
     if not sets:
-        registry.note_stage(
+        registry.stages.note(
             revision,
             actor,
             f"evaluation passed: no rows to score {revision} and {production} on (neither has "
@@ -103,14 +103,14 @@ def evaluate_revision(
     unrecorded = tuple(holder for holder, digests in training_rows.items() if digests is None)
     evaluation = Evaluation(revision, production, scores, gates.max_regression, unrecorded)
     for key, value in evaluation.tags().items():
-        registry.set_revision_tag(revision, key, value)
+        registry.revisions.set_tag(revision, key, value)
     create_table_artifact(
         evaluation.table(), key=f"eval-{revision.adapter}", description=evaluation.reason()
     )
     if not evaluation.passed:
-        registry.reject(revision, actor, evaluation.reason())
+        registry.aliases.reject(revision, actor, evaluation.reason())
         run_log().warning("%s %s", revision, evaluation.reason())
         raise RejectedError(f"{evaluation.reason()}; production did not move")
-    registry.note_stage(revision, actor, evaluation.reason())
+    registry.stages.note(revision, actor, evaluation.reason())
     run_log().info("%s %s", revision, evaluation.reason())
     return evaluation

@@ -68,7 +68,7 @@ def _cell(value: object) -> str:
 
 def production_move(config: MintConfig, adapter: str) -> str:
     """The last move of `adapter@production` as `r1 → r2` (`none → r1` for its first)."""
-    history = Registry(config.tracking_uri).alias_history(adapter)
+    history = Registry(config.tracking_uri).aliases.history(adapter)
     moves = [move for move in history if move.alias == PRODUCTION]
     if not moves:
         return "not moved"

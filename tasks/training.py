@@ -57,7 +57,7 @@ def train_adapter(
         "eval_rows": str(len(held_out.rows)),
         "eval_data": held_out.describe(path=True) if held_out.held_out else held_out.source,
     }
-    run_id = registry.start_training_run(
+    run_id = registry.runs.start_training(
         adapter, run_facts, DatasetLog(data.source, data.digest, len(data.rows), local)
     )
     # The hyperparameters are logged once the base is loaded, with the targets as trained (its
@@ -65,7 +65,7 @@ def train_adapter(
     logged: list[TrainingConfig] = []
 
     def started(resolved: TrainingConfig) -> None:
-        registry.log_params(run_id, resolved.params())
+        registry.runs.log_params(run_id, resolved.params())
         logged.append(resolved)
 
     out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
@@ -77,10 +77,10 @@ def train_adapter(
         except BaseException:
             progress.flush()
             if not logged:
-                registry.log_params(run_id, training.params())
-            registry.finish_training_run(run_id, {}, 0, failed=True)
+                registry.runs.log_params(run_id, training.params())
+            registry.runs.finish_training(run_id, {}, 0, failed=True)
             raise
-    registry.finish_training_run(run_id, trained.eval_metrics, trained.steps)
+    registry.runs.finish_training(run_id, trained.eval_metrics, trained.steps)
     return replace(trained, run_id=run_id)
 
 
@@ -135,7 +135,7 @@ class _TrainingProgress:
 
     def flush(self) -> None:
         if self._pending:
-            self._registry.log_losses(self._run_id, "train_loss", self._pending)
+            self._registry.runs.log_losses(self._run_id, "train_loss", self._pending)
             self._pending = []
 
 
