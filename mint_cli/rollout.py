@@ -42,7 +42,9 @@ def cmd_promote(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.revisions import RevisionId
 
     # Refused before Prefect starts: unknown, or already production.
-    Registry(config.tracking_uri).get(RevisionId(args.adapter, args.revision)).check_promotable()
+    Registry(config.tracking_uri).revisions.get(
+        RevisionId(args.adapter, args.revision)
+    ).check_promotable()
     from flows.promote import promote
 
     served = promote(args.adapter, args.revision, actor=args.actor, **given(args))
@@ -58,9 +60,9 @@ def cmd_rollback(args: argparse.Namespace, config: MintConfig) -> None:
     target = (
         RevisionId(args.adapter, args.to_revision)
         if args.to_revision is not None
-        else registry.previous(args.adapter)
+        else registry.aliases.previous(args.adapter)
     )
-    registry.get(target).check_promotable()
+    registry.revisions.get(target).check_promotable()
     from flows.promote import rollback
 
     served = rollback(args.adapter, args.to_revision, actor=args.actor, **given(args))
@@ -105,7 +107,7 @@ def cmd_gates(args: argparse.Namespace, config: MintConfig) -> None:
     gates = registry.gates.of(args.adapter)
     if any(value is not None for value in changes.values()):
         gates = gates.changed(**changes)
-        registry.set_gates(args.adapter, gates)
+        registry.gates.set(args.adapter, gates)
     print(format_table([["gate", "value"], *map(list, gates.rows())]))
 
 
@@ -113,7 +115,7 @@ def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
     from mint_core.registry import Registry
 
     rows = [["time", "alias", "from", "to", "actor", "approver", "reason"]]
-    for move in Registry(config.tracking_uri).alias_history(args.adapter):
+    for move in Registry(config.tracking_uri).aliases.history(args.adapter):
         before = f"r{move.from_revision}" if move.from_revision is not None else "-"
         rows.append([move.at, move.alias, before, f"r{move.to_revision}", move.actor,
                      move.approver or "-", move.reason or "-"])  # fmt: skip
