@@ -48,7 +48,7 @@ def pull(
         raise ConfigurationError(
             f"{out_dir} already exists and is not an empty folder; pull into a new folder"
         )
-    revision = registry.resolve(ref)
+    revision = registry.revisions.resolve(ref)
     packed = store.fetch(revision.artifact_uri)
     index = verify(packed)
     if index.content_digest != revision.policy.content_digest:
