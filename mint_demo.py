@@ -12,7 +12,6 @@ import time
 
 from control.services import start_mlflow
 from control.status import format_stage_times, format_table, status_rows
-from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import load_base
 from mint_core.model.toy import (
@@ -25,6 +24,7 @@ from mint_core.model.toy import (
 )
 from mint_core.registry_accounts import ACCOUNTS_FILE, RegistryAccounts
 from processes import ManagedProcess, stop_all
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 
 ADAPTERS = {"upper-bot": Task.UPPER, "reverse-bot": Task.REVERSE}

@@ -48,7 +48,6 @@ from peft import LoraConfig, get_peft_model
 
 from bench import harness
 from bench.harness import percentile
-from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.generate import seeded
@@ -56,6 +55,7 @@ from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.registry import Registry
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId
 from mint_core.states import Stage
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 from tasks.pipeline import (
     Exported,

@@ -43,7 +43,6 @@ from mlflow import MlflowClient
 
 from bench import harness
 from control.services import start_prefect
-from control.worker_client import WorkerClient
 from flows.release import release
 from flows.rl import RL_ALIAS, rl
 from mint_core.config import MintConfig
@@ -51,6 +50,7 @@ from mint_core.model.base import BaseSource, load_text
 from mint_core.model.rl import evaluate_sampled, held_out_prompts, task_prompts
 from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.model.toy import Task, write_jsonl
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 from tasks.rl import WorkerSampler
 

@@ -63,7 +63,6 @@ from transformers import PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
 from bench import harness, transfer
 from bench.harness import Clock
-from control.worker_client import WorkerClient
 from mint_core.artifacts.freezing import freeze
 from mint_core.artifacts.packing import pack
 from mint_core.artifacts.stores import open_store
@@ -74,6 +73,7 @@ from mint_core.model.tiny import SPECIAL_TOKENS, byte_tokenizer, save_base_folde
 from mint_core.registry import Registry
 from mint_core.revisions import PolicyRecord, RevisionId
 from processes import ManagedProcess
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 
 QWEN3_0_6B_LAYERS = 28

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 from mint_core.errors import MintError
 
 if TYPE_CHECKING:
-    from control.worker_client import WorkerClient
     from mint_core.config import MintConfig
+    from serving.http.client import WorkerClient
 
 
 Health = list[tuple["WorkerClient", dict[str, object] | None]]
@@ -24,7 +24,7 @@ Health = list[tuple["WorkerClient", dict[str, object] | None]]
 
 def fleet_health(config: MintConfig) -> Health:
     """Every worker's `/health`, asked once for both tables."""
-    from control.worker_client import WorkerClient
+    from serving.http.client import WorkerClient
 
     fleet: Health = []
     for url in config.worker_urls:

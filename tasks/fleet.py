@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from control.worker_client import WorkerClient
 from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.errors import NotFoundError, NotReadyError, ServiceError
 from mint_core.planning.placement import place
 from mint_core.registry import Registry, RolloutSlot, check_activatable
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
+from serving.http.client import WorkerClient
 from tasks.policies import transient
 from tasks.runs import run_log
 

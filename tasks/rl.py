@@ -13,7 +13,6 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from control.worker_client import WorkerClient
 from mint_core.artifacts.digests import sha256_bytes
 from mint_core.artifacts.packing import unpack
 from mint_core.artifacts.stores import open_store
@@ -33,6 +32,7 @@ from mint_core.model.text import TextCodec
 from mint_core.model.toy import Example
 from mint_core.model.training import TrainedAdapter, TrainingConfig
 from mint_core.registry import DatasetLog, RegisteredRevision, Registry
+from serving.http.client import WorkerClient
 
 
 class WorkerSampler:

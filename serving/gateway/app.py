@@ -37,7 +37,7 @@ from serving.http.common import (
 from serving.http.errors import ErrorResponse, install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.http.server import serve_http
-from serving.worker.peers import ASK_INTERVAL_S
+from serving.http.wire import ASK_INTERVAL_S
 
 log = logging.getLogger(__name__)
 

@@ -15,18 +15,17 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from control.worker_client import WorkerClient
 from mint_core.errors import MintError
 from mint_core.planning.placement import place
 from mint_core.revisions import RevisionId
+from serving.http.client import WorkerClient
+from serving.http.wire import ASK_INTERVAL_S
 
 log = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 1.0
 MISSES_TO_LEAVE = 3
 """Health checks in a row a live peer may miss before it counts as gone."""
-ASK_INTERVAL_S = 2.0
-"""A peer is asked to admit the same revision at most this often."""
 
 
 class Peers:

@@ -17,11 +17,11 @@ import psutil
 import pytest
 
 from control.services import start_mlflow, start_s3
-from control.worker_client import WorkerClient
 from mint_cli import quiet_libraries
 from mint_core.config import BackendKind, MintConfig
 from mint_core.model.base import BaseModel, load_base
 from processes import ManagedProcess, stop_all
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 from tests.integration.helpers import Fleet, MixedFleet, create_bucket, postgres_database
 

@@ -16,12 +16,12 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from control.worker_client import WorkerClient
 from mint_core.errors import ECHO_LIMIT, ServiceError
 from processes import ManagedProcess
 from serving.engine.engine import BASE
 from serving.engine.generation import Request, TokenEvent
 from serving.engine.sampling import SamplingParams
+from serving.http.client import WorkerClient
 from serving.worker.worker import Worker
 from tests.integration.helpers import app_client, error_of, in_process_worker, strict_json
 

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from control.worker_client import WorkerClient
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
@@ -23,6 +22,7 @@ from mint_core.model.base import BaseModel
 from mint_core.model.imports import inspect_import
 from mint_core.registry import Registry
 from processes import ManagedProcess
+from serving.http.client import WorkerClient
 from tasks.pipeline import (
     check_import,
     export_adapter,

@@ -11,7 +11,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from control.worker_client import WorkerClient
 
 from flows.promote import promote
 from mint_core.artifacts.digests import sha256_json
@@ -23,6 +22,7 @@ from mint_core.planning.canary_judge import RevisionOutcomes, merge
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANARY, PRODUCTION, RevisionId
 from processes import ManagedProcess
+from serving.http.client import WorkerClient
 from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER
 from serving.worker.outcomes import Outcomes
 from tasks.pipeline import rollout_lock

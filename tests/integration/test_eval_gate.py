@@ -8,7 +8,6 @@ from prefect import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 from prefect.client.schemas.sorting import ArtifactSort
 
-from control.worker_client import WorkerClient
 from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
 from mint_core.errors import RejectedError
@@ -29,6 +28,7 @@ from mint_core.planning.evaluation import (
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.states import Stage
+from serving.http.client import WorkerClient
 from tests.integration.helpers import toy_release as release
 
 NAME = "upper-gate-bot"

@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from control.services import start_mlflow
-from control.worker_client import WorkerClient
 from mint_core.artifacts.stores import LocalArtifactStore
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, NotReadyError
@@ -26,6 +25,7 @@ from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import CANDIDATE, RevisionId, RevisionRef
 from mint_core.states import Stage
 from processes import ManagedProcess, stop_all
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 from tasks.pipeline import admit_revision, prewarm_revision
 from tests.integration.helpers import (

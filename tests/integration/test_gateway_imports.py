@@ -19,6 +19,8 @@ HEAVY = ("torch", "transformers", "safetensors.torch")
         "serving.http.common",
         "serving.http.errors",
         "serving.http.limits",
+        "serving.http.client",
+        "serving.http.wire",
         "processes",
     ],
 )

@@ -15,7 +15,6 @@ from peft import LoraConfig, PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from control.worker_client import WorkerClient
 from mint_cli import main as mint
 from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS
 from mint_core.config import MintConfig
@@ -27,6 +26,7 @@ from mint_core.model.tiny import SPECIAL_TOKENS, TinySpec
 from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import Registry
 from mint_core.revisions import POLICY_FILE, RevisionRef
+from serving.http.client import WorkerClient
 from tests.helpers import family_folder, make_policy, random_lora, tiny_base
 
 PROMPTS = [prompt_for(word) for word in held_out_words()[:16]]

@@ -14,12 +14,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.worker_client import WorkerClient
 from flows.promote import promote, rollback
 from mint_core.errors import ConfigurationError, NotFoundError, NotReadyError
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
+from serving.http.client import WorkerClient
 from tasks.pipeline import admit_revision, prewarm_revision
 from tests.integration.helpers import Fleet, answer, register_step_by_step
 from tests.integration.helpers import toy_release as release

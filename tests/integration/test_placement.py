@@ -19,7 +19,6 @@ from peft import LoraConfig
 
 from control.services import start_mlflow
 from control.status import worker_rows
-from control.worker_client import WorkerClient
 from mint_core.config import LOOPBACK, MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.model.generate import greedy_generate
@@ -29,6 +28,7 @@ from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Readiness, Stage
 from processes import ManagedProcess, free_port, stop_all
 from serving.gateway import WORKER_HEADER, start_gateway
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 from tasks.pipeline import admit_revision, rollout_lock
 from tests.helpers import random_lora

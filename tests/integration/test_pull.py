@@ -8,7 +8,6 @@ import pytest
 import torch
 from peft import AutoPeftModelForCausalLM, LoraConfig
 
-from control.worker_client import WorkerClient
 from mint_cli import main as mint
 from mint_core.artifacts.freezing import freeze
 from mint_core.artifacts.packing import pack
@@ -24,6 +23,7 @@ from mint_core.model.training import save_peft
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionRef
 from processes import ManagedProcess
+from serving.http.client import WorkerClient
 from tests.helpers import make_policy, random_lora, tiny_base
 from tests.integration.helpers import toy_release
 

@@ -20,7 +20,6 @@ import torch
 from fastapi.testclient import TestClient
 from transformers import PreTrainedModel
 
-from control.worker_client import WorkerClient
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import MintConfig
@@ -39,6 +38,7 @@ from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.http.app import create_app
+from serving.http.client import WorkerClient
 from serving.metrics import WorkerMetrics
 from serving.worker.worker import Worker
 from tests.helpers import ENGINE_SPEC, tiny_base

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from control.worker_client import WorkerClient
 from mlflow.tracking import MlflowClient
 
 from control.status import format_table, status_rows
@@ -22,6 +21,7 @@ from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Readiness, Stage
 from processes import ManagedProcess
+from serving.http.client import WorkerClient
 from tasks.pipeline import (
     admit_revision,
     prewarm_revision,

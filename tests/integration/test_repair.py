@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-from control.worker_client import WorkerClient
 from flows.promote import promote
 from flows.repair import RepairReport, repair
 from mint_core.artifacts.packing import load, verify
@@ -19,6 +18,7 @@ from mint_core.errors import ConfigurationError
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from mint_core.states import Readiness, Stage
+from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 from tasks.pipeline import ensure_exported
 from tests.integration.helpers import Fleet, answer, register_step_by_step

@@ -14,11 +14,11 @@ import openai
 import pytest
 from huggingface_hub import InferenceClient
 
-from control.worker_client import WorkerClient
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.model.toy import held_out_words, prompt_for
 from processes import ManagedProcess
+from serving.http.client import WorkerClient
 from tasks.pipeline import admit_revision, prewarm_revision
 from tests.integration.helpers import activate, register_random_adapter
 

@@ -194,12 +194,10 @@ def test_the_import_reader_sees_deferred_imports(tmp_path: Path) -> None:
     assert list(all_imports(module)) == ["os", "tasks.packaging"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 item 4: moves in progress")
 def test_serving_imports_neither_the_control_plane_nor_the_pipeline() -> None:
     assert leaning_on(("serving",), PIPELINE) == []
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35 items 2 and 4: moves in progress")
 def test_the_trainer_imports_neither_the_control_plane_nor_the_pipeline() -> None:
     assert leaning_on(("trainer",), PIPELINE) == []
 

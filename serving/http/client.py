@@ -1,5 +1,6 @@
 """HTTP client for serving workers: what the release pipeline and the CLI use to admit
-revisions and read readiness, and what an RL trainer samples with."""
+revisions and read readiness, what an RL trainer samples with, and what a worker asks its peers
+with. It loads no engine (no torch)."""
 
 from __future__ import annotations
 
