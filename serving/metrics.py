@@ -16,7 +16,7 @@ from mint_core.planning.residency import Residency
 
 if TYPE_CHECKING:
     from mint_core.catalog.catalog import Catalog
-    from serving.engine.generation import Request
+    from serving.engine.generation import Generating
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -112,7 +112,7 @@ class WorkerMetrics:
         """A request submitted at `submitted` (perf_counter) got its first token now."""
         self.time_to_first_token.observe(time.perf_counter() - submitted)
 
-    def finished(self, request: "Request") -> None:
+    def finished(self, request: "Generating") -> None:
         """`request` ended (EOS, stop string or length)."""
         assert request.finish_reason is not None
         self.requests.labels(request.finish_reason.value).inc()

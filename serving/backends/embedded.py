@@ -12,7 +12,7 @@ from mint_core.artifacts.packing import PackedAdapter
 from mint_core.config import BackendKind
 from mint_core.planning.residency import Residency
 from serving.engine.engine import AdapterWeights, TorchEngine
-from serving.engine.generation import Request
+from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import DEFAULT_MAX_BATCH, Scheduler
 from serving.metrics import WorkerMetrics
@@ -57,7 +57,7 @@ class EmbeddedBackend:
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
-    ) -> Request:
+    ) -> Generating:
         # Tokens come one step at a time whether or not anyone reads them as they come.
         return self.scheduler.submit(list(prompt_ids), key, params, warm_up)
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from mint_core.artifacts.packing import PackedAdapter
 from mint_core.model.base import BaseText
 from mint_core.planning.residency import Residency
-from serving.engine.generation import Request
+from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.metrics import WorkerMetrics
 
@@ -55,7 +55,7 @@ class Backend(Protocol):
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
-    ) -> Request:
+    ) -> Generating:
         """Start a generation for a staged and loaded `key` (or BASE); iterate the request for
         its tokens. `warm_up` marks prewarm's own generation; `streamed` False says nobody
         reads the tokens before the last (a backend may then deliver them all at once)."""

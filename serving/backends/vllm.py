@@ -15,7 +15,7 @@ How MinT's lifecycle maps onto vLLM:
   (MinT tokenizes and applies the chat template, so both backends see the same tokens),
   `model` = the exact revision, the base's end-of-sequence ids as stop tokens, and the token
   ids and logprobs of each piece. The generation ends where MinT's rules say (EOS, stop
-  string, length: `serving.engine.generation.Request`); the stream is closed there, which
+  string, length: `serving.engine.generation.Generating`); the stream is closed there, which
   aborts it inside vLLM. vLLM sees no request for a revision the gate did not pass, and a name
   it does not know answers 404, never the base in its place.
 - **health**: a supervisor thread watches the process. If vLLM dies or stops answering, the
@@ -59,7 +59,7 @@ from mint_core.planning.residency import Residency
 from processes import ManagedProcess, free_port, responds_ok, start_process
 from serving.backends.vllm_calls import Calls, choice_of, error_message, events, generation_error
 from serving.engine.engine import BASE
-from serving.engine.generation import Request, check_prompt
+from serving.engine.generation import Generating, check_prompt
 from serving.engine.sampling import SamplingParams
 from serving.metrics import WorkerMetrics
 
@@ -297,7 +297,7 @@ class VllmBackend:
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
-    ) -> Request:
+    ) -> Generating:
         if params.return_routes:
             raise ConfigurationError(
                 "return_routes: routes are not on vllm (this worker's backend does not report "
@@ -306,7 +306,7 @@ class VllmBackend:
         check_prompt(self.text, prompt_ids, params)
         if (problem := self._problem) is not None:
             raise EngineUnavailableError(problem)
-        request = Request(list(prompt_ids), key, params, self.text.codec, warm_up)
+        request = Generating(list(prompt_ids), key, params, self.text.codec, warm_up)
         # vLLM's server writes an event per token, which costs it more than the token: ask for
         # the whole answer at once when nobody reads the tokens as they come, unless a stop
         # string may end the generation early (vLLM is not told MinT's stop strings: the
@@ -316,7 +316,7 @@ class VllmBackend:
         self._calls.start(lambda: self._run(request, stream), lambda: request.fail(closed))
         return request
 
-    def _payload(self, request: Request, stream: bool) -> dict[str, object]:
+    def _payload(self, request: Generating, stream: bool) -> dict[str, object]:
         params = request.params
         payload: dict[str, object] = {
             "model": self.text.model_id if request.key == BASE else request.key,
@@ -337,7 +337,7 @@ class VllmBackend:
                 payload["top_k"] = params.top_k
         return payload
 
-    async def _run(self, request: Request, stream: bool) -> None:
+    async def _run(self, request: Generating, stream: bool) -> None:
         """Generate `request` through vLLM into its events (on the loop of `_calls`)."""
         self._running += 1
         held = False
@@ -363,7 +363,7 @@ class VllmBackend:
                 # It was asked to leave while this ran: unloading blocks, the loop must not.
                 await asyncio.to_thread(self._unload, request.key)
 
-    async def _generate(self, request: Request, stream: bool) -> None:
+    async def _generate(self, request: Generating, stream: bool) -> None:
         async with await self._calls.post("/v1/completions", self._payload(request, stream)) as (
             response
         ):
@@ -386,7 +386,7 @@ class VllmBackend:
                 "tokens without an end-of-sequence token, stop string or length limit"
             )
 
-    def _took(self, request: Request, choice: dict) -> bool:
+    def _took(self, request: Generating, choice: dict) -> bool:
         """Push a choice's tokens into `request`; True once it needs no more."""
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
         if not request.token_ids and logprobs:

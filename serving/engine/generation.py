@@ -1,7 +1,7 @@
 """A generation in flight, whichever backend runs it: the tokens it produced so far, as events
 a client reads while they come, and when it ends.
 
-A backend pushes each token it samples (`Request.push`); the request decides when the
+A backend pushes each token it samples (`Generating.push`); the request decides when the
 generation ends, the same way on every backend: at one of the base's end-of-sequence ids, at a
 stop string, or at `max_new_tokens`. Its tokens become text through the base's incremental
 detokenizer, so the pieces its token events carry (one may be "" while a multi-byte character
@@ -31,8 +31,9 @@ class TokenEvent:
     logprob: float
 
 
-class Request:
-    """One generation in flight. The scheduler thread writes it; the client reads its events."""
+class Generating:
+    """One generation in flight; `result()` is the finished `Generation`. The scheduler thread
+    writes it; the client reads its events."""
 
     def __init__(
         self,

@@ -44,7 +44,7 @@ from mint_core.errors import (
 from mint_core.model.generate import Route, pad_left
 from mint_core.planning.residency import Residency, SlotGrant
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
-from serving.engine.generation import Request, check_prompt
+from serving.engine.generation import Generating, check_prompt
 from serving.engine.sampling import SamplingParams
 from serving.metrics import WorkerMetrics
 
@@ -71,10 +71,10 @@ class Scheduler:
         """The tiers; its host cache holds the weights a slot copy reads."""
         self.metrics = metrics
         self.max_batch = max_batch
-        self._waiting: deque[Request] = deque()
+        self._waiting: deque[Generating] = deque()
         self._wake = threading.Condition()
-        self._running: list[Request] = []
-        self._joining: list[Request] = []
+        self._running: list[Generating] = []
+        self._joining: list[Generating] = []
         """Requests taken from the queue for the next prefill (each pinning its slot)."""
         self._cache: KVCache | None = None
         self._mask: torch.Tensor | None = None
@@ -89,13 +89,13 @@ class Scheduler:
 
     def submit(
         self, prompt_ids: list[int], key: str, params: SamplingParams, warm_up: bool = False
-    ) -> Request:
+    ) -> Generating:
         """Queue a generation; its adapter must be in the host cache (ready) or BASE. `warm_up`
         marks a worker's own prewarm generation."""
         check_prompt(self.engine.base.text, prompt_ids, params)
         if params.return_routes:
             self.engine.check_routes()
-        request = Request(prompt_ids, key, params, self.engine.codec, warm_up)
+        request = Generating(prompt_ids, key, params, self.engine.codec, warm_up)
         with self._wake:
             if self._stopped:
                 raise ServiceError("the scheduler is stopped")
@@ -237,12 +237,12 @@ class Scheduler:
         self._merge(joining, cache, mask)
         self._joining = []
 
-    def _unqueue(self, request: Request) -> None:
+    def _unqueue(self, request: Generating) -> None:
         with self._wake:
             self._waiting.remove(request)
             self.metrics.queue_depth.set(len(self._waiting))
 
-    def _merge(self, joining: list[Request], cache: KVCache, mask: torch.Tensor) -> None:
+    def _merge(self, joining: list[Generating], cache: KVCache, mask: torch.Tensor) -> None:
         """Append the joiners' rows to the running batch, left-padding to one width."""
         if self._cache is None or self._mask is None:
             self._running, self._cache, self._mask = joining, cache, mask
@@ -282,7 +282,7 @@ class Scheduler:
         self.metrics.tokens_per_second.set(rows / (time.perf_counter() - started))
 
     def _sample(
-        self, requests: list[Request], logits: torch.Tensor, routes: torch.Tensor | None
+        self, requests: list[Generating], logits: torch.Tensor, routes: torch.Tensor | None
     ) -> None:
         """Each row's next token from its last position's `logits`; `routes` (`[batch, new,
         layers, top_k]`, when recorded) gives each token the route of that position."""
@@ -312,7 +312,7 @@ class Scheduler:
         self.metrics.generated_tokens.inc(len(requests))
 
 
-def _wants_routes(requests: list[Request]) -> bool:
+def _wants_routes(requests: list[Generating]) -> bool:
     """Whether a step records routes: only when one of its rows asked (it costs hooks)."""
     return any(r.params.return_routes for r in requests)
 

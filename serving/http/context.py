@@ -23,7 +23,7 @@ from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.planning.admission import Priority
 from mint_core.revisions import RevisionId, RevisionRef
-from serving.engine.generation import Request as Generating
+from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.http.common import BASE_NAMES, REQUEST_ID_HEADER, REVISION_HEADER, sse
 from serving.http.errors import error_response

@@ -13,7 +13,7 @@ from typing import TypeVar
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from serving.engine.generation import Request as Generating
+from serving.engine.generation import Generating
 from serving.http.common import ADAPTER_PREFIX, MintJSONResponse, adapter_of_url
 from serving.http.context import CurrentCaller, route
 from serving.protocols import openai

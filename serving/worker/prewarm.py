@@ -27,7 +27,7 @@ from mint_core.planning.residency import HostTierFull
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.states import Readiness
 from serving.backends.protocol import Backend
-from serving.engine.generation import Request
+from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.worker.readiness import ReadinessTable
 
@@ -157,7 +157,7 @@ class Prewarm:
 
         self.readiness.warming(revision, registered.policy)
         generation = self.backend.generation
-        generating: Request | None = None
+        generating: Generating | None = None
         try:
             self.backend.load(key)
             prompt = self.backend.text.codec.encode(WARMUP_TEXT)

@@ -87,7 +87,7 @@ from mint_core.revisions import PRODUCTION, PolicyRecord, RevisionId, RevisionRe
 from mint_core.states import Readiness
 from serving.backends.protocol import Backend
 from serving.engine.engine import BASE
-from serving.engine.generation import Request
+from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.metrics import CatalogCollector
 from serving.worker.outcomes import Outcomes
@@ -451,7 +451,7 @@ class Worker:
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
-    ) -> Request:
+    ) -> Generating:
         """Queue a generation of prompt token ids (the caller encodes: plain or with the chat
         template) for a routed engine key; iterate the request for its tokens. `warm_up` marks
         prewarm's own generation; `streamed` False, an answer nobody reads before its end."""

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 from mint_core.errors import ECHO_LIMIT, ServiceError
 from processes import ManagedProcess
 from serving.engine.engine import BASE
-from serving.engine.generation import Request, TokenEvent
+from serving.engine.generation import Generating, TokenEvent
 from serving.engine.sampling import SamplingParams
 from serving.http.client import WorkerClient
 from serving.worker.worker import Worker
@@ -58,9 +58,9 @@ def token_a(worker: Worker) -> int:
 
 def driven(
     worker: Worker, events: list[tuple[int, float] | ServiceError], max_new_tokens: int
-) -> Request:
+) -> Generating:
     """A scheduler request whose tokens and log-probabilities (or failure) the test decides."""
-    request = Request([0], BASE, SamplingParams(max_new_tokens), worker.backend.engine.codec)
+    request = Generating([0], BASE, SamplingParams(max_new_tokens), worker.backend.engine.codec)
     for event in events:
         if isinstance(event, ServiceError):
             request.fail(event)
@@ -69,7 +69,7 @@ def driven(
     return request
 
 
-def serve_next(monkeypatch: pytest.MonkeyPatch, worker: Worker, request: Request) -> None:
+def serve_next(monkeypatch: pytest.MonkeyPatch, worker: Worker, request: Generating) -> None:
     monkeypatch.setattr(worker, "generate", lambda prompt, key, params, **_: request)
 
 
@@ -202,7 +202,7 @@ def test_an_unexpected_failure_inside_a_stream_is_logged_not_sent(
     monkeypatch: pytest.MonkeyPatch,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    class Crashing(Request):
+    class Crashing(Generating):
         def events(self, timeout_s: float | None = None) -> Iterator[TokenEvent]:
             yield from [TokenEvent(token_a(local_worker), "A", -0.5)] * 2
             raise RuntimeError("secret internals")

@@ -13,7 +13,7 @@ from mint_core.planning.admission import Priority
 from mint_core.planning.residency import Residency
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
-from serving.engine.generation import Request
+from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.metrics import WorkerMetrics
 from serving.worker import readiness
@@ -119,7 +119,7 @@ class _NoEngine:
 
     def submit(
         self, prompt_ids: Sequence[int], key: str, params: SamplingParams, *args: object
-    ) -> Request:
+    ) -> Generating:
         raise AssertionError("no generation in these tests")
 
     def close(self) -> None: ...

@@ -15,7 +15,7 @@ from mint_core.model.generate import FinishReason, Generation
 from mint_core.model.tiny import EOS, IM_END
 from mint_core.planning.residency import Residency, Tier
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
-from serving.engine.generation import Request, TokenEvent
+from serving.engine.generation import Generating, TokenEvent
 from serving.engine.sampling import SamplingParams
 from serving.engine.scheduler import Scheduler
 from serving.metrics import WorkerMetrics
@@ -68,7 +68,7 @@ def scheduler(adapters: dict[str, AdapterWeights], home: Path) -> Iterator[Sched
     yield from scheduler_for(adapters, home, slots=ADAPTERS)
 
 
-def submit(scheduler: Scheduler, prompt: str, key: str, **params: Any) -> Request:
+def submit(scheduler: Scheduler, prompt: str, key: str, **params: Any) -> Generating:
     ids = scheduler.engine.codec.encode(prompt)
     return scheduler.submit(ids, key, SamplingParams(**params))
 
@@ -186,7 +186,7 @@ def test_a_request_ends_at_any_end_id_and_its_pieces_add_up_to_its_text(
     answer = codec.tokenizer("é中😀", add_special_tokens=False)["input_ids"]
     tokens = [*answer, codec.tokenizer.convert_tokens_to_ids(end)]
     assert len(tokens) == 10 and tokens[-1] in codec.eos_ids
-    request = Request([1], BASE, SamplingParams(**({"max_new_tokens": 20} | params)), codec)
+    request = Generating([1], BASE, SamplingParams(**({"max_new_tokens": 20} | params)), codec)
     ended = [request.push(token, -1.0) for token in tokens[: len(pieces)]]
     assert ended == [False] * (len(pieces) - 1) + [True]
     *events, generation = request.events(timeout_s=1)
