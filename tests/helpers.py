@@ -11,6 +11,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Self
 
 import torch
 from mlflow.entities.model_registry import (
@@ -167,18 +168,27 @@ BASE_DIGEST = "sha256:" + "e" * 64
 
 
 class MemoryRegistry:
-    """What a catalog reads of MLflow, held in memory: each change moves the adapter's
-    last-updated time, as MLflow's does."""
+    """What a catalog reads of MLflow (`RegistryReader`), held in memory: each change moves
+    the adapter's last-updated time, as MLflow's does. It plays both parts a catalog reads,
+    `revisions` and `changes`, so a test counts or fails a read by overriding one method."""
 
     def __init__(self) -> None:
-        self.revisions: dict[RevisionId, RegisteredRevision] = {}
+        self.records: dict[RevisionId, RegisteredRevision] = {}
         self.adapters: dict[str, AdapterAliases] = {}
         self.clock_ms = 1000
+
+    @property
+    def revisions(self) -> Self:
+        return self
+
+    @property
+    def changes(self) -> Self:
+        return self
 
     def add(self, adapter: str, number: int) -> None:
         policy = make_policy(adapter=adapter, content_digest=f"sha256:{number:064d}")
         uri = f"mint-local://sha256/{number:064d}"
-        self.revisions[RevisionId(adapter, number)] = RegisteredRevision(
+        self.records[RevisionId(adapter, number)] = RegisteredRevision(
             RevisionId(adapter, number), policy, uri, Stage.REGISTERED, (), {}
         )
         self.set(adapter)
@@ -192,21 +202,21 @@ class MemoryRegistry:
             adapter, aliases_now, self.clock_ms, BASE_DIGEST, share
         )
 
-    def adapters_changed_since(self, since_ms: int) -> list[AdapterAliases]:
+    def since(self, since_ms: int) -> list[AdapterAliases]:
         return [a for a in self.adapters.values() if a.updated_ms >= since_ms]
 
-    def all_revisions(self) -> Iterator[list[RegisteredRevision]]:
-        yield list(self.revisions.values())
+    def pages(self) -> Iterator[list[RegisteredRevision]]:
+        yield list(self.records.values())
 
     def has_adapter(self, adapter: str) -> bool:
         return adapter in self.adapters
 
     def get(self, revision: RevisionId) -> RegisteredRevision:
-        if revision not in self.revisions:
+        if revision not in self.records:
             raise NotFoundError(f"{revision} is not registered")
         named = self.adapters[revision.adapter].aliases.items()
         aliases = tuple(sorted(alias for alias, n in named if n == revision.number))
-        return dataclasses.replace(self.revisions[revision], aliases=aliases)
+        return dataclasses.replace(self.records[revision], aliases=aliases)
 
     def resolve(self, ref: RevisionRef) -> RegisteredRevision:
         raise NotFoundError(f"{ref} names nothing")

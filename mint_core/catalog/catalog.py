@@ -74,9 +74,8 @@ serves, without a lookup in the index each time. A record takes about 2 KB, so a
 (an answer by alias shares its revision's record)."""
 
 
-class RegistryReader(Protocol):
-    """What a catalog reads of the registry (`mint_core.registry.Registry` is one): a
-    catalog never writes to it."""
+class RevisionReader(Protocol):
+    """What a catalog reads of revisions (`mint_core.registry.Revisions` is one)."""
 
     def get(self, revision: RevisionId) -> RegisteredRevision:
         """The record of `revision`; NotFoundError if it is not registered."""
@@ -87,11 +86,26 @@ class RegistryReader(Protocol):
     def has_adapter(self, adapter: str) -> bool:
         """Whether `adapter` is registered (one request, where resolving a name costs more)."""
 
-    def all_revisions(self) -> Iterable[list[RegisteredRevision]]:
+    def pages(self) -> Iterable[list[RegisteredRevision]]:
         """Every revision of every adapter, a page at a time."""
 
-    def adapters_changed_since(self, since_ms: int) -> list[AdapterAliases]:
+
+class ChangeReader(Protocol):
+    """What a catalog reads of the registry's changes (`mint_core.registry.Changes` is one)."""
+
+    def since(self, since_ms: int) -> list[AdapterAliases]:
         """Every adapter updated at or after `since_ms` on the registry's clock."""
+
+
+class RegistryReader(Protocol):
+    """What a catalog reads of the registry (`mint_core.registry.Registry` is one), through
+    two of its parts: a catalog never writes to it."""
+
+    @property
+    def revisions(self) -> RevisionReader: ...
+
+    @property
+    def changes(self) -> ChangeReader: ...
 
 
 @dataclass(frozen=True)
@@ -354,7 +368,7 @@ class Catalog:
                 if cached is not None:
                     return cached
                 self._asking()
-                found = self.registry.resolve(ref)
+                found = self.registry.revisions.resolve(ref)
                 self._index.put_revisions([found])
                 self._hot.put(stamp, ("r", ref.adapter, found.id.number), found)
                 self._hot.put(stamp, ("@", ref.adapter, ref.alias), found)
@@ -383,7 +397,7 @@ class Catalog:
                 if indexed is not None:
                     return indexed
                 self._asking()
-                found = self.registry.get(revision)
+                found = self.registry.revisions.get(revision)
                 self._index.put_revisions([found])
                 return found
 
@@ -411,7 +425,7 @@ class Catalog:
 
         def read() -> bool:
             self._asking()
-            if not self.registry.has_adapter(adapter):
+            if not self.registry.revisions.has_adapter(adapter):
                 raise NotFoundError(f"adapter {adapter!r} is not registered")
             return True
 
@@ -457,9 +471,9 @@ def catch_up(
     aliases are read); the adapters whose aliases, canary, replicas or base changed."""
     cursor = index.cursor_ms
     since = 0 if every_adapter else max(0, cursor - _OVERLAP_MS)
-    reported = registry.adapters_changed_since(since)
+    reported = registry.changes.since(since)
     if cursor == 0:
-        for page in registry.all_revisions():
+        for page in registry.revisions.pages():
             index.put_revisions(page)
     return index.put_adapters(reported)  # last: the cursor moves once the revisions are in
 

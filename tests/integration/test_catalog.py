@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ from mint_core.catalog.index import CatalogIndex
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS, MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
+from mint_core.registry.changes import Changes
+from mint_core.registry.revisions import Revisions
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from processes import ManagedProcess
 from tests.helpers import make_policy
@@ -199,21 +202,43 @@ def test_a_catalog_refuses_a_snapshot_damaged_in_the_store(
     catalog.close()
 
 
+@dataclass(frozen=True)
+class CountingChanges(Changes):
+    """`Changes` that records each time a catalog asks for them."""
+
+    asked: list[int] = field(default_factory=list)
+
+    def since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
+        self.asked.append(since_ms)
+        return super().since(since_ms, page_size)
+
+
+@dataclass(frozen=True)
+class CountingRevisions(Revisions):
+    """`Revisions` that records each full read (`pages`)."""
+
+    full_reads: list[int] = field(default_factory=list)
+
+    def pages(self, page_size: int = 1000) -> Iterator[list[RegisteredRevision]]:
+        self.full_reads.append(page_size)
+        return super().pages(page_size)
+
+
 class CountingRegistry(Registry):
     """A registry that records what a catalog asks it for."""
 
     def __init__(self, tracking_uri: str) -> None:
         super().__init__(tracking_uri)
-        self.since: list[int] = []
-        self.full_reads = 0
+        self.changes = self.counted_changes = CountingChanges(self.store)
+        self.revisions = self.counted_revisions = CountingRevisions(self.store, self.runs)
 
-    def adapters_changed_since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
-        self.since.append(since_ms)
-        return super().adapters_changed_since(since_ms, page_size)
+    @property
+    def since(self) -> list[int]:
+        return self.counted_changes.asked
 
-    def all_revisions(self, page_size: int = 1000) -> Iterator[list[RegisteredRevision]]:
-        self.full_reads += 1
-        return super().all_revisions(page_size)
+    @property
+    def full_reads(self) -> int:
+        return len(self.counted_revisions.full_reads)
 
 
 def test_a_catalog_follows_the_registry_from_its_snapshot(
