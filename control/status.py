@@ -48,7 +48,7 @@ def status_rows(config: MintConfig, fleet: Health | None = None) -> list[list[st
             by_base.setdefault(str(health["base_digest"]), []).append(worker)
     registry = Registry(config.tracking_uri)
     rows = []
-    for adapter in registry.adapters():
+    for adapter in registry.revisions.adapters():
         for revision in registry.revisions.of(adapter):
             states = []
             for worker in by_base.get(revision.policy.base_digest, []):

@@ -47,7 +47,7 @@ def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
     the adapter's production revision is ready. NotReadyError if no live worker serves the
     base."""
     registry = Registry(config.tracking_uri)
-    policy = registry.get(revision).policy
+    policy = registry.revisions.get(revision).policy
     live = {}
     for url in config.worker_urls:
         worker = WorkerClient(url, config.worker_api_key)
@@ -77,7 +77,7 @@ def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
 
 def _production(registry: Registry, revision: RevisionId) -> RevisionId | None:
     try:
-        return registry.resolve(RevisionRef(revision.adapter, alias=PRODUCTION)).id
+        return registry.revisions.resolve(RevisionRef(revision.adapter, alias=PRODUCTION)).id
     except NotFoundError:
         return None
 
@@ -107,10 +107,10 @@ def admit_revision(
     steps use it. `actor`: who rolls it out, recorded on the stage change."""
     fleet = fleet_for(config, revision, fleet)
     registry = Registry(config.tracking_uri)
-    registry.point_alias(revision, CANDIDATE)
+    registry.aliases.point(revision, CANDIDATE)
     for worker in fleet.workers:
         worker.admit(revision, "rollback" if rollback else "normal")
-    registry.set_stage(revision, Stage.ADMITTED, actor)
+    registry.stages.set(revision, Stage.ADMITTED, actor)
     return fleet
 
 
@@ -142,9 +142,9 @@ def prewarm_revision(
     """Wait until every worker that is to hold `revision` reports it ready, its stage
     `prewarming` meanwhile and `ready` after, both recorded as `actor`'s."""
     registry = Registry(config.tracking_uri)
-    registry.set_stage(revision, Stage.PREWARMING, actor)
+    registry.stages.set(revision, Stage.PREWARMING, actor)
     wait_fleet_ready(config, revision, timeout_s, fleet)
-    registry.set_stage(revision, Stage.READY, actor, "every worker reports it ready")
+    registry.stages.set(revision, Stage.READY, actor, "every worker reports it ready")
 
 
 def wait_fleet_ready(
@@ -184,15 +184,15 @@ def activate_revision(
     (`tasks.pipeline.rollout_lock`)."""
     slot.check(revision.adapter)  # at once, not after the wait for the fleet
     registry = Registry(config.tracking_uri)
-    check_activatable(registry.get(revision))
+    check_activatable(registry.revisions.get(revision))
     try:
         wait_fleet_ready(config, revision, timeout_s, fleet)
     except NotReadyError as e:
         raise NotReadyError(f"not moving {revision.adapter}@{alias} to {revision}: {e}") from e
     # Read again after the wait (minutes, perhaps): the activation writes on from this record.
-    registered = registry.get(revision)
+    registered = registry.revisions.get(revision)
     check_activatable(registered)
-    previous = registry.activate(
+    previous = registry.aliases.activate(
         registered, alias, actor, reason, approver, lambda: nudge_workers(config), slot=slot
     )
     before = "none" if previous is None else f"r{previous}"

@@ -115,7 +115,7 @@ def start_rl_run(
     its dataset; each step's metrics follow."""
     dataset = f"rl:{task_name}"
     digest = sha256_bytes(f"{dataset}|{prompts}|seed={seed}".encode())
-    run_id = Registry(config.tracking_uri).start_training_run(
+    run_id = Registry(config.tracking_uri).runs.start_training(
         adapter,
         grpo.params() | {"rl_task": task_name, "prompts": prompts},
         DatasetLog(dataset, digest, 0),
