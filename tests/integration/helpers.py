@@ -79,10 +79,10 @@ def move_alias(
     reason: str = "",
     approver: str = "",
 ) -> int | None:
-    """`registry.move_alias` in the adapter's roll-out slot, as every mover must take it (the
+    """`registry.aliases.move` in the adapter's roll-out slot, as every mover must take it (the
     Prefect API of the session: a test using this requests `prefect_api`)."""
     with rollout_lock(revision.adapter) as slot:
-        return registry.move_alias(revision, alias, actor, reason, approver, slot=slot)
+        return registry.aliases.move(revision, alias, actor, reason, approver, slot=slot)
 
 
 def activate(config: MintConfig, revision: RevisionId, *args: Any, **options: Any) -> None:
@@ -434,7 +434,7 @@ def paused_run(registry: Registry, revision: RevisionId, pauses: int = 1) -> UUI
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             with suppress(NotFoundError):  # a release registers it after training
-                run_id = registry.get(revision).tags.get(APPROVAL_RUN_TAG)
+                run_id = registry.revisions.get(revision).tags.get(APPROVAL_RUN_TAG)
             if run_id is not None:
                 run = client.read_flow_run(UUID(run_id))
                 paused = sum(s.is_paused() for s in client.read_flow_run_states(run.id))

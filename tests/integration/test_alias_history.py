@@ -44,7 +44,7 @@ def register(registry: Registry, adapter: str, count: int) -> list[RevisionId]:
     for number in range(1, count + 1):
         policy = make_policy(adapter=adapter, content_digest=sha256_json([adapter, number]))
         uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-        revisions.append(registry.register(policy, uri, policy.base_digest).id)
+        revisions.append(registry.revisions.register(policy, uri, policy.base_digest).id)
     return revisions
 
 
@@ -53,11 +53,11 @@ def new_adapter(prefix: str) -> str:
 
 
 def moves(registry: Registry, adapter: str) -> list[tuple[str, int | None, int]]:
-    return [(m.alias, m.from_revision, m.to_revision) for m in registry.alias_history(adapter)]
+    return [(m.alias, m.from_revision, m.to_revision) for m in registry.aliases.history(adapter)]
 
 
 def production(registry: Registry, adapter: str) -> int:
-    return registry.resolve(RevisionRef(adapter, alias=PRODUCTION)).id.number
+    return registry.revisions.resolve(RevisionRef(adapter, alias=PRODUCTION)).id.number
 
 
 class Crash(Exception):
@@ -149,7 +149,7 @@ def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
     if now == 3:
         expected.append((PRODUCTION, 2, 3))
     assert moves(registry, adapter) == expected
-    assert registry.previous(adapter).number == now - 1
+    assert registry.aliases.previous(adapter).number == now - 1
 
     # The move done again (if it did not happen) is recorded once, and so is the one after it.
     if now != 3:
@@ -161,7 +161,7 @@ def test_a_move_killed_at_any_write_leaves_history_and_alias_agreeing(
         (PRODUCTION, 2, 3),
         (PRODUCTION, 3, 1),
     ]
-    assert registry.previous(adapter) == r3
+    assert registry.aliases.previous(adapter) == r3
 
 
 def test_history_keeps_done_moves_and_the_intents_the_alias_followed() -> None:
@@ -199,14 +199,14 @@ def test_two_hundred_moves_fit_a_real_database_and_read_back_in_order(
         move_alias(registry, revisions[step % 3], PRODUCTION, actor=f"actor-{step}")
     elapsed = time.perf_counter() - started
 
-    history = registry.alias_history(adapter)
+    history = registry.aliases.history(adapter)
     assert [(m.from_revision, m.to_revision, m.actor) for m in history] == [
         (None if step == 0 else (step - 1) % 3 + 1, step % 3 + 1, f"actor-{step}")
         for step in range(200)
     ]
     assert all(isinstance(m, AliasMove) for m in history)
     assert production(registry, adapter) == revisions[199 % 3].number
-    assert registry.previous(adapter) == revisions[0]
+    assert registry.aliases.previous(adapter) == revisions[0]
     # Every tag MinT wrote fits the tightest column MLflow declares for a tag value.
     client = MlflowClient(registry.tracking_uri)
     tags = dict(client.get_registered_model(adapter).tags)

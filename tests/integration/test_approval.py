@@ -57,7 +57,7 @@ def gated(
         registry = Registry(fleet_config.tracking_uri)
         first = register_random_adapter(fleet_config, base, name, tmp_path / "r1", seed=1)
         promote(name, first.number)
-        registry.set_gates(name, GATES)
+        registry.gates.set(name, GATES)
         second = register_random_adapter(fleet_config, base, name, tmp_path / "r2", seed=2)
         return registry, second
 
@@ -65,11 +65,11 @@ def gated(
 
 
 def production(registry: Registry, adapter: str) -> int:
-    return registry.resolve(RevisionRef(adapter)).id.number
+    return registry.revisions.resolve(RevisionRef(adapter)).id.number
 
 
 def decisions(registry: Registry, revision: RevisionId) -> list[tuple[str, str, str]]:
-    return [(m["actor"], m["to"], m["reason"]) for m in registry.stage_history(revision)]
+    return [(m["actor"], m["to"], m["reason"]) for m in registry.stages.history(revision)]
 
 
 def test_a_release_waits_for_an_allowed_approver(
@@ -84,7 +84,9 @@ def test_a_release_waits_for_an_allowed_approver(
     )
     candidate = RevisionId("approved-bot", registered.number + 1)
     run_id = paused_run(registry, candidate)
-    assert registry.get(candidate).stage is Stage.READY  # admitted and prewarmed, not active
+    assert (
+        registry.revisions.get(candidate).stage is Stage.READY
+    )  # admitted and prewarmed, not active
     assert production(registry, "approved-bot") == 1
 
     # Refused before it reaches the run: not an approver, or approving one's own roll-out.
@@ -127,7 +129,7 @@ def test_a_rejection_leaves_production_where_it_was(
     with pytest.raises(RejectedError, match="rejected by alice: answers are wrong"):
         promoting.result(timeout=120)
     assert production(registry, "rejected-bot") == 1
-    assert registry.get(candidate).stage is Stage.REJECTED
+    assert registry.revisions.get(candidate).stage is Stage.REJECTED
     assert decisions(registry, candidate)[-1] == (
         "alice", "rejected", "rejected by alice: answers are wrong"
     )  # fmt: skip
@@ -140,12 +142,12 @@ def test_no_answer_before_the_timeout_is_a_rejection(
     gated: Callable[[str], tuple[Registry, RevisionId]],
 ) -> None:
     registry, candidate = gated("timeout-bot")
-    registry.set_gates("timeout-bot", GATES.changed(approval_timeout_s=3))
+    registry.gates.set("timeout-bot", GATES.changed(approval_timeout_s=3))
     with pytest.raises(RejectedError, match="no allowed answer within 3 s"):
         promote("timeout-bot", candidate.number, actor=RELEASER)
     assert production(registry, "timeout-bot") == 1
-    assert registry.get(candidate).stage is Stage.REJECTED
-    assert PRODUCTION not in registry.get(candidate).aliases
+    assert registry.revisions.get(candidate).stage is Stage.REJECTED
+    assert PRODUCTION not in registry.revisions.get(candidate).aliases
 
 
 def paused_form(run_id: UUID) -> tuple[str, dict[str, object]]:
@@ -167,7 +169,7 @@ def test_the_form_asks_for_a_decision_shows_the_figures_and_every_refusal_is_kep
 ) -> None:
     registry, candidate = gated("form-bot")
     rows = write_held_out_data(Task.UPPER, tmp_path, count=4)
-    registry.set_gates("form-bot", GATES.changed(eval_data=str(rows), max_regression=1.0))
+    registry.gates.set("form-bot", GATES.changed(eval_data=str(rows), max_regression=1.0))
     promoting = background.submit(promote, "form-bot", candidate.number, actor=RELEASER)
     run_id = paused_run(registry, candidate)
 
@@ -223,10 +225,10 @@ def test_mint_approve_records_each_refused_answer(mlflow_server: ManagedProcess)
     registry = Registry(mlflow_server.url)
     policy = make_policy(adapter="refused-bot", content_digest=sha256_json(["refused-bot"]))
     uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-    revision = registry.register(policy, uri, policy.base_digest).id
-    registry.set_gates("refused-bot", GATES)
-    registry.set_revision_tag(revision, APPROVAL_RUN_TAG, "00000000-0000-0000-0000-000000000000")
-    registry.note_stage(revision, RELEASER, "awaiting approval by alice, carol")
+    revision = registry.revisions.register(policy, uri, policy.base_digest).id
+    registry.gates.set("refused-bot", GATES)
+    registry.revisions.set_tag(revision, APPROVAL_RUN_TAG, "00000000-0000-0000-0000-000000000000")
+    registry.stages.note(revision, RELEASER, "awaiting approval by alice, carol")
     config = MintConfig(tracking_uri=mlflow_server.url)
 
     with pytest.raises(ConfigurationError, match="'mallory' is not an approver"):
@@ -242,4 +244,4 @@ def test_mint_approve_records_each_refused_answer(mlflow_server: ManagedProcess)
                    "allow approving one's own roll-out; another approver must answer; still "
                    "waiting"),
     ]  # fmt: skip
-    assert registry.get(revision).stage is Stage.REGISTERED
+    assert registry.revisions.get(revision).stage is Stage.REGISTERED

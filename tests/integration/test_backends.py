@@ -91,7 +91,7 @@ class Scenario:
     def expect(self, base: BaseModel, revision: str) -> list[list[int]]:
         if revision not in self.expected:
             adapter, number = revision.split(":r")
-            policy = self.registry.get(RevisionId(adapter, int(number))).policy
+            policy = self.registry.revisions.get(RevisionId(adapter, int(number))).policy
             digest = str(policy.frozen_digest).removeprefix("sha256:")
             frozen = self.fleet.config.frozen_root / digest
             self.expected[revision] = peft_answers(base, frozen)
@@ -134,7 +134,9 @@ def test_served_answers_equal_peft_generate(scenario: Scenario, kind: BackendKin
 def test_both_workers_were_ready_before_activation_and_answer_alike(scenario: Scenario) -> None:
     for revision in (f"{OPEN}:r1", f"{PRIVATE}:r1"):
         adapter, number = revision.split(":r")
-        activated = scenario.registry.get(RevisionId(adapter, int(number))).tags[ACTIVATED_AT_TAG]
+        activated = scenario.registry.revisions.get(RevisionId(adapter, int(number))).tags[
+            ACTIVATED_AT_TAG
+        ]
         activated_at = datetime.fromisoformat(activated).timestamp()
         for kind in KINDS:
             events = events_of(scenario.worker(kind))
@@ -213,7 +215,7 @@ def test_an_adapter_vllm_refuses_fails_with_its_reason_and_production_stays(
     scenario: Scenario,
 ) -> None:
     """Rank 16 is over the vLLM worker's --max-lora-rank 8; the embedded worker takes it."""
-    before = scenario.registry.resolve(RevisionRef(OPEN)).id
+    before = scenario.registry.revisions.resolve(RevisionRef(OPEN)).id
     with pytest.MonkeyPatch.context() as env:
         for name, value in scenario.fleet.config.to_env().items():
             env.setenv(name, value)
@@ -225,7 +227,7 @@ def test_an_adapter_vllm_refuses_fails_with_its_reason_and_production_stays(
     assert entry["state"] == "failed"
     assert "LoRA rank 16 is greater than max_lora_rank 8" in entry["reason"]
     assert readiness(scenario.worker(BackendKind.EMBEDDED), refused)["state"] == "ready"
-    assert scenario.registry.resolve(RevisionRef(OPEN)).id == before
+    assert scenario.registry.revisions.resolve(RevisionRef(OPEN)).id == before
     for kind in KINDS:
         scenario.check_answers(kind, f"{OPEN}@production", str(before))
 
@@ -266,7 +268,7 @@ def sse_data(url: str, body: dict[str, object]) -> list[str]:
 def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: Scenario) -> None:
     worker = scenario.worker(BackendKind.VLLM)
     production = {
-        f"{OPEN}@production": str(scenario.registry.resolve(RevisionRef(OPEN)).id),
+        f"{OPEN}@production": str(scenario.registry.revisions.resolve(RevisionRef(OPEN)).id),
         f"{PRIVATE}@production": f"{PRIVATE}:r1",
     }
     expected = {

@@ -82,7 +82,7 @@ def revisions(fleet_config: MintConfig) -> dict[str, RevisionId]:
     production = release(ADAPTER, "upper").revision
     # Margins with room for the recipe's spread between seeds (bench/results/recipe.json) and
     # a loaded machine's latency, far less than a revision of another task falls behind.
-    Registry(fleet_config.tracking_uri).set_gates(
+    Registry(fleet_config.tracking_uri).gates.set(
         ADAPTER, Gates(canary_max_score_drop=0.3, canary_max_p95_ratio=5.0)
     )
     good, _, _ = register_step_by_step(
@@ -113,7 +113,7 @@ def test_a_good_candidate_is_promoted_and_a_bad_one_rolled_back(
     assert set(client.served) == {str(first), str(good)}
     print(reason)  # the figures, for `pytest -s`
     assert promoted, reason
-    assert registry.resolve(RevisionRef(ADAPTER)).id == good
+    assert registry.revisions.resolve(RevisionRef(ADAPTER)).id == good
     assert registry.canary.current(ADAPTER) is None
 
     promoted, reason, client = canary_under_traffic(worker, bad)
@@ -122,11 +122,11 @@ def test_a_good_candidate_is_promoted_and_a_bad_one_rolled_back(
     print(reason)
     assert not promoted
     assert reason.startswith("rolled back: mean feedback")
-    assert registry.resolve(RevisionRef(ADAPTER)).id == good
-    assert registry.get(bad).stage is Stage.REJECTED
+    assert registry.revisions.resolve(RevisionRef(ADAPTER)).id == good
+    assert registry.revisions.get(bad).stage is Stage.REJECTED
     assert registry.canary.current(ADAPTER) is None
 
-    canary_moves = [m for m in registry.alias_history(ADAPTER) if m.alias == CANARY]
+    canary_moves = [m for m in registry.aliases.history(ADAPTER) if m.alias == CANARY]
     assert [(m.to_revision, m.reason.split(":")[0]) for m in canary_moves] == [
         (good.number, "canary"),
         (good.number, "promoted"),  # the canary ends on production, now the candidate
@@ -135,19 +135,19 @@ def test_a_good_candidate_is_promoted_and_a_bad_one_rolled_back(
     ]
     for move in canary_moves[1], canary_moves[3]:
         assert f"canary {ADAPTER}:r" in move.reason and "mean feedback" in move.reason
-    (promotion,) = [m for m in registry.alias_history(ADAPTER) if m.to_revision == good.number
+    (promotion,) = [m for m in registry.aliases.history(ADAPTER) if m.to_revision == good.number
                     and m.alias == "production"]  # fmt: skip
     assert promotion.reason.startswith("canary promoted: within every margin")
 
     # A canary stopped on its way (here: promotion needs an approval that never comes) hands
     # its share back to production and leaves production where it was.
-    registry.set_gates(ADAPTER, registry.gates.of(ADAPTER).changed(
+    registry.gates.set(ADAPTER, registry.gates.of(ADAPTER).changed(
         requires_approval=True, approvers=["alice"], approval_timeout_s=2))  # fmt: skip
     client = ScoringClient(worker.url)
     with client.running(), pytest.raises(RejectedError, match="no allowed answer within 2 s"):
         canary(ADAPTER, first.number, **SETTINGS)  # r1, as good as r2: promoted, pending approval
     assert client.failures == []
     assert registry.canary.current(ADAPTER) is None
-    assert registry.resolve(RevisionRef(ADAPTER)).id == good
-    assert registry.get(first).stage is Stage.REJECTED
-    assert registry.alias_history(ADAPTER)[-1].reason.startswith("stopped: RejectedError")
+    assert registry.revisions.resolve(RevisionRef(ADAPTER)).id == good
+    assert registry.revisions.get(first).stage is Stage.REJECTED
+    assert registry.aliases.history(ADAPTER)[-1].reason.startswith("stopped: RejectedError")

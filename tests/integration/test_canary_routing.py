@@ -87,16 +87,18 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
     for number in (1, 2):
         digest = sha256_json(["test_canary_routing", number])
         policy = make_policy(adapter="canary-forms", content_digest=digest, base_digest=BASE)
-        registry.register(policy, "mint-local://sha256/" + digest.removeprefix("sha256:"), BASE)
+        registry.revisions.register(
+            policy, "mint-local://sha256/" + digest.removeprefix("sha256:"), BASE
+        )
     r1, r2 = RevisionId("canary-forms", 1), RevisionId("canary-forms", 2)
     move_alias(registry, r1, PRODUCTION, reason="test")
-    activated = registry.get(r1).tags[ACTIVATED_AT_TAG]
+    activated = registry.revisions.get(r1).tags[ACTIVATED_AT_TAG]
     with rollout_lock("canary-forms") as slot:
         for percent in (0, -5, 100.5, math.nan):
             with pytest.raises(ConfigurationError, match="above 0 and at most 100"):
-                registry.start_canary(r2, percent, slot=slot)
+                registry.canary.start(r2, percent, slot=slot)
         assert registry.canary.current("canary-forms") is None
-        assert registry.start_canary(r2, 12.5, "lead", "watch r2", slot=slot) is None
+        assert registry.canary.start(r2, 12.5, "lead", "watch r2", slot=slot) is None
     assert registry.canary.current("canary-forms") == (r2, 12.5)
     catalog = Catalog(registry)
     try:
@@ -105,9 +107,9 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
         assert {r1, r2} <= catalog.desired()
 
         with rollout_lock("canary-forms") as slot:
-            assert registry.end_canary("canary-forms", "lead", "r2 worse: figures", slot=slot) == r2
+            assert registry.canary.end("canary-forms", "lead", "r2 worse: figures", slot=slot) == r2
         assert registry.canary.current("canary-forms") is None
-        assert CANARY not in registry.get(r2).aliases
+        assert CANARY not in registry.revisions.get(r2).aliases
         catalog.sync()
         assert catalog.canary("canary-forms") is None
         assert r2 not in catalog.desired()
@@ -115,7 +117,7 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
         catalog.close()
     moves = [
         (m.alias, m.from_revision, m.to_revision, m.actor, m.reason)
-        for m in registry.alias_history("canary-forms")
+        for m in registry.aliases.history("canary-forms")
     ]
     assert moves == [
         (PRODUCTION, None, 1, "mint", "test"),
@@ -123,10 +125,10 @@ def test_canary_share_goes_through_the_registry_to_the_catalog(
         (CANARY, 2, 1, "lead", "r2 worse: figures"),
     ]
     # Ending the canary recorded a move onto r1 but did not make it newly active.
-    assert registry.get(r1).tags[ACTIVATED_AT_TAG] == activated
+    assert registry.revisions.get(r1).tags[ACTIVATED_AT_TAG] == activated
     with rollout_lock("canary-forms") as slot:
-        assert registry.end_canary("canary-forms", slot=slot) is None  # nothing left to end
-    assert len(registry.alias_history("canary-forms")) == 3
+        assert registry.canary.end("canary-forms", slot=slot) is None  # nothing left to end
+    assert len(registry.aliases.history("canary-forms")) == 3
 
 
 # --- A worker serving a canary ---------------------------------------------------------------
@@ -145,7 +147,7 @@ def canary(
     )
     assert promote(name, r1.number) == str(r1)
     with rollout_lock(name) as slot:
-        Registry(fleet_config.tracking_uri).start_canary(r2, PERCENT, "tests", "canary", slot=slot)
+        Registry(fleet_config.tracking_uri).canary.start(r2, PERCENT, "tests", "canary", slot=slot)
     admin = WorkerClient(fleet_config.worker_urls[0], api_key=fleet_config.worker_api_key)
     try:
         admin.sync()
@@ -268,7 +270,7 @@ def test_ending_the_canary_sends_everything_back_to_production(
     r1, r2 = canary
     registry = Registry(fleet_config.tracking_uri)
     with rollout_lock(r1.adapter) as slot:
-        assert registry.end_canary(r1.adapter, "tests", "done", slot=slot) == r2
+        assert registry.canary.end(r1.adapter, "tests", "done", slot=slot) == r2
     WorkerClient(worker.url, api_key="key-admin").sync()
     with httpx.Client(base_url=worker.url, timeout=120) as http, ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda _: generate(http, r1.adapter), range(200)))

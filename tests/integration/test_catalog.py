@@ -43,7 +43,9 @@ def register(registry: Registry, adapter: str, revisions: int, base: str = BASE)
     for _ in range(revisions):
         digest = sha256_json(["test_catalog", next(_contents)])
         policy = make_policy(adapter=adapter, content_digest=digest, base_digest=base)
-        registry.register(policy, "mint-local://sha256/" + digest.removeprefix("sha256:"), base)
+        registry.revisions.register(
+            policy, "mint-local://sha256/" + digest.removeprefix("sha256:"), base
+        )
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def registry(mlflow_server: ManagedProcess, prefect_api: str) -> Registry:
     registry = Registry(mlflow_server.url)
     register(registry, "forms", 3)
     move_alias(registry, RevisionId("forms", 2), PRODUCTION, reason="test")
-    registry.point_alias(RevisionId("forms", 3), CANDIDATE)
+    registry.aliases.point(RevisionId("forms", 3), CANDIDATE)
     register(registry, "elsewhere", 1, base=OTHER_BASE)
     move_alias(registry, RevisionId("elsewhere", 1), PRODUCTION, reason="test")
     return registry
@@ -87,7 +89,7 @@ def test_the_index_resolves_every_form_as_the_registry_does(
     refs = ["forms", "forms@production", "forms@candidate", "forms:r1", "forms:r2", "forms:r3"]
     for text in refs:
         ref = RevisionRef.parse(text)
-        mine, theirs = catalog.resolve(ref), registry.resolve(ref)
+        mine, theirs = catalog.resolve(ref), registry.revisions.resolve(ref)
         assert (mine.id, mine.policy, mine.artifact_uri, mine.stage, mine.aliases) == (
             theirs.id, theirs.policy, theirs.artifact_uri, theirs.stage, theirs.aliases
         ), text  # fmt: skip
@@ -281,7 +283,8 @@ def test_a_catalog_without_a_snapshot_reads_everything_once(
     # Every revision is held after the first sync: none needs the registry.
     catalog.registry = unanswered_registry(monkeypatch)
     assert (
-        catalog.record(RevisionId("forms", 1)).policy == registry.get(RevisionId("forms", 1)).policy
+        catalog.record(RevisionId("forms", 1)).policy
+        == registry.revisions.get(RevisionId("forms", 1)).policy
     )
     catalog.close()
 

@@ -32,7 +32,7 @@ def registered(registry: Registry, adapter: str, revisions: int) -> None:
         digest = sha256_json(["test_catalog_lookups", adapter, number])
         policy = make_policy(adapter=adapter, content_digest=digest)
         uri = "mint-local://sha256/" + digest.removeprefix("sha256:")
-        registry.register(policy, uri, policy.base_digest)
+        registry.revisions.register(policy, uri, policy.base_digest)
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_an_adapter_without_a_production_revision_says_which_revisions_it_has(
     expected = f"{adapter} has no production revision yet (registered: r1)"
 
     with pytest.raises(NotFoundError) as raised:
-        registry.resolve(RevisionRef(adapter))
+        registry.revisions.resolve(RevisionRef(adapter))
     assert str(raised.value).startswith(expected), raised.value
 
     body = {"inputs": "abc=", "parameters": {"adapter_id": adapter}}
@@ -121,7 +121,7 @@ def test_an_adapter_without_a_production_revision_says_which_revisions_it_has(
 
     registered(registry, adapter, 2)
     with pytest.raises(NotFoundError, match=r"\(registered: r1, r2, r3\)"):
-        registry.resolve(RevisionRef(adapter, alias="candidate"))
+        registry.revisions.resolve(RevisionRef(adapter, alias="candidate"))
     unknown = f"nobody-{uuid.uuid4().hex[:6]}"
     with pytest.raises(NotFoundError, match=f"adapter '{unknown}' is not registered"):
-        registry.resolve(RevisionRef(unknown))
+        registry.revisions.resolve(RevisionRef(unknown))

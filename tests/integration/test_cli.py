@@ -229,7 +229,7 @@ def test_registry_calls_to_a_server_that_does_not_answer_name_it_and_its_setting
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     uri = f"http://127.0.0.1:{closed_port()}"
     registry = Registry(uri)
-    for call in (registry.adapters, lambda: registry.adapters_changed_since(0)):
+    for call in (registry.revisions.adapters, lambda: registry.changes.since(0)):
         with pytest.raises(RegistryError) as raised:
             call()
         message = str(raised.value)
@@ -261,7 +261,7 @@ def test_an_artifact_store_that_refuses_fails_a_release_in_one_line(
     log = Path(line.rpartition("(details in ")[2].rstrip(")"))
     assert "EndpointConnectionError" in log.read_text()
     assert "Traceback" in log.read_text()
-    assert not Registry(fleet_config.tracking_uri).has_adapter(adapter)
+    assert not Registry(fleet_config.tracking_uri).revisions.has_adapter(adapter)
 
 
 # A worker started with `mint serve` notices that MLflow is down.
@@ -498,9 +498,9 @@ def test_promoting_what_is_production_is_refused_before_prefect_starts(
     adapter = f"served-bot-{tmp_path.name[-6:].replace('_', '-')}"
     policy = make_policy(adapter=adapter)
     uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-    revision = registry.register(policy, uri, policy.base_digest).id
+    revision = registry.revisions.register(policy, uri, policy.base_digest).id
     for stage in (Stage.ADMITTED, Stage.PREWARMING, Stage.READY, Stage.ACTIVE):
-        registry.set_stage(revision, stage)
+        registry.stages.set(revision, stage)
     move_alias(registry, revision, PRODUCTION)
     env = mint_env(
         MINT_HOME=str(tmp_path),

@@ -75,10 +75,10 @@ def test_a_cookbook_loop_runs_unmodified_and_its_checkpoints_become_revisions(
     store = open_store(trainer_config)
     for checkpoint in checkpoints:
         revision = sampler_revision(store, CheckpointPath.parse(checkpoint["sampler_path"]))
-        policy = registry.get(revision).policy
+        policy = registry.revisions.get(revision).policy
         assert policy.base_digest == base.digest and policy.principals == (PRINCIPAL,)
         assert policy.dataset.startswith("tinker session ")
-    final = registry.get(
+    final = registry.revisions.get(
         sampler_revision(store, CheckpointPath.parse(str(report["final_sampler_path"])))
     )
     assert final.policy.training_steps == 3

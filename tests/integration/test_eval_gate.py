@@ -106,7 +106,7 @@ def gate_reason(registry: Registry, revision: RevisionId) -> str:
     """What the evaluation gate wrote in `revision`'s stage history."""
     (reason,) = (
         move["reason"]
-        for move in registry.stage_history(revision)
+        for move in registry.stages.history(revision)
         if move["reason"].startswith("evaluation")
     )
     return reason
@@ -114,7 +114,7 @@ def gate_reason(registry: Registry, revision: RevisionId) -> str:
 
 def recorded(registry: Registry, revision: RevisionId) -> tuple[float, float]:
     """(candidate, production) exact match as tagged on `revision`'s model version."""
-    tags = registry.get(revision).tags
+    tags = registry.revisions.get(revision).tags
     return (
         float(tags["mint.eval.candidate.exact_match"]),
         float(tags["mint.eval.production.exact_match"]),
@@ -128,13 +128,13 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     registry = Registry(fleet_config.tracking_uri)
     first = RevisionId(NAME, 1)
     assert release(NAME, "upper").revision == str(first)
-    assert registry.resolve(RevisionRef(NAME)).id == first
+    assert registry.revisions.resolve(RevisionRef(NAME)).id == first
     # Room for the recipe's spread between seeds (bench/results/recipe.json: 0.875 to 1.0 on
     # reverse), far less than a revision of another task falls behind.
-    registry.set_gates(NAME, Gates(max_regression=MARGIN))
-    assert EVAL_ROWS_TAG in registry.get(first).tags
+    registry.gates.set(NAME, Gates(max_regression=MARGIN))
+    assert EVAL_ROWS_TAG in registry.revisions.get(first).tags
     assert gate_reason(registry, first) == "evaluation passed: no other revision in production"
-    assert "mint.eval.candidate.exact_match" not in registry.get(first).tags
+    assert "mint.eval.candidate.exact_match" not in registry.revisions.get(first).tags
 
     with pytest.raises(RejectedError) as rejected:
         release(NAME, "reverse", steps=40)
@@ -147,12 +147,12 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
         f"{production:.2f} on 64 eval rows {first} was evaluated on in training, none left out "
         f"(max regression {MARGIN}); production did not move"
     )
-    assert registry.get(bad).stage is Stage.REJECTED
-    assert registry.stage_history(bad)[-1]["to"] == "rejected"
+    assert registry.revisions.get(bad).stage is Stage.REJECTED
+    assert registry.stages.history(bad)[-1]["to"] == "rejected"
     assert gate_reason(registry, bad) + "; production did not move" == str(rejected.value)
-    assert registry.get(bad).tags["mint.eval.production_revision"] == str(first)
+    assert registry.revisions.get(bad).tags["mint.eval.production_revision"] == str(first)
     # production did not move, and users are served what they were.
-    assert registry.resolve(RevisionRef(NAME)).id == first
+    assert registry.revisions.resolve(RevisionRef(NAME)).id == first
     assert client.generate("abc=", NAME)[1] == str(first)
     assert eval_artifact(NAME) == [
         {"set": "eval", "role": "candidate", "revision": str(bad), "exact_match": candidate,
@@ -164,7 +164,7 @@ def test_a_revision_trained_on_another_task_is_rejected_before_activation(
     # A revision as good as production passes and moves it.
     good = RevisionId(NAME, 3)
     assert release(NAME, "upper", seed=1).revision == str(good)
-    assert registry.resolve(RevisionRef(NAME)).id == good
+    assert registry.revisions.resolve(RevisionRef(NAME)).id == good
     candidate, production = recorded(registry, good)
     assert candidate >= production - MARGIN
     assert gate_reason(registry, good).startswith(f"evaluation passed: {good} exact")
@@ -191,13 +191,13 @@ def test_releases_from_one_file_with_other_seeds_are_never_scored_on_rows_they_t
 
     first, second, third = (RevisionId(adapter, n) for n in (1, 2, 3))
     assert released(seed=0) == str(first)
-    registry.set_gates(adapter, Gates(max_regression=1.0))
+    registry.gates.set(adapter, Gates(max_regression=1.0))
     assert released(seed=1) == str(second)
 
     store, staging = open_store(fleet_config), fleet_config.home / "test-staging"
 
     def held_out(revision: RevisionId) -> frozenset[str]:
-        name = registry.get(revision).tags[EVAL_ROWS_TAG]
+        name = registry.revisions.get(revision).tags[EVAL_ROWS_TAG]
         return frozenset(row.digest() for row in load_rows(store, staging, name, revision))
 
     held_by_first = held_out(first)
@@ -208,10 +208,10 @@ def test_releases_from_one_file_with_other_seeds_are_never_scored_on_rows_they_t
           f"among r2's {len(trained_by_second)} training rows")  # fmt: skip
     assert 20 <= len(held_by_first) <= 60  # about 10% of 400
     assert overlap == frozenset()
-    name = registry.get(second).tags[TRAIN_ROWS_TAG]
+    name = registry.revisions.get(second).tags[TRAIN_ROWS_TAG]
     assert load_digests(store, staging, name, second) == trained_by_second
-    scored = min(len(load_rows(store, staging, registry.get(first).tags[EVAL_ROWS_TAG], first)),
-                 64)  # fmt: skip
+    eval_rows = registry.revisions.get(first).tags[EVAL_ROWS_TAG]
+    scored = min(len(load_rows(store, staging, eval_rows, first)), 64)
     table = eval_artifact(adapter)
     print("r2's gate:", table)
     assert [(r["revision"], r["rows_scored"], r["rows_left_out"]) for r in table] == [
@@ -223,7 +223,7 @@ def test_releases_from_one_file_with_other_seeds_are_never_scored_on_rows_they_t
     )
 
     # Gates that name the whole file: the rows both trained on are left out, and said so.
-    registry.set_gates(adapter, Gates(max_regression=1.0, eval_data=str(data)))
+    registry.gates.set(adapter, Gates(max_regression=1.0, eval_data=str(data)))
     assert released(seed=2) == str(third)
     trained = sum(row.digest() in trained_by_second for row in whole)
     table = eval_artifact(adapter)
@@ -231,5 +231,5 @@ def test_releases_from_one_file_with_other_seeds_are_never_scored_on_rows_they_t
     assert [(r["rows_scored"], r["rows_left_out"], r["why_left_out"]) for r in table] == [
         (min(len(whole) - trained, 64), trained, f"{trained} trained on by {third}")
     ] * 2
-    tags = registry.get(third).tags
+    tags = registry.revisions.get(third).tags
     assert tags["mint.eval.rows_left_out"] == f"{trained} ({trained} trained on by {third})"

@@ -111,7 +111,7 @@ def test_an_adapter_released_on_each_family_answers_as_peft_does(
     report = release(adapter, str(data), steps=12, learning_rate=5e-3, batch_size=16)
     assert report.revision == f"{adapter}:r1"
 
-    registered = Registry(family_base.config.tracking_uri).resolve(RevisionRef(adapter))
+    registered = Registry(family_base.config.tracking_uri).revisions.resolve(RevisionRef(adapter))
     policy = registered.policy
     assert policy.base_model_id == family_base.folder.name
     assert policy.dataset == str(data)

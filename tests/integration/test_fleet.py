@@ -120,7 +120,7 @@ def test_a_burst_of_ten_prewarms_one_at_a_time_behind_a_fast_not_ready(
     revisions = [fleet.register(base, f"burst-{n}") for n in range(10)]
     registry = Registry(fleet.config.tracking_uri)
     for revision in revisions:
-        registry.point_alias(revision, CANDIDATE)
+        registry.aliases.point(revision, CANDIDATE)
     # The first worker learns of all ten at one sync and admits them in one burst.
     assert len(WorkerClient(fleet.workers[0].url).sync()) == 10
 
@@ -157,14 +157,14 @@ def test_a_burst_of_ten_prewarms_one_at_a_time_behind_a_fast_not_ready(
         # production never pointed at a revision this worker had not reported ready.
         ready_at = {e["id"]: e["at"] for e in events if e["state"] == "ready"}
         for revision in revisions:
-            activated = registry.get(revision).tags[ACTIVATED_AT_TAG]
+            activated = registry.revisions.get(revision).tags[ACTIVATED_AT_TAG]
             assert ready_at[str(revision)] <= datetime.fromisoformat(activated).timestamp()
 
 
 def test_activation_waits_until_both_workers_are_ready(fleet: Fleet, base: BaseModel) -> None:
     revision = fleet.register(base, "pair-bot")
     registry = Registry(fleet.config.tracking_uri)
-    registry.set_stage(revision, Stage.ADMITTED)  # admitted on the first worker only
+    registry.stages.set(revision, Stage.ADMITTED)  # admitted on the first worker only
     first, second = (WorkerClient(w.url) for w in fleet.workers)
     first.admit(revision)
     first.wait_ready(revision, timeout_s=60)
@@ -182,7 +182,7 @@ def test_activation_waits_until_both_workers_are_ready(fleet: Fleet, base: BaseM
     with pytest.raises(NotReadyError, match=r"not_admitted"):
         activate(fleet.config, revision)
     with pytest.raises(NotFoundError):
-        registry.resolve(RevisionRef("pair-bot"))
+        registry.revisions.resolve(RevisionRef("pair-bot"))
 
     # Queued on the second worker: activation waits for it, then moves the alias.
     second.admit(revision)
@@ -192,8 +192,8 @@ def test_activation_waits_until_both_workers_are_ready(fleet: Fleet, base: BaseM
     thread.join()
     assert failure == []
     assert second.readiness(revision)[0].value == "ready"
-    assert registry.resolve(RevisionRef("pair-bot")).id == revision
-    activated_at = datetime.fromisoformat(registry.get(revision).tags[ACTIVATED_AT_TAG])
+    assert registry.revisions.resolve(RevisionRef("pair-bot")).id == revision
+    activated_at = datetime.fromisoformat(registry.revisions.get(revision).tags[ACTIVATED_AT_TAG])
     for worker in fleet.workers:
         ready = [e["at"] for e in fleet.events(worker) if e == e | {"id": "pair-bot:r1",
                                                                   "state": "ready"}]  # fmt: skip
@@ -210,7 +210,9 @@ def test_a_corrupt_artifact_fails_on_both_workers_and_the_alias_stays(
     release(fleet, good)
     bad = fleet.register(base, "careful-bot")
     registry = Registry(fleet.config.tracking_uri)
-    folder = LocalArtifactStore(fleet.config.artifact_root).fetch(registry.get(bad).artifact_uri)
+    folder = LocalArtifactStore(fleet.config.artifact_root).fetch(
+        registry.revisions.get(bad).artifact_uri
+    )
     shard = next(folder.glob("*.safetensors"))
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
@@ -223,7 +225,7 @@ def test_a_corrupt_artifact_fails_on_both_workers_and_the_alias_stays(
     message = str(refused.value)
     assert message.count("failed to prewarm careful-bot:r2") == 2
     assert "checksum" in message or "digest" in message
-    assert registry.resolve(RevisionRef("careful-bot")).id == good
+    assert registry.revisions.resolve(RevisionRef("careful-bot")).id == good
     for worker in fleet.workers:
         response = fleet.generate(worker, "careful-bot@production")
         assert response.headers["X-Mint-Revision"] == "careful-bot:r1"
@@ -233,7 +235,7 @@ def test_a_worker_killed_mid_prewarm_converges_after_restart(fleet: Fleet, base:
     revisions = [fleet.register(base, f"restart-{n}") for n in range(5)]
     registry = Registry(fleet.config.tracking_uri)
     for revision in revisions:
-        registry.point_alias(revision, CANDIDATE)
+        registry.aliases.point(revision, CANDIDATE)
     victim = fleet.workers[0]  # it syncs when nudged: all five arrive at once
     assert set(WorkerClient(victim.url).sync()) == {str(r) for r in revisions}
 

@@ -44,7 +44,7 @@ def test_release_and_rollback_runs_say_what_they_did(
 ) -> None:
     first = run_id(release(ADAPTER, "upper", steps=4, return_state=True))
     # Any figures pass: the gate only has to run and say its verdict.
-    Registry(fleet_config.tracking_uri).set_gates(ADAPTER, Gates(max_regression=1.0))
+    Registry(fleet_config.tracking_uri).gates.set(ADAPTER, Gates(max_regression=1.0))
     second = run_id(release(ADAPTER, "upper", steps=4, seed=1, return_state=True))
     back = run_id(rollback(ADAPTER, actor="oncall", return_state=True))
 

@@ -75,10 +75,10 @@ def test_a_catalog_holds_an_alias_moved_by_hand_until_the_pipeline_moves_it(
     for number in (1, 2, 3):
         policy = make_policy(adapter=adapter, content_digest=sha256_json([adapter, number]))
         uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-        revisions.append(registry.register(policy, uri, policy.base_digest).id)
+        revisions.append(registry.revisions.register(policy, uri, policy.base_digest).id)
     r1, r2, r3 = revisions
     move_alias(registry, r1, PRODUCTION, actor="release")
-    registry.point_alias(r2, CANDIDATE)
+    registry.aliases.point(r2, CANDIDATE)
     catalog = Catalog(registry, folder=tmp_path, audit_interval_s=0.0)
     try:
         catalog.sync()
@@ -102,7 +102,7 @@ def test_a_catalog_holds_an_alias_moved_by_hand_until_the_pipeline_moves_it(
 
         # The pipeline's move takes production; removing the candidate is no held move.
         move_alias(registry, r3, PRODUCTION, actor="promote")
-        registry.drop_alias(adapter, CANDIDATE)
+        registry.aliases.drop(adapter, CANDIDATE)
         catalog.sync()
         assert catalog.alias_target(adapter, PRODUCTION) == 3
         assert catalog.alias_target(adapter, CANDIDATE) is None

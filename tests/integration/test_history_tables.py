@@ -107,7 +107,7 @@ def register(registry: Registry, adapter: str, count: int) -> list[RevisionId]:
     for number in range(1, count + 1):
         policy = make_policy(adapter=adapter, content_digest=sha256_json([adapter, number]))
         uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-        revisions.append(registry.register(policy, uri, policy.base_digest).id)
+        revisions.append(registry.revisions.register(policy, uri, policy.base_digest).id)
     return revisions
 
 
@@ -123,7 +123,7 @@ def test_a_busy_adapter_keeps_registering_on_postgresql(
     reason = "y" * 2000  # cut to 1000 in the tags, to 300 in the tables
     for step in range(40):
         move_alias(registry, (r1, r2)[step % 2], PRODUCTION, f"actor-{step}", reason, "alice")
-        registry.note_stage(r1, f"actor-{step}", reason)
+        registry.stages.note(r1, f"actor-{step}", reason)
     r3 = register(registry, adapter, 3)[-1]  # a new revision still registers
 
     client = MlflowClient(postgres_mlflow.url)
@@ -148,9 +148,9 @@ def test_the_registry_writes_both_tables_as_it_records(
     registry = Registry(mlflow_server.url)
     adapter = f"recorded-{uuid.uuid4().hex[:8]}"
     r1, r2 = register(registry, adapter, 2)
-    registry.set_stage(r1, Stage.ADMITTED, "carol", "release")
+    registry.stages.set(r1, Stage.ADMITTED, "carol", "release")
     move_alias(registry, r1, PRODUCTION, "carol", "release")
-    registry.note_stage(r2, "alice", "approved: looks right", approver="alice")
+    registry.stages.note(r2, "alice", "approved: looks right", approver="alice")
     move_alias(registry, r2, PRODUCTION, "carol", "new data", approver="alice")
     move_alias(registry, r1, PRODUCTION, "bob", "answers wrong")
 
@@ -197,7 +197,7 @@ def test_a_release_an_approved_promote_and_a_rollback_read_as_tables(
     assert released.eval_rows == "64 rows of upper-held-out-n64.jsonl"
     # Any score passes: this test is about what the approval records, not the evaluation.
     gates = Gates(requires_approval=True, approvers=("alice",), max_regression=1.0)
-    registry.set_gates(adapter, gates)
+    registry.gates.set(adapter, gates)
     r2 = register_random_adapter(fleet_config, base, adapter, tmp_path / "r2", seed=2)
     promoting = background.submit(promote, adapter, r2.number, actor="carol", reason="new data")
     paused_run(registry, r2)

@@ -65,7 +65,7 @@ def test_imported_adapter_serves_exactly_what_peft_gives(
     served = [client.generate(prompt, name) for prompt in PROMPTS]
     assert [text for text, _ in served] == expected
     assert {revision for _, revision in served} == {f"{name}:r1"}
-    policy = Registry(fleet_config.tracking_uri).resolve(RevisionRef(name)).policy
+    policy = Registry(fleet_config.tracking_uri).revisions.resolve(RevisionRef(name)).policy
     assert (policy.dataset, policy.training_steps, policy.lora_rank, policy.lora_alpha,
             policy.created_by) == ("", 0, lora.r, lora.lora_alpha, "partner-team")  # fmt: skip
 

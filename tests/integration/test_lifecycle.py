@@ -50,13 +50,13 @@ def test_rollback_brings_back_r1_without_training(fleet: Fleet) -> None:
         Stage.RETIRED,
     )
     moves = [(m.alias, m.from_revision, m.to_revision, m.actor, m.reason)
-             for m in registry.alias_history(name)]  # fmt: skip
+             for m in registry.aliases.history(name)]  # fmt: skip
     assert moves == [
         ("production", None, 1, "mint", "release"),
         ("production", 1, 2, "mint", "release"),
         ("production", 2, 1, "oncall", "bad answers"),
     ]
-    stages = [(h["from"], h["to"]) for h in registry.stage_history(RevisionId(name, 1))]
+    stages = [(h["from"], h["to"]) for h in registry.stages.history(RevisionId(name, 1))]
     assert stages[-4:] == [
         ("retired", "admitted"), ("admitted", "prewarming"), ("prewarming", "ready"),
         ("ready", "active"),
@@ -69,12 +69,12 @@ def test_rollback_brings_back_r1_without_training(fleet: Fleet) -> None:
         promote(name, 2)
 
     # A lost artifact is re-exported from the frozen files; with those gone too, it is refused.
-    r1_uri = registry.get(RevisionId(name, 1)).artifact_uri
+    r1_uri = registry.revisions.get(RevisionId(name, 1)).artifact_uri
     fleet.lose(r1_uri)
     assert promote(name, 1) == f"{name}:r1"
     assert fleet.store.holds(r1_uri)
     assert answer(worker, name) == r1
-    r2_revision = registry.get(RevisionId(name, 2))
+    r2_revision = registry.revisions.get(RevisionId(name, 2))
     fleet.lose(r2_revision.artifact_uri)
     frozen = str(r2_revision.policy.frozen_digest).removeprefix("sha256:")
     shutil.rmtree(config.frozen_root / frozen)
@@ -150,7 +150,7 @@ def test_release_killed_mid_step_leaves_nothing_that_looks_complete(
     with contextlib.suppress(NotFoundError):
         assert registry.revisions.of(name) == []
     with pytest.raises(NotFoundError):
-        registry.resolve(RevisionRef(name, alias="production"))
+        registry.revisions.resolve(RevisionRef(name, alias="production"))
 
     release(name, "upper", steps=10)  # the rerun
 

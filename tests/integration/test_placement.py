@@ -141,10 +141,12 @@ def placed(
         names = [f"tenant-{n:02d}" for n in range(ADAPTERS)]
         for seed, name in enumerate(names):
             revision = register_random_adapter(fleet_config, base, name, folder / name, seed)
-            registry.set_stage(revision, Stage.ADMITTED)  # as a roll-out's admit step leaves it
+            registry.stages.set(revision, Stage.ADMITTED)  # as a roll-out's admit step leaves it
             with rollout_lock(name) as slot:
-                registered = registry.get(revision)
-                registry.activate(registered, PRODUCTION, "tests", "placement test", slot=slot)
+                registered = registry.revisions.get(revision)
+                registry.aliases.activate(
+                    registered, PRODUCTION, "tests", "placement test", slot=slot
+                )
         with ThreadPoolExecutor(2) as pool:
             starting = [pool.submit(start_worker, fleet_config, port) for port in ports]
             workers = [future.result() for future in starting]
@@ -257,7 +259,7 @@ def test_a_release_activates_once_its_placement_is_ready_not_every_worker(
     placement = placed.placement(r2)
     assert [w.url for w in fleet.workers] == [placement]
     activate(placed.config, r2, fleet=fleet, timeout_s=60)
-    assert registry.get(r2).aliases == (PRODUCTION,)
+    assert registry.revisions.get(r2).aliases == (PRODUCTION,)
     other = next(w for w in placed.workers if w.url != placement)
     assert WorkerClient(other.url).readiness(r2)[0] is Readiness.NOT_ADMITTED
     answered, waits = until_answered(placed.gateway.url, f"{name}@production")

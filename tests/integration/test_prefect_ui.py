@@ -57,7 +57,7 @@ def paused_run_id(server: ManagedProcess, registry: Registry, revision: Revision
     while time.monotonic() < deadline:
         run_id = None
         with suppress(NotFoundError):
-            run_id = registry.get(revision).tags.get(APPROVAL_RUN_TAG)
+            run_id = registry.revisions.get(revision).tags.get(APPROVAL_RUN_TAG)
         if run_id is not None:
             run = httpx.get(f"{server.url}/api/flow_runs/{run_id}").json()
             if run["state"]["type"] == "PAUSED":
@@ -111,7 +111,7 @@ def test_the_paused_roll_out_shows_its_evaluation_in_the_form(
     registry = Registry(fleet_config.tracking_uri)
     first = register_random_adapter(fleet_config, base, "ui-form-bot", tmp_path / "r1", seed=1)
     in_prefect(prefect_ui, promote, "ui-form-bot", first.number)
-    registry.set_gates("ui-form-bot", GATES)
+    registry.gates.set("ui-form-bot", GATES)
     second = register_random_adapter(fleet_config, base, "ui-form-bot", tmp_path / "r2", seed=2)
     # Prefect's sync calls run from threads of their own: the browser's (Playwright's sync API)
     # leaves an event loop in this one, and `resume_flow_run` called under it only makes a

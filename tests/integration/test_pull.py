@@ -49,7 +49,7 @@ def test_pull_writes_a_registered_revision_as_a_folder_peft_loads_alone(
     name = f"pull-{tmp_path.name[-6:].replace('_', '-')}"
     policy = make_policy(adapter=name, content_digest=packed.content_digest)
     registry = Registry(mlflow_server.url)
-    revision = registry.register(policy, uri, policy.base_digest).id
+    revision = registry.revisions.register(policy, uri, policy.base_digest).id
 
     pulled = pull(registry, store, RevisionRef.parse(f"{name}:r1"), tmp_path / "pulled")
     assert (pulled.revision, pulled.content_digest) == (revision, packed.content_digest)
@@ -108,7 +108,7 @@ def test_pull_refuses_a_used_folder_and_a_damaged_artifact(
     assert (used / "notes.txt").read_text() == "mine"
 
     # A copy of the artifact in a store of its own, one byte of a shard flipped.
-    revision = registry.resolve(ref)
+    revision = registry.revisions.resolve(ref)
     damaged = LocalArtifactStore(tmp_path / "store")
     damaged.put(store.fetch(revision.artifact_uri), revision.policy.content_digest)
     shard = next(damaged.fetch(revision.artifact_uri).glob("*.safetensors"))

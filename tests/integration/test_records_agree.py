@@ -97,7 +97,7 @@ def test_mint_gates_prints_approvers_by_name(
     adapter = f"gated-{uuid.uuid4().hex[:6]}"
     policy = make_policy(adapter=adapter)
     uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-    Registry(tiny_config.tracking_uri).register(policy, uri, policy.base_digest)
+    Registry(tiny_config.tracking_uri).revisions.register(policy, uri, policy.base_digest)
     options = dict.fromkeys(GATE_OPTIONS) | {"approvers": ["alice"], "requires_approval": True}
     cmd_gates(argparse.Namespace(adapter=adapter, **options), tiny_config)
     out = capsys.readouterr().out

@@ -112,11 +112,11 @@ def test_mint_registry_lets_only_the_pipeline_write(
     registry = Registry(url)
     policy = make_policy(adapter="guarded-bot")
     uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-    r1 = registry.register(policy, uri, policy.base_digest).id
+    r1 = registry.revisions.register(policy, uri, policy.base_digest).id
     assert move_alias(registry, r1, PRODUCTION, actor="release") is None
     second = make_policy(adapter="guarded-bot", content_digest="sha256:" + "e" * 64)
-    r2 = registry.register(second, uri, second.base_digest).id
-    registry.set_revision_tag(r2, "mint.note", "by the pipeline")
+    r2 = registry.revisions.register(second, uri, second.base_digest).id
+    registry.revisions.set_tag(r2, "mint.note", "by the pipeline")
 
     # An auditor reads everything and changes nothing: not the alias, not a mint.* tag.
     for reader in (accounts.auditors[0], accounts.worker):
@@ -135,14 +135,16 @@ def test_mint_registry_lets_only_the_pipeline_write(
             assert f"Permission denied: {reader.username} may not" in str(error)
         with pytest.raises(RegistryError, match="Permission denied"):
             move_alias(Registry(url), r2, PRODUCTION, actor=reader.username)
-        assert Registry(url).resolve(RevisionRef("guarded-bot", alias=PRODUCTION)).id == r1
+        assert (
+            Registry(url).revisions.resolve(RevisionRef("guarded-bot", alias=PRODUCTION)).id == r1
+        )
 
     # The pipeline still moves it.
     acting_as(monkeypatch, accounts.pipeline)
     assert move_alias(registry, r2, PRODUCTION, actor="promote") == 1
-    assert registry.resolve(RevisionRef("guarded-bot", alias=PRODUCTION)).id == RevisionId(
-        "guarded-bot", 2
-    )
+    assert registry.revisions.resolve(
+        RevisionRef("guarded-bot", alias=PRODUCTION)
+    ).id == RevisionId("guarded-bot", 2)
     stop_and_check(registry_process, signal.SIGTERM, [f"{url}/health"], log)
 
 

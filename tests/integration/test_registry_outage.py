@@ -64,7 +64,9 @@ def test_a_registry_call_waits_out_a_short_outage(
         caplog.set_level(logging.WARNING, logger=LOGGER)
         registered: list[object] = []
         call = threading.Thread(
-            target=lambda: registered.append(registry.register(policy, uri, policy.base_digest))
+            target=lambda: registered.append(
+                registry.revisions.register(policy, uri, policy.base_digest)
+            )
         )
         call.start()
         time.sleep(2)  # the call meets the stopped server and waits
@@ -84,7 +86,7 @@ def test_a_registry_call_waits_out_a_short_outage(
     ), lines[0]
     assert re.match(rf"MLflow at {server.url} answers again, after \d+ s$", lines[1]), lines[1]
     (revision,) = [r.id for r in registry.revisions.of(adapter)]  # one, written whole
-    assert registry.get(revision).policy == policy
+    assert registry.revisions.get(revision).policy == policy
 
 
 @pytest.mark.slow
@@ -141,4 +143,4 @@ def test_a_release_with_mlflow_down_says_so_and_fails_at_its_bound_registering_n
     assert seconds < RETRY_S + 60, f"failed {seconds:.1f} s after MLflow stopped"
 
     own_mlflow.append(start_mlflow(tmp_path / "registry", port_of(server)))
-    assert not Registry(server.url).has_adapter(adapter)
+    assert not Registry(server.url).revisions.has_adapter(adapter)

@@ -62,26 +62,30 @@ def test_registering_sends_few_requests_and_writes_the_revision_whole(
 ) -> None:
     adapter = f"counted-{uuid.uuid4().hex[:8]}"
     first = policy_of(adapter, 1)
-    registry.register(first, uri_of(first), first.base_digest)
+    registry.revisions.register(first, uri_of(first), first.base_digest)
 
     sent.clear()
     imported = policy_of(adapter, 2)
-    r2 = registry.register(imported, uri_of(imported), imported.base_digest, tags={"x.k": "v"})
+    r2 = registry.revisions.register(
+        imported, uri_of(imported), imported.base_digest, tags={"x.k": "v"}
+    )
     # look up the adapter, create the run, the policy file, the version, name the run, end it
     assert len(sent) == 6, sent
 
-    run_id = registry.start_training_run(adapter, {"rank": "8"}, DatasetLog("/d.jsonl", "x", 1))
-    registry.finish_training_run(run_id, {"eval_loss": 0.5}, 10)
+    run_id = registry.runs.start_training(adapter, {"rank": "8"}, DatasetLog("/d.jsonl", "x", 1))
+    registry.runs.finish_training(run_id, {"eval_loss": 0.5}, 10)
     sent.clear()
     trained = policy_of(adapter, 3)
     reached = [StageMark.reached(stage, f"{stage} step") for stage in UNREGISTERED]
-    r3 = registry.register(trained, uri_of(trained), trained.base_digest, run_id, None, reached)
+    r3 = registry.revisions.register(
+        trained, uri_of(trained), trained.base_digest, run_id, None, reached
+    )
     # the same less the run's creation and end, plus MLflow's read of where its files go: the
     # steps before registration go into its history with the version, costing no request
     assert len(sent) == 5, sent
 
     # Issue 33, item 9: the whole pipeline is in the revision's history, each step with its time.
-    history = registry.stage_history(r3.id)
+    history = registry.stages.history(r3.id)
     assert [(entry["from"], entry["to"]) for entry in history] == [
         ("", "trained"), ("trained", "frozen"), ("frozen", "packed"), ("packed", "exported"),
         ("exported", "registered"),
@@ -94,11 +98,11 @@ def test_registering_sends_few_requests_and_writes_the_revision_whole(
     assert events == ["trained", "trained → frozen", "frozen → packed", "packed → exported",
                       "exported → registered"]  # fmt: skip
     # Without the steps (a caller that registers by hand), history starts at registered.
-    assert [(e["from"], e["to"]) for e in registry.stage_history(r2.id)] == [("", "registered")]
+    assert [(e["from"], e["to"]) for e in registry.stages.history(r2.id)] == [("", "registered")]
 
     client = MlflowClient(mlflow_server.url)
     for revision, policy in ((r2, imported), (r3, trained)):
-        got = registry.get(revision.id)
+        got = registry.revisions.get(revision.id)
         assert got.policy == policy and got.stage is Stage.REGISTERED
         version = client.get_model_version(adapter, str(revision.id.number))
         run = client.get_run(version.run_id)
@@ -110,7 +114,7 @@ def test_registering_sends_few_requests_and_writes_the_revision_whole(
         )
         with open(path) as stream:
             assert json.load(stream) == json.loads(policy.to_json())
-    assert registry.get(r2.id).tags["x.k"] == "v"
+    assert registry.revisions.get(r2.id).tags["x.k"] == "v"
     imported_run = client.get_model_version(adapter, str(r2.id.number)).run_id
     assert client.get_run(imported_run).data.metrics == imported.eval_metrics
 
@@ -120,10 +124,10 @@ def test_a_version_that_cannot_be_created_leaves_no_revision_and_a_failed_run(
 ) -> None:
     adapter = f"refused-{uuid.uuid4().hex[:8]}"
     policy = policy_of(adapter, 1)
-    registry.register(policy, uri_of(policy), policy.base_digest)
+    registry.revisions.register(policy, uri_of(policy), policy.base_digest)
     second = policy_of(adapter, 2)
     with pytest.raises(RegistryError, match="Invalid model version source"):
-        registry.register(second, "mint-local://x", second.base_digest)
+        registry.revisions.register(second, "mint-local://x", second.base_digest)
     assert [r.id.number for r in registry.revisions.of(adapter)] == [1]
     client = MlflowClient(mlflow_server.url)
     runs = client.search_runs(
@@ -138,17 +142,20 @@ def test_activation_walks_the_stages_in_order_and_lets_workers_in_once_the_alias
 ) -> None:
     adapter = f"walked-{uuid.uuid4().hex[:8]}"
     policy = policy_of(adapter, 1)
-    revision = registry.register(policy, uri_of(policy), policy.base_digest).id
-    registry.set_stage(revision, Stage.ADMITTED)
+    revision = registry.revisions.register(policy, uri_of(policy), policy.base_digest).id
+    registry.stages.set(revision, Stage.ADMITTED)
     seen: list[int] = []
 
     def moved() -> None:  # what a worker reads when nudged: the alias, already moved
-        seen.append(Registry(mlflow_server.url).resolve(RevisionRef(adapter)).id.number)
+        seen.append(Registry(mlflow_server.url).revisions.resolve(RevisionRef(adapter)).id.number)
 
     with rollout_lock(adapter) as slot:
-        assert registry.activate(registry.get(revision), moved=moved, slot=slot) is None
+        assert (
+            registry.aliases.activate(registry.revisions.get(revision), moved=moved, slot=slot)
+            is None
+        )
     assert seen == [1]
-    registered = registry.get(revision)
+    registered = registry.revisions.get(revision)
     assert registered.stage is Stage.ACTIVE and registered.aliases == (PRODUCTION,)
     walk = [(m["from"], m["to"]) for m in json.loads(registered.tags[STAGE_HISTORY_TAG])]
     assert walk == [

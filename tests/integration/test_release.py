@@ -114,7 +114,7 @@ def test_second_release_moves_production_only_after_the_worker_is_ready(
     before = details(worker, "line-bot:r1", "hello=")
     # Any score passes: this test is about readiness and records, not the evaluation (both
     # revisions are barely trained).
-    Registry(fleet_config.tracking_uri).set_gates("line-bot", Gates(max_regression=1.0))
+    Registry(fleet_config.tracking_uri).gates.set("line-bot", Gates(max_regression=1.0))
 
     assert release("line-bot", "upper", steps=40, seed=2, actor="alice").revision == "line-bot:r2"
 
@@ -139,7 +139,7 @@ def test_second_release_moves_production_only_after_the_worker_is_ready(
 
     # Issue 33, items 8 and 9: r2's history is the whole pipeline, each step at its time and
     # all of it as the releaser's (none as `mint`).
-    history = registry.stage_history(r2.id)
+    history = registry.stages.history(r2.id)
     assert [(entry["from"], entry["to"]) for entry in history] == [
         ("", "trained"), ("trained", "frozen"), ("frozen", "packed"), ("packed", "exported"),
         ("exported", "registered"), ("registered", "admitted"), ("admitted", "prewarming"),
@@ -151,7 +151,7 @@ def test_second_release_moves_production_only_after_the_worker_is_ready(
     assert {entry["actor"] for entry in history} == {"alice"}
     assert "40 steps on" in history[0]["reason"]
     assert r2.policy.content_digest.removeprefix("sha256:") in history[3]["reason"]
-    assert registry.stage_history(r1.id)[-1] | {"at": ""} == {
+    assert registry.stages.history(r1.id)[-1] | {"at": ""} == {
         "at": "", "from": "active", "to": "retired", "actor": "alice", "reason": "release"
     }  # fmt: skip
 
@@ -176,17 +176,17 @@ def test_activate_refuses_a_revision_the_worker_has_not_made_ready(
     with pytest.raises(TransitionError, match="is registered; only an admitted revision"):
         activate(config, revision)
     registry = Registry(config.tracking_uri)
-    assert registry.get(revision).aliases == ()
+    assert registry.revisions.get(revision).aliases == ()
     with pytest.raises(
         NotFoundError, match=r"gate-bot has no production revision yet \(registered: r1\)"
     ):
-        registry.resolve(RevisionRef("gate-bot"))
+        registry.revisions.resolve(RevisionRef("gate-bot"))
 
     admit_revision.fn(config, revision)
     prewarm_revision.fn(config, revision)
     assert WorkerClient(worker.url).readiness(revision)[0] is Readiness.READY
     activate(config, revision)
-    assert registry.resolve(RevisionRef("gate-bot")).id == revision
+    assert registry.revisions.resolve(RevisionRef("gate-bot")).id == revision
 
 
 def test_adapter_trained_on_another_base_is_refused_at_register(
@@ -240,7 +240,7 @@ def test_bad_data_fails_the_release_naming_file_and_line_and_registers_nothing(
     adapter = f"bad-data-{name.removesuffix('.jsonl')}"
     with pytest.raises(DatasetError, match=re.escape(f"{data}{message}")):
         release_flow(adapter, str(data), steps=2)
-    assert not Registry(fleet_config.tracking_uri).has_adapter(adapter)
+    assert not Registry(fleet_config.tracking_uri).revisions.has_adapter(adapter)
 
 
 def test_bad_requests_get_clear_errors(worker: ManagedProcess, released: dict[str, str]) -> None:

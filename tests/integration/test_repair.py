@@ -62,7 +62,7 @@ def test_repair_serves_a_damaged_production_revision_again_without_moving_it(
     revision = RevisionId(name, 1)
     served = answer(fleet.worker, name)
     registry = Registry(fleet.config.tracking_uri)
-    registered = registry.get(revision)
+    registered = registry.revisions.get(revision)
     uri = registered.artifact_uri
     shard = verify(fleet.store.fetch(uri)).shards[0].name
     fleet.corrupt(uri, shard)
@@ -91,10 +91,10 @@ def test_repair_serves_a_damaged_production_revision_again_without_moving_it(
         assert answer(fleet.worker, name) == served
     finally:
         fresh.stop()
-    repaired = registry.get(revision)
+    repaired = registry.revisions.get(revision)
     assert (repaired.stage, repaired.aliases) == (Stage.ACTIVE, (PRODUCTION,))
-    assert [(m.from_revision, m.to_revision) for m in registry.alias_history(name)] == [(None, 1)]
-    note = registry.stage_history(revision)[-1]
+    assert [(m.from_revision, m.to_revision) for m in registry.aliases.history(name)] == [(None, 1)]
+    note = registry.stages.history(revision)[-1]
     assert (note["from"], note["to"], note["actor"], note["reason"]) == (
         "active",
         "active",

@@ -54,8 +54,10 @@ def test_rl_flow_ships_each_sync_and_continues_from_a_revision(
     assert report.revisions == ("rl-bot:r1", "rl-bot:r2", "rl-bot:r3")
 
     registry = Registry(moe_config.tracking_uri)
-    assert registry.resolve(RevisionRef("rl-bot", alias="rl")).id == RevisionId("rl-bot", 3)
-    policies = [registry.get(RevisionId("rl-bot", number)).policy for number in (1, 2, 3)]
+    assert registry.revisions.resolve(RevisionRef("rl-bot", alias="rl")).id == RevisionId(
+        "rl-bot", 3
+    )
+    policies = [registry.revisions.get(RevisionId("rl-bot", number)).policy for number in (1, 2, 3)]
     lineage = [(p.parent_revision, p.training_steps, p.dataset) for p in policies]
     assert lineage == [(None, 0, "rl:reverse"), (1, 2, "rl:reverse"), (2, 4, "rl:reverse")]
     shapes = {(p.lora_rank, p.lora_alpha, p.target_parameters) for p in policies}
@@ -90,12 +92,14 @@ def test_rl_flow_ships_each_sync_and_continues_from_a_revision(
     again = rl("rl-bot", start="rl-bot:r2", steps=2, prompts=2, group=4, sync_every=2,
                max_chars=3, rank=2, alpha=2)  # fmt: skip
     assert again.revisions == ("rl-bot:r4", "rl-bot:r5")
-    start, first, last = (registry.get(RevisionId("rl-bot", n)).policy for n in (2, 4, 5))
+    start, first, last = (registry.revisions.get(RevisionId("rl-bot", n)).policy for n in (2, 4, 5))
     assert first.content_digest == start.content_digest
     assert (first.parent_revision, last.parent_revision) == (2, 4)
     assert (last.lora_rank, last.lora_alpha, last.target_parameters) == (8, 16, EXPERTS)
     assert last.content_digest != start.content_digest
-    assert registry.resolve(RevisionRef("rl-bot", alias="rl")).id == RevisionId("rl-bot", 5)
+    assert registry.revisions.resolve(RevisionRef("rl-bot", alias="rl")).id == RevisionId(
+        "rl-bot", 5
+    )
     sampled_by = client.get_metric_history(again.run_id, "sampler_revision")
     assert [(m.step, m.value) for m in sampled_by] == [(1, 4.0), (2, 4.0)]
     # Step 1 samples from r4 and trains r2's weights against r2's: no divergence, no mask.

@@ -55,10 +55,10 @@ def test_a_busy_rollout_slot_leaves_the_revision_as_it_was(
         else:
             release(name, "upper", steps=5)
 
-    revision = registry.get(waiting)
+    revision = registry.revisions.get(waiting)
     assert revision.stage is Stage.REGISTERED
     assert FAILURE_TAG not in revision.tags
-    assert [move["to"] for move in registry.stage_history(waiting)][-1] == "registered"
+    assert [move["to"] for move in registry.stages.history(waiting)][-1] == "registered"
 
 
 def test_taking_the_slot_again_logs_no_traceback(tmp_path: Path) -> None:
@@ -120,15 +120,15 @@ def test_an_rl_sync_and_a_release_of_one_adapter_move_its_aliases_in_turn(
     with rollout_lock(name):
         syncing = run(lambda: rl(name, steps=3, prompts=2, group=2, sync_every=1, max_chars=3))
         deadline = time.monotonic() + 300
-        while not registry.has_adapter(name) or not registry.revisions.of(name):
+        while not registry.revisions.has_adapter(name) or not registry.revisions.of(name):
             assert time.monotonic() < deadline and not failures, failures
             time.sleep(0.5)
         # As long as the slot is held, the run's first revision goes no further than registered
         # (its roll-out waits for the slot): a few seconds is what admit, prewarm and the move
         # take on the tiny base when nothing holds it back.
         time.sleep(HELD_S)
-        assert registry.get(first).stage is Stage.REGISTERED
-        assert registry.alias_history(name) == []
+        assert registry.revisions.get(first).stage is Stage.REGISTERED
+        assert registry.aliases.history(name) == []
         let_go = datetime.now(UTC)
     releasing = run(lambda: release(name, "upper", steps=5))
     syncing.join(timeout=600)
@@ -136,7 +136,7 @@ def test_an_rl_sync_and_a_release_of_one_adapter_move_its_aliases_in_turn(
     assert not failures, failures
     assert not syncing.is_alive() and not releasing.is_alive()
 
-    moves = registry.alias_history(name)
+    moves = registry.aliases.history(name)
     numbers = [move.number for move in moves]
     assert numbers == list(range(1, len(moves) + 1)), moves
     times = [datetime.fromisoformat(move.at) for move in moves]
@@ -149,7 +149,7 @@ def test_an_rl_sync_and_a_release_of_one_adapter_move_its_aliases_in_turn(
     recorded = [
         key
         for revision in registry.revisions.of(name)
-        for key in registry.get(revision.id).tags
+        for key in registry.revisions.get(revision.id).tags
         if key.startswith(ALIAS_MOVE_TAG)
     ]
     assert len(recorded) == len(set(recorded)) == len(moves)

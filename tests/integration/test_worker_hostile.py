@@ -348,7 +348,7 @@ def test_a_name_registered_after_its_404_is_served_after_the_sync(guarded: Guard
     with signed_in(guarded.accounts.pipeline):
         policy = make_policy(adapter="late-bot", base_digest=guarded.base_digest, principals=("*",))
         uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
-        Registry(guarded.registry_url).register(policy, uri, policy.base_digest)
+        Registry(guarded.registry_url).revisions.register(policy, uri, policy.base_digest)
     # Until a sync sees it, the registry's recent answer stands, without asking again.
     before = lookups(api)
     assert post(api, "/generate", tgi(adapter_id=late)).status_code == 404
