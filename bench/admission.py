@@ -116,16 +116,16 @@ def promote_elsewhere(config: MintConfig, prepared: Prepared, worker_url: str) -
     one's worker would be asked to admit.)"""
     registry = Registry(config.tracking_uri)
     revision = register(config, prepared)
-    registry.point_alias(revision, CANDIDATE)
-    registry.set_stage(revision, Stage.ADMITTED)
-    registry.get(revision)  # activation checks the stage
+    registry.aliases.point(revision, CANDIDATE)
+    registry.stages.set(revision, Stage.ADMITTED)
+    registry.revisions.get(revision)  # activation checks the stage
     for stage in (Stage.PREWARMING, Stage.READY):
-        registry.set_stage(revision, stage, "mint", "every worker reports it ready")
+        registry.stages.set(revision, stage, "mint", "every worker reports it ready")
     with rollout_lock(revision.adapter) as slot:  # as every alias move takes it
-        registry.move_alias(revision, PRODUCTION, "mint", "release", slot=slot)
-    if CANDIDATE in registry.get(revision).aliases:
-        registry.drop_alias(revision.adapter, CANDIDATE)
-    registry.set_stage(revision, Stage.ACTIVE, "mint", "release")
+        registry.aliases.move(revision, PRODUCTION, "mint", "release", slot=slot)
+    if CANDIDATE in registry.revisions.get(revision).aliases:
+        registry.aliases.drop(revision.adapter, CANDIDATE)
+    registry.stages.set(revision, Stage.ACTIVE, "mint", "release")
     admitted = WorkerClient(worker_url).sync()
     if admitted:
         raise SystemExit(f"the worker admitted {admitted} after {revision} of another base")

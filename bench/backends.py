@@ -140,7 +140,7 @@ def production_adapters(
         folder = config.home / "adapters" / f"bench-{n}"
         # Rank 8 for all: seeds 7, 15, ... (rank = 1 + seed % 8).
         revision = register_random_adapter(config, base, f"bench-{n}", folder, 8 * n + 7)
-        registry.point_alias(revision, PRODUCTION)
+        registry.aliases.point(revision, PRODUCTION)
         revisions.append(revision)
         folders[str(revision)] = folder
     return config, revisions, folders, harness.worker_env(mlflow)

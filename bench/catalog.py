@@ -19,8 +19,8 @@ Two catalogs, one run:
   production on r9; written by MLflow's client into the server's database, while the million
   is built, timed but not a catalog figure). A fresh catalog's first sync reads them all over
   REST: versions per second. Then the million catalog, synced every second as a worker's
-  watcher does, sees alias moves made in that MLflow (`move_alias`): the time from the move's
-  return to the catalog answering with the new revision, and from its start.
+  watcher does, sees alias moves made in that MLflow (`registry.aliases.move`): the time from
+  the move's return to the catalog answering with the new revision, and from its start.
 
 Prints the figures and writes bench/results/catalog.json.
 
@@ -228,7 +228,7 @@ def create_mlflow_versions(
             uri = "mint-local://sha256/" + record.content_digest.removeprefix("sha256:")
             tags = {**record.to_tags(), STAGE_TAG: Stage.REGISTERED.value}
             client.create_model_version(name, source=uri, tags=tags, await_creation_for=0)
-        registry.point_alias(RevisionId(name, revisions - 1), PRODUCTION)
+        registry.aliases.point(RevisionId(name, revisions - 1), PRODUCTION)
     return {"create_s": time.perf_counter() - start}
 
 
@@ -274,7 +274,7 @@ def alias_moves(
             time.sleep(rng.uniform(0, SYNC_INTERVAL_S))  # not in step with the watcher
             with rollout_lock(name) as slot:  # as every alias move takes it; not timed
                 start = time.perf_counter()
-                registry.move_alias(target, PRODUCTION, "bench", "alias visibility", slot=slot)
+                registry.aliases.move(target, PRODUCTION, "bench", "alias visibility", slot=slot)
                 returned = time.perf_counter()
             while catalog.alias_target(name, PRODUCTION) != revisions:
                 time.sleep(0.001)

@@ -144,7 +144,9 @@ def main() -> None:
         registry = Registry(server.url)
         warm_up = policy("warm-up", 1)
         _, first_sent = count.during(
-            lambda: registry.register(warm_up, "mint-local://sha256/" + "0" * 64, BASE_DIGEST)
+            lambda: registry.revisions.register(
+                warm_up, "mint-local://sha256/" + "0" * 64, BASE_DIGEST
+            )
         )
         kinds: dict[str, tuple[list[float], list[int]]] = {kind: ([], []) for kind in KINDS}
         for n in range(args.revisions):
@@ -154,11 +156,11 @@ def main() -> None:
                 uri = "mint-local://sha256/" + record.content_digest.removeprefix("sha256:")
                 run_id = None
                 if kind == "trained":  # what training made, before the clock starts
-                    run_id = registry.start_training_run(adapter, {"rank": "8"}, dataset)
-                    registry.finish_training_run(run_id, record.eval_metrics, 400)
+                    run_id = registry.runs.start_training(adapter, {"rank": "8"}, dataset)
+                    registry.runs.finish_training(run_id, record.eval_metrics, 400)
                 times, sent = kinds[kind]
                 seconds, requests_sent = count.during(
-                    lambda: registry.register(record, uri, BASE_DIGEST, run_id)  # noqa: B023
+                    lambda: registry.revisions.register(record, uri, BASE_DIGEST, run_id)  # noqa: B023
                 )
                 times.append(seconds)
                 sent.append(requests_sent)

@@ -196,7 +196,7 @@ def adapter_path(
             created_at=datetime.now(UTC).isoformat(),
             frozen_digest=frozen.digest,
         )
-        revision: RevisionId = registry.register(policy, uri, base.digest).id
+        revision: RevisionId = registry.revisions.register(policy, uri, base.digest).id
     with clock.stage("admit"):
         client.admit(revision)
     with clock.stage("fetch_prewarm"):

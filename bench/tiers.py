@@ -8,7 +8,7 @@ One run on this machine:
   import check, freeze, pack and export into a local artifact store, by several processes. The
   MLflow side bypasses the release flow the way `bench/catalog.py` does: MLflow's client writes
   the registered model (kind and base digest tags), the version (the policy record's tags, stage
-  `active`) and `production` (`Registry.point_alias`, so with the pipeline's alias intent)
+  `active`) and `production` (`registry.aliases.point`, so with the pipeline's alias intent)
   straight into the server's database, one adapter after another, while the processes make the
   next artifacts. A catalog snapshot is then published (`build_snapshot`), so workers and the
   gateway start from it rather than reading N versions over REST.
@@ -169,7 +169,7 @@ def write_template(config: MintConfig, folder: Path) -> None:
 class RegistryWriter:
     """Writes each adapter into MLflow's database with MLflow's client, as a release leaves it:
     the registered model, version 1 with the policy record's tags at stage `active`, and
-    `production` on it through `Registry.point_alias` (the pipeline's alias intent with it)."""
+    `production` on it through `registry.aliases.point` (the pipeline's alias intent with it)."""
 
     def __init__(self, database_uri: str) -> None:
         from mlflow.tracking import MlflowClient
@@ -200,7 +200,7 @@ class RegistryWriter:
             policy.adapter, source=uri, tags=tags, await_creation_for=0
         )
         revision = RevisionId(policy.adapter, int(version.version))
-        self.registry.point_alias(revision, PRODUCTION, actor=ACTOR)
+        self.registry.aliases.point(revision, PRODUCTION, actor=ACTOR)
 
 
 def register_all(
