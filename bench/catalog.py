@@ -210,7 +210,7 @@ def create_mlflow_versions(
     database_uri: str, adapters: int, revisions: int, base: int
 ) -> dict[str, float]:
     """`adapters` x `revisions` model versions with a release's tags, production on the one
-    before the newest, as `Registry.register` writes them (without the training run and the
+    before the newest, as `Revisions.register` writes them (without the training run and the
     policy artifact it also logs: no catalog reads them). MLflow's client writes them straight
     into the server's database, one at a time (run in a child process): over REST they came at
     about 20 per second here, with threads or without, 10,000 in 9 minutes."""

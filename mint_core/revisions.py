@@ -19,7 +19,7 @@ CANDIDATE = "candidate"
 """The alias a release sets while the fleet prewarms a revision, before `production` moves."""
 CANARY = "canary"
 """The alias of a revision that serves a share of `production`'s requests while it is watched
-(`Registry.start_canary`); the share is a registered-model tag beside it."""
+(`registry.canary.start`); the share is a registered-model tag beside it."""
 TAG_PREFIX = "mint."
 POLICY_SCHEMA_VERSION = 1
 POLICY_FILE = "policy.json"

@@ -24,7 +24,7 @@ gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.bac
   and adapter copies into a device slot made for a user's request (by design when more
   adapters are in use than there are slots; the tier counters break loads down further).
   `request_path_fetches` is the first alone.
-- **Canary**: while an adapter has one (`Registry.start_canary`), `route` sends its share of
+- **Canary**: while an adapter has one (`registry.canary.start`), `route` sends its share of
   the requests for `name@production` to the canary revision, if that is ready here and the
   caller may use it; otherwise to production, so the canary never fails a request. Each
   answer's outcome is kept per revision (`outcomes`), which is how a canary is judged.
