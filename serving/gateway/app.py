@@ -37,7 +37,7 @@ from serving.http.common import (
 from serving.http.errors import ErrorResponse, install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.http.server import serve_http
-from serving.http.wire import ASK_INTERVAL_S
+from serving.http.wire import ASK_INTERVAL_S, AdmitRequest
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ class Gateway:
         self._asked[key] = now
         if len(self._asked) > 10_000:
             self._asked = {k: t for k, t in self._asked.items() if now - t < ASK_INTERVAL_S}
-        body = {"adapter": revision.adapter, "revision": revision.number, "priority": "demand"}
+        body = AdmitRequest.of(revision, "demand").model_dump()
 
         async def ask() -> None:
             try:

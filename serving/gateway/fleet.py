@@ -1,11 +1,13 @@
 """The gateway's copy of the fleet: each worker's base, ready revisions and load, and the order
 in which it tries them for a revision (placement first: see `serving.gateway`)."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from mint_core.errors import ConfigurationError
 from mint_core.planning.placement import ranking
 from serving.http.common import BASE_NAMES
+from serving.http.wire import Routing
 
 
 @dataclass
@@ -23,12 +25,15 @@ class WorkerView:
     """Requests this gateway has on the worker now."""
     problem: str | None = "not heard from yet"
 
-    def update(self, routing: dict[str, object]) -> None:
-        self.base_model = str(routing["base_model"])
-        self.base_digest = str(routing["base_digest"])
-        self.ready = frozenset(routing["ready"])  # type: ignore[arg-type]
-        self.slots = frozenset(routing["device_slots"])  # type: ignore[arg-type]
-        self.reported_load = int(routing["in_flight"])  # type: ignore[arg-type]
+    def update(self, answer: Mapping[str, object]) -> None:
+        """Take the worker's `/admin/routing` answer; pydantic's ValidationError (a ValueError)
+        for one that is not a `Routing`."""
+        routing = Routing.model_validate(answer)
+        self.base_model = routing.base_model
+        self.base_digest = routing.base_digest
+        self.ready = frozenset(routing.ready)
+        self.slots = frozenset(routing.device_slots)
+        self.reported_load = routing.in_flight
         self.up, self.problem = True, None
 
     def down(self, why: str) -> None:

@@ -2,35 +2,27 @@
 gateway routes by, and the event log. With API keys, only admin principals may call them
 (`context.admin_only`, on the router: a route added here is guarded like the others)."""
 
-from typing import Literal
-
 from fastapi import APIRouter, Depends
-from pydantic import BaseModel, Field
 
 from mint_core.planning.admission import Priority
-from mint_core.revisions import MAX_REVISION, RevisionId, check_adapter_name
-from serving.http.common import entry_json
+from mint_core.revisions import RevisionId, check_adapter_name
 from serving.http.context import CurrentWorker, admin_only
+from serving.http.wire import AdmitRequest, RevisionReadiness, Routing, SyncAnswer
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
-
-
-class AdmitRequest(BaseModel):
-    adapter: str
-    revision: int = Field(ge=1, le=MAX_REVISION)
-    priority: Literal["normal", "rollback", "demand"] = "normal"
 
 
 @router.post("/admit", status_code=202)
 def admit(body: AdmitRequest, worker: CurrentWorker) -> dict[str, object]:
     revision = RevisionId(check_adapter_name(body.adapter), body.revision)
-    return entry_json(worker.admit_known(revision, Priority[body.priority.upper()]))
+    entry = worker.admit_known(revision, Priority[body.priority.upper()])
+    return RevisionReadiness.of(entry).model_dump(mode="json")
 
 
 @router.post("/sync", status_code=202)
 def sync(worker: CurrentWorker) -> dict[str, object]:
     """Catch up with the registry now (activation calls it after moving an alias)."""
-    return {"admitted": [str(r) for r in worker.sync()]}
+    return SyncAnswer(admitted=[str(r) for r in worker.sync()]).model_dump(mode="json")
 
 
 @router.get("/routing")
@@ -38,14 +30,14 @@ def routing(worker: CurrentWorker) -> dict[str, object]:
     """What `mint gateway` routes by: the base, the ready revisions, the engine keys in
     device slots (adapter affinity) and the load."""
     ready, slots = worker.routing()
-    return {
-        "base_model": worker.base.model_id,
-        "base_digest": worker.base.digest,
-        "ready": [str(r) for r in ready],
-        "device_slots": slots,
-        "in_flight": worker.queue_depth + worker.batch_size,
-        "degraded_reason": worker.degraded,
-    }
+    return Routing(
+        base_model=worker.base.model_id,
+        base_digest=worker.base.digest,
+        ready=[str(r) for r in ready],
+        device_slots=slots,
+        in_flight=worker.queue_depth + worker.batch_size,
+        degraded_reason=worker.degraded,
+    ).model_dump(mode="json")
 
 
 @router.get("/events")

@@ -17,6 +17,13 @@ from mint_core.errors import ConfigurationError, NotReadyError, ServiceError
 from mint_core.planning.canary_judge import RevisionOutcomes
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
+from serving.http.wire import (
+    AdapterStatus,
+    AdmitPriority,
+    AdmitRequest,
+    RevisionReadiness,
+    SyncAnswer,
+)
 
 if TYPE_CHECKING:  # mint_core.model.generate imports torch: `mint status` must not
     from mint_core.model.generate import Route
@@ -79,19 +86,18 @@ class WorkerClient:
     def health(self) -> dict[str, object]:
         return self._call("GET", "/health").json()
 
-    def admit(self, revision: RevisionId, priority: str = "normal") -> Readiness:
+    def admit(self, revision: RevisionId, priority: AdmitPriority = "normal") -> Readiness:
         """Queue `revision` for prewarm (`priority` "rollback" goes first)."""
-        body = {"adapter": revision.adapter, "revision": revision.number, "priority": priority}
-        return Readiness(
-            self._call("POST", "/admin/admit", _ADMIN_KEY_HINT, json=body).json()["state"]
-        )
+        body = AdmitRequest.of(revision, priority).model_dump()
+        answer = self._call("POST", "/admin/admit", _ADMIN_KEY_HINT, json=body).json()
+        return RevisionReadiness.model_validate(answer).state
 
     def sync(self) -> list[str]:
         """Have the worker catch up with the registry now; the revisions it admitted."""
         response = self._call("POST", "/admin/sync", _ADMIN_KEY_HINT)
         if response.status_code == 503:
             raise ServiceError(f"worker {self.url} cannot sync: {response.json()['error']}")
-        return response.json()["admitted"]
+        return SyncAnswer.model_validate(response.json()).admitted
 
     def outcomes(self, since: float = 0.0) -> dict[str, RevisionOutcomes]:
         """Per revision, what happened to the requests this worker answered at or after `since`
@@ -113,10 +119,10 @@ class WorkerClient:
     def readiness(self, revision: RevisionId) -> tuple[Readiness, str | None]:
         """This worker's state for `revision`, and the reason when it failed."""
         path = f"/v1/adapters/{revision.adapter}"
-        payload = self._call("GET", path, _ADMIN_KEY_HINT).json()
-        for entry in payload["revisions"]:
-            if entry["revision"] == revision.number:
-                return Readiness(entry["state"]), entry.get("reason")
+        status = AdapterStatus.model_validate(self._call("GET", path, _ADMIN_KEY_HINT).json())
+        for entry in status.revisions:
+            if entry.revision == revision.number:
+                return entry.state, entry.reason
         return Readiness.NOT_ADMITTED, None
 
     def wait_ready(self, revision: RevisionId, timeout_s: float = READY_TIMEOUT_S) -> None:

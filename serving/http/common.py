@@ -11,7 +11,6 @@ from pydantic_core import to_json
 
 from mint_core.errors import ConfigurationError
 from mint_core.revisions import RevisionRef
-from serving.worker.readiness import ReadinessEntry
 
 __all__ = [
     "ADAPTER_PREFIX",
@@ -20,7 +19,6 @@ __all__ = [
     "REVISION_HEADER",
     "MintJSONResponse",
     "adapter_of_url",
-    "entry_json",
     "json_bytes",
     "sse",
 ]
@@ -74,17 +72,3 @@ def adapter_of_url(ref: str, named: str | None = None) -> str:
             "body (the URL names it), or send the request to the URL of the one you meant"
         )
     return str(full)
-
-
-def entry_json(entry: ReadinessEntry) -> dict[str, object]:
-    """One revision's readiness on this worker, as `/v1/adapters/{name}`, admission and a
-    not-ready error show it."""
-    return {
-        "id": str(entry.revision),
-        "adapter": entry.revision.adapter,
-        "revision": entry.revision.number,
-        "state": entry.state.value,
-        "since": entry.since,
-        "reason": entry.reason,
-        "queue_position": entry.queue_position,
-    }

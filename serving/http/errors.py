@@ -44,7 +44,8 @@ from mint_core.errors import (
     RegistryError,
     clip,
 )
-from serving.http.common import MintJSONResponse, entry_json
+from serving.http.common import MintJSONResponse
+from serving.http.wire import RevisionReadiness
 from serving.worker.readiness import RevisionNotReady
 
 log = logging.getLogger(__name__)
@@ -152,7 +153,11 @@ def error_response(e: Exception, request: Request | None = None) -> ErrorRespons
             return ErrorResponse(409, "base_mismatch", str(e))
         case RevisionNotReady():
             return ErrorResponse(
-                503, "not_ready", str(e), entry_json(e.entry), retry_after(e.retry_after_s)
+                503,
+                "not_ready",
+                str(e),
+                RevisionReadiness.of(e.entry).model_dump(mode="json"),
+                retry_after(e.retry_after_s),
             )
         case ConfigurationError():
             return ErrorResponse(422, "validation", str(e))

@@ -6,8 +6,8 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from mint_core.revisions import check_adapter_name
-from serving.http.common import entry_json
 from serving.http.context import CurrentCaller, CurrentWorker
+from serving.http.wire import AdapterStatus, RevisionStatus
 
 router = APIRouter()
 
@@ -51,14 +51,7 @@ def adapter_status(name: str, caller: CurrentCaller) -> dict[str, object]:
     check_adapter_name(name)
     sees_all = caller.open_worker or caller.admin
     revisions = [
-        entry_json(entry)
-        | {
-            "residency": {
-                "host": residence.host,
-                "device_slot": residence.device_slot,
-                "pins": residence.pins,
-            }
-        }
+        RevisionStatus.with_residence(entry, residence)
         for entry, residence in caller.worker.adapter_status(name, caller.principal, sees_all)
     ]
-    return {"adapter": name, "revisions": revisions}
+    return AdapterStatus(adapter=name, revisions=revisions).model_dump(mode="json")
