@@ -1,5 +1,6 @@
 """The trainer's answers to errors: MinT's one table (`serving.http.errors.error_response`,
-the worker's and the gateway's), and the two cases only the trainer has.
+the worker's and the gateway's), the two cases only the trainer has, and how a future fails
+(`failure`: the SDK's `{"error", "category"}`).
 
 - A model's queue full (`QueueFull`) is a 429 with Retry-After: the SDK waits and sends the
   request again, as it should.
@@ -14,11 +15,16 @@ named, from the table), and a 500, a bug a resend cannot mend, carries `x-should
 false`, which the SDK obeys; its details go to the trainer's log with the traceback.
 """
 
+import logging
+
 from fastapi import Request
 from starlette.exceptions import HTTPException
 
-from mint_core.errors import MintError, RegistryError, ServiceError
+from mint_core.errors import AccessDeniedError, MintError, RegistryError, ServiceError
 from serving.http.errors import ErrorResponse, error_response, retry_after
+from trainer.futures import Category, Failure
+
+log = logging.getLogger(__name__)
 
 
 class QueueFull(MintError):
@@ -48,3 +54,27 @@ def trainer_error(e: Exception, request: Request | None = None) -> ErrorResponse
             answer.status, answer.error_type, answer.message, headers={"x-should-retry": "false"}
         )
     return answer
+
+
+def failure(e: Exception, doing: str, mint_errors: Category = Category.USER) -> Failure:
+    """How a future fails with `e`, raised while `doing` (`"registering <path>"`): the table's
+    half for work that answers through a future.
+
+    - A MinT error is `mint_errors`'s fault. The request's (`user`, the default) where its own
+      values raised it: said as it is, since it names the value. MinT's (`server`) for the work
+      MinT does after it took the request (registering its weights, sampling): said with what
+      failed. A refused access is the request's either way: it named another tenant's adapter.
+    - Anything else is a bug (`server`): its traceback goes to the log, which the message
+      points at.
+    """
+    match e:
+        case MintError() if mint_errors is Category.USER:
+            return Failure(str(e), Category.USER)
+        case AccessDeniedError():
+            return Failure(f"{doing} failed: {e}", Category.USER)
+        case MintError():
+            return Failure(f"{doing} failed: {e}", Category.SERVER)
+    log.error("%s failed", doing, exc_info=e)
+    return Failure(
+        f"{doing} failed ({type(e).__name__}); the trainer's log has the details", Category.SERVER
+    )

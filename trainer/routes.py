@@ -1,8 +1,26 @@
-"""The routes of the Tinker API, under `/api/v1`: each takes its body as the SDK sends it
-(`trainer.bodies`; the protobuf of `forward_backward` is read by `trainer.wire`), and answers
-JSON or a future (`request_id`) that its work finishes or fails. A body that is not the SDK's
-is refused by FastAPI (422, naming the field) before any work; a request whose values cannot
-run fails its future with category `user`."""
+"""The Tinker API over HTTP: the routes the `tinker` SDK (0.38) calls, under `/api/v1`, and
+`/health`.
+
+Every route is a POST with a JSON body as the SDK sends it (`trainer.bodies`), except `GET
+/api/v1/samplers/{id}` and the protobuf body of `forward_backward`/`forward` (`trainer.wire`). A
+call that does work answers a future (`request_id`) at once; the SDK polls `retrieve_future`,
+which answers the result (protobuf for forward/backward and sampling, JSON otherwise),
+`try_again` after a long poll, or an error with its category. A body that is not the SDK's is a
+422 naming the field, before any work; a request whose values cannot run fails its future
+(category `user`); a full queue is a 429 (the SDK waits and sends it again). Nothing answers 5xx
+for a request's own fault: the SDK resends a 5xx without limit. Errors answer from MinT's one
+table (`trainer.errors`); a body over `max_request_bytes` is a 413 before anything reads it, a
+compressed one too once it would decompress past that.
+
+Naming: `user_metadata={"mint_adapter": name}` names the MinT adapter whose revisions a
+model's sampler weights become, wherever the SDK sends it: `ServiceClient(user_metadata=...)`
+(its session: every model's default), `create_lora_training_client`,
+`create_training_client_from_state[_with_optimizer]` (the model), `save_weights_for_sampler`
+(that save alone); the narrower one wins.
+
+Auth: the `X-API-Key` header names the principal through `MINT_API_KEYS` (the SDK only sends
+keys starting `tml-`); without configured keys, every caller is `anonymous`.
+"""
 
 import asyncio
 from typing import Annotated, Any
@@ -15,7 +33,15 @@ from serving.http.errors import shorten
 from trainer import bodies
 from trainer.bodies import mint_adapter
 from trainer.checkpoints import CheckpointPath
-from trainer.context import Caller, Pending, Service, caller, future
+from trainer.context import (
+    CallCounts,
+    CurrentFutures,
+    CurrentTrainer,
+    MaxRequestBytes,
+    Principal,
+    future,
+    principal,
+)
 from trainer.futures import Failure, Futures
 from trainer.lora import Targets
 from trainer.records import AdamParams, SamplerSave
@@ -23,7 +49,12 @@ from trainer.sequencing import Op, OpKind
 from trainer.service import Trainer
 from trainer.wire import PROTOBUF, read_forward_backward
 
-router = APIRouter(prefix="/api/v1", dependencies=[Depends(caller)])
+SUPPORTED_SDK = ">=0.38,<0.39"
+"""The `tinker` SDK versions whose wire protocol this API speaks."""
+
+router = APIRouter(prefix="/api/v1", dependencies=[Depends(principal)])
+health_router = APIRouter()
+"""What is not the Tinker API: no API key, not counted."""
 
 FORWARD_BACKWARD_BODY: dict[str, Any] = {
     "requestBody": {
@@ -33,6 +64,23 @@ FORWARD_BACKWARD_BODY: dict[str, Any] = {
         "content": {PROTOBUF: {"schema": {"type": "string", "format": "binary"}}},
     }
 }
+
+
+@health_router.get("/health")
+async def health(
+    trainer: CurrentTrainer, futures: CurrentFutures, calls: CallCounts
+) -> dict[str, object]:
+    """What MinT's process starter waits for (the base is loaded by then)."""
+    text = trainer.base.text
+    return {
+        "status": "ok",
+        "base": {"model_id": text.model_id, "digest": text.digest},
+        "sdk": SUPPORTED_SDK,
+        "sessions": len(trainer.sessions),
+        "models": len(trainer.models),
+        "pending": futures.pending(),
+        "calls": calls,
+    }
 
 
 @router.get("/healthz", name="healthz")
@@ -60,7 +108,7 @@ async def dynamic_config() -> dict[str, object]:
 
 
 @router.get("/get_server_capabilities", name="get_server_capabilities")
-async def capabilities(trainer: Service) -> dict[str, object]:
+async def capabilities(trainer: CurrentTrainer) -> dict[str, object]:
     text = trainer.base.text
     model = {
         "model_name": text.name_or_path,
@@ -73,14 +121,16 @@ async def capabilities(trainer: Service) -> dict[str, object]:
 
 @router.post("/create_session", name="create_session")
 async def create_session(
-    body: bodies.CreateSession, who: Caller, trainer: Service
+    body: bodies.CreateSession, who: Principal, trainer: CurrentTrainer
 ) -> dict[str, object]:
     session = trainer.create_session(who, mint_adapter(body.user_metadata))
     return {"type": "create_session", "session_id": session.id}
 
 
 @router.post("/session_heartbeat", name="session_heartbeat")
-async def heartbeat(body: bodies.SessionHeartbeat, who: Caller, trainer: Service) -> object:
+async def heartbeat(
+    body: bodies.SessionHeartbeat, who: Principal, trainer: CurrentTrainer
+) -> object:
     trainer.session(body.session_id, who)
     return {"type": "session_heartbeat"}
 
@@ -94,8 +144,8 @@ async def telemetry(body: bodies.Telemetry) -> dict[str, object]:
 async def finish(
     session_id: Annotated[str, bodies.StringConstraints(max_length=bodies.MAX_ID)],
     body: bodies.FinishSession,
-    who: Caller,
-    trainer: Service,
+    who: Principal,
+    trainer: CurrentTrainer,
 ) -> Response:
     trainer.finish_session(session_id, who, body.reason.type if body.reason else "")
     return Response(status_code=200)
@@ -103,7 +153,7 @@ async def finish(
 
 @router.post("/create_model", name="create_model")
 async def create_model(
-    body: bodies.CreateModel, who: Caller, trainer: Service, futures: Pending
+    body: bodies.CreateModel, who: Principal, trainer: CurrentTrainer, futures: CurrentFutures
 ) -> dict[str, object]:
     def work(request_id: str) -> None:
         lora = body.lora_config or bodies.LoraConfig()
@@ -126,7 +176,9 @@ async def create_model(
 
 
 @router.post("/get_info", name="get_info")
-async def get_info(body: bodies.GetInfo, who: Caller, trainer: Service) -> dict[str, object]:
+async def get_info(
+    body: bodies.GetInfo, who: Principal, trainer: CurrentTrainer
+) -> dict[str, object]:
     model = trainer.model(body.model_id, who)
     text = trainer.base.text
     return {
@@ -162,10 +214,13 @@ def queue(
 
 @router.post("/forward_backward", name="forward_backward", openapi_extra=FORWARD_BACKWARD_BODY)
 async def forward_backward(
-    request: Request, who: Caller, trainer: Service, futures: Pending
+    request: Request,
+    who: Principal,
+    trainer: CurrentTrainer,
+    futures: CurrentFutures,
+    limit: MaxRequestBytes,
 ) -> dict[str, object]:
     """Also `forward`: the SDK sends both here, the latter with `forward_only`."""
-    limit: int = request.app.state.max_request_bytes
     # Read (and decompressed, within the body limit) before any future: a body that is not a
     # ForwardBackwardRequest is refused at once.
     raw = await request.body()
@@ -182,7 +237,7 @@ async def forward_backward(
 
 @router.post("/optim_step", name="optim_step")
 async def optim_step(
-    body: bodies.OptimStep, who: Caller, trainer: Service, futures: Pending
+    body: bodies.OptimStep, who: Principal, trainer: CurrentTrainer, futures: CurrentFutures
 ) -> dict[str, object]:
     given = body.params
     if given.type not in (None, "adam", "adamw"):
@@ -200,14 +255,14 @@ async def optim_step(
 
 @router.post("/save_weights", name="save_weights")
 async def save_weights(
-    body: bodies.SaveWeights, who: Caller, trainer: Service, futures: Pending
+    body: bodies.SaveWeights, who: Principal, trainer: CurrentTrainer, futures: CurrentFutures
 ) -> dict[str, object]:
     return queue(trainer, futures, who, OpKind.SAVE_STATE, body.path or "state", body)
 
 
 @router.post("/load_weights", name="load_weights")
 async def load_weights(
-    body: bodies.LoadWeights, who: Caller, trainer: Service, futures: Pending
+    body: bodies.LoadWeights, who: Principal, trainer: CurrentTrainer, futures: CurrentFutures
 ) -> dict[str, object]:
     path = CheckpointPath.parse(body.path)
     if body.session_id is not None:  # create-via-load: the model's first request
@@ -236,7 +291,10 @@ async def load_weights(
 
 @router.post("/save_weights_for_sampler", name="save_weights_for_sampler")
 async def save_for_sampler(
-    body: bodies.SaveWeightsForSampler, who: Caller, trainer: Service, futures: Pending
+    body: bodies.SaveWeightsForSampler,
+    who: Principal,
+    trainer: CurrentTrainer,
+    futures: CurrentFutures,
 ) -> dict[str, object]:
     save = SamplerSave(body.path, body.sampling_session_seq_id, mint_adapter(body.user_metadata))
     return queue(trainer, futures, who, OpKind.SAVE_SAMPLER, save, body)
@@ -244,7 +302,7 @@ async def save_for_sampler(
 
 @router.post("/create_sampling_session", name="create_sampling_session")
 async def create_sampling_session(
-    body: bodies.CreateSamplingSession, who: Caller, trainer: Service
+    body: bodies.CreateSamplingSession, who: Principal, trainer: CurrentTrainer
 ) -> dict[str, object]:
     session = trainer.session(body.session_id, who)
     sampler = await asyncio.to_thread(
@@ -260,8 +318,8 @@ async def create_sampling_session(
 @router.get("/samplers/{sampler_id}", name="samplers/{sampler_id}")
 async def get_sampler(
     sampler_id: Annotated[str, bodies.StringConstraints(max_length=bodies.MAX_ID)],
-    who: Caller,
-    trainer: Service,
+    who: Principal,
+    trainer: CurrentTrainer,
 ) -> dict[str, object]:
     sampler = trainer.samplers.get(sampler_id, who)
     return {
@@ -273,7 +331,7 @@ async def get_sampler(
 
 @router.post("/asample", name="asample")
 async def asample(
-    body: bodies.Sample, who: Caller, trainer: Service, futures: Pending
+    body: bodies.Sample, who: Principal, trainer: CurrentTrainer, futures: CurrentFutures
 ) -> dict[str, object]:
     request = body.model_dump()
 
@@ -287,7 +345,9 @@ async def asample(
 
 
 @router.post("/retrieve_future", name="retrieve_future")
-async def retrieve_future(body: bodies.RetrieveFuture, who: Caller, futures: Pending) -> Response:
+async def retrieve_future(
+    body: bodies.RetrieveFuture, who: Principal, futures: CurrentFutures
+) -> Response:
     outcome = await futures.wait(body.request_id, who)
     if outcome is None:
         answer = {"type": "try_again", "request_id": body.request_id, "queue_state": "active"}

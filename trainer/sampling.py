@@ -38,6 +38,7 @@ from serving.engine.lora import BASE_SLOT
 from serving.engine.sampling import MAX_STOP_SEQUENCES, SamplingParams
 from trainer import checkpoints
 from trainer.checkpoints import SAMPLER_WEIGHTS, CheckpointPath
+from trainer.errors import failure
 from trainer.futures import Category
 from trainer.wire import Sequence, sample_response
 
@@ -220,7 +221,7 @@ class Samplers:
                     self._prompt_logprobs(sampler.key, prompt) if with_prompt else None
                 )
             except MintError as e:
-                self.trainer.futures.fail(request_id, f"sampling failed: {e}", Category.SERVER)
+                self.trainer.futures.finish(request_id, failure(e, "sampling", Category.SERVER))
                 return
             sequences = [
                 Sequence(

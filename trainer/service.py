@@ -24,7 +24,7 @@ import torch
 
 from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
-from mint_core.errors import AccessDeniedError, ConfigurationError, MintError, NotFoundError
+from mint_core.errors import ConfigurationError, NotFoundError
 from mint_core.model.base import BaseModel
 from mint_core.revisions import check_adapter_name
 from serving.backends.embedded import EmbeddedBackend
@@ -32,7 +32,7 @@ from serving.engine.engine import TorchEngine
 from trainer import checkpoints
 from trainer.checkpoints import SAMPLER_WEIGHTS, WEIGHTS, CheckpointPath
 from trainer.compute import Work, check_request, plan_passes, run_pass
-from trainer.errors import QueueFull
+from trainer.errors import QueueFull, failure
 from trainer.futures import Category, Futures
 from trainer.lora import ALPHA, Layers, Router, Targets, TenantLora, wrap
 from trainer.records import AdamParams, SamplerSave, Session, TrainingModel
@@ -267,16 +267,8 @@ class Trainer:
             # Every value is checked before it joins a pass: a pass fails for no one's data.
             try:
                 check_request(request, self.vocab, self.base.context_length)
-            except MintError as e:
-                self.futures.fail(op.request_id, str(e))
-                continue
-            except Exception:
-                log.exception("checking forward/backward request %s failed", op.request_id)
-                self.futures.fail(
-                    op.request_id,
-                    f"checking request {op.request_id} failed; the trainer's log has the details",
-                    Category.SERVER,
-                )
+            except Exception as e:
+                self.futures.finish(op.request_id, failure(e, f"checking request {op.request_id}"))
                 continue
             works.append((Work(request, model.lora), op.request_id))
         if not works:
@@ -293,14 +285,9 @@ class Trainer:
                         before=self.engine.batch.reset,  # no serving slots in a training pass
                     )
         except Exception as e:  # a failed pass fails its requests, not the loop
-            log.exception("a forward/backward pass failed")
+            failed = failure(e, "the forward/backward pass", Category.SERVER)
             for _, request_id in works:
-                self.futures.fail(
-                    request_id,
-                    f"the forward/backward pass failed ({type(e).__name__}); the trainer's log "
-                    "has the details",
-                    Category.SERVER,
-                )
+                self.futures.finish(request_id, failed)
             return
         for work, request_id in works:
             outputs = [out or {} for out in work.outputs]
@@ -317,15 +304,8 @@ class Trainer:
         }
         try:
             result = handlers[op.kind](model, op.payload)
-        except MintError as e:
-            self.futures.fail(op.request_id, str(e))
         except Exception as e:  # one request's failure, not the loop's
-            log.exception("%s of %s failed", op.kind, model.id)
-            self.futures.fail(
-                op.request_id,
-                f"{op.kind} failed ({type(e).__name__}); the trainer's log has the details",
-                Category.SERVER,
-            )
+            self.futures.finish(op.request_id, failure(e, f"{op.kind} of {model.id}"))
         else:
             if result is not None:
                 self.futures.finish(op.request_id, result)
@@ -473,18 +453,9 @@ class Trainer:
                 self.samplers.registered(
                     path, revision, adapter_config, tensors, (snapshot.principal,)
                 )
-            except AccessDeniedError as e:  # the request's adapter is another tenant's
-                self.futures.fail(request_id, f"registering {path} failed: {e}", Category.USER)
-            except MintError as e:
-                self.futures.fail(request_id, f"registering {path} failed: {e}", Category.SERVER)
             except Exception as e:
-                log.exception("registering %s failed", path)
-                self.futures.fail(
-                    request_id,
-                    f"registering {path} failed ({type(e).__name__}); the trainer's log has the "
-                    "details",
-                    Category.SERVER,
-                )
+                failed = failure(e, f"registering {path}", Category.SERVER)
+                self.futures.finish(request_id, failed)
             else:
                 log.info("%s registered as %s", path, revision)
                 self.futures.finish(

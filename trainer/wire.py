@@ -2,7 +2,7 @@
 output and a sampling result out. The message definitions are the SDK's own generated module
 (`tinker.proto`), so what this writes is what the SDK's `response_conv` reads.
 
-Everything else on the wire is JSON (the SDK's pydantic models, read in `trainer.app`).
+Everything else on the wire is JSON (`trainer.bodies`, read by the routes in `trainer.routes`).
 """
 
 import io

@@ -1,7 +1,8 @@
 """The trainer's refusals of hostile input, without a process: request bodies the SDK would not
 send refused naming the field; compressed bodies decompressed no further than the limit; a
 forward/backward request's values checked before it joins a pass (finite, whole token ids);
-checkpoint paths checked before they name a file; and the error table's answers."""
+checkpoint paths checked before they name a file; and the error table's answers, a future's
+failures too."""
 
 import pytest
 import zstandard
@@ -9,12 +10,19 @@ from pydantic import ValidationError
 from tinker import types
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
-from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError, RegistryError
+from mint_core.errors import (
+    AccessDeniedError,
+    ConfigurationError,
+    IntegrityError,
+    NotFoundError,
+    RegistryError,
+)
 from serving.http.errors import BodyTooLarge
 from trainer import bodies
 from trainer.checkpoints import CheckpointPath
 from trainer.compute import check_request
-from trainer.errors import QueueFull, trainer_error
+from trainer.errors import QueueFull, failure, trainer_error
+from trainer.futures import Category, Failure
 from trainer.wire import decompress, read_forward_backward
 
 VOCAB = 100
@@ -133,3 +141,36 @@ def test_the_error_table_answers_the_trainers_own_cases() -> None:
     bug = trainer_error(RuntimeError("secret /tmp/path"))
     assert bug.status == 500 and bug.headers["x-should-retry"] == "false"
     assert "secret" not in str(bug.body)
+
+
+USER, SERVER = Category.USER, Category.SERVER
+
+
+@pytest.mark.parametrize(
+    ("error", "mint_errors", "expected"),
+    [
+        # A request's own work (queueing it, checking it, its optimizer step or checkpoint).
+        (ConfigurationError("lr=-1"), USER, Failure("lr=-1", USER)),
+        (AccessDeniedError("team-b may not"), USER, Failure("team-b may not", USER)),
+        (IntegrityError("digest differs"), USER, Failure("digest differs", USER)),
+        # What MinT does after taking the request (registering, sampling).
+        (RegistryError("down"), SERVER, Failure("registering p failed: down", SERVER)),
+        (IntegrityError("differs"), SERVER, Failure("registering p failed: differs", SERVER)),
+        (AccessDeniedError("not yours"), SERVER, Failure("registering p failed: not yours", USER)),
+        # A bug, whichever the work.
+        (
+            KeyError("secret"),
+            USER,
+            Failure("registering p failed (KeyError); the trainer's log has the details", SERVER),
+        ),
+        (
+            KeyError("secret"),
+            SERVER,
+            Failure("registering p failed (KeyError); the trainer's log has the details", SERVER),
+        ),
+    ],
+)
+def test_a_future_fails_by_the_one_rule(
+    error: Exception, mint_errors: Category, expected: Failure
+) -> None:
+    assert failure(error, "registering p", mint_errors) == expected
