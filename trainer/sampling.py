@@ -169,7 +169,7 @@ class Samplers:
     def _load(self, path: CheckpointPath) -> "_Registered":
         """A registered revision's weights from the artifact store (after a restart)."""
         revision = checkpoints.sampler_revision(self.trainer.store, path)
-        registered = Registry(self.trainer.config.tracking_uri).get(revision)
+        registered = Registry(self.trainer.config.tracking_uri).revisions.get(revision)
         packed = load_packed(self.trainer.store.fetch(registered.artifact_uri))
         weights = self.engine.prepare(
             str(revision), packed.index.adapter_config, packed.peft_state_dict()
