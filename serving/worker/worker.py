@@ -1,63 +1,13 @@
 """A serving worker: its backend (the engine that runs the base and the adapters), the residency
 tiers, and each revision's readiness on this worker. The worker keeps the lifecycle and the
-gate whatever the backend: MinT's embedded engine or a vLLM server (`serving.backends.protocol`).
+gate whatever the backend, MinT's embedded engine or a vLLM server (`serving.backends.protocol`):
+a request is answered only by a revision ready here, and nothing is fetched on its path.
 
-- **Watcher**: a thread syncs the catalog with the registry every `sync_interval_s` (and when
-  nudged), sees which workers of its base are live (`serving.worker.peers`), and admits what is
-  placed on this worker (`mint_core.planning.placement`): the revisions being rolled out
-  (`candidate`, `canary`), `production` revisions while the host tier has room (the rest come
-  by demand), and the pins. If MLflow is down the worker keeps serving what it has and reports
-  itself `degraded`.
-- **Demand**: a request for a revision users have been given (`production`, `canary`, or
-  active once) that is not admitted here answers "not ready" at once (with a wait estimated
-  from the admission queue) and admits it, with demand priority, on its placement: here if this
-  worker is placed, else by asking the placed worker. A revision still in its roll-out (or
-  only registered) is only answered "not ready": registering is invisible to users.
-- **Admission**: admitted revisions queue (`mint_core.planning.admission`, rollbacks first) and K
-  prewarm threads take them one at a time (`serving.worker.prewarm`), in two phases: fetch and
-  verify the artifact into the host tier (`fetching`), then load it into the engine and run a
-  warm-up generation (`warming`); only then is it `ready`.
-- **Readiness gate**: the request path never fetches anything: `route` answers with the engine
-  key of a ready revision or raises `RevisionNotReady` at once (and EngineUnavailableError
-  while the engine is down). `request_path_loads` counts what a user's request waited for all
-  the same: fetches from the artifact store made outside prewarm (the gate keeps them at zero)
-  and adapter copies into a device slot made for a user's request (by design when more
-  adapters are in use than there are slots; the tier counters break loads down further).
-  `request_path_fetches` is the first alone.
-- **Canary**: while an adapter has one (`registry.canary.start`), `route` sends its share of
-  the requests for `name@production` to the canary revision, if that is ready here and the
-  caller may use it; otherwise to production, so the canary never fails a request. Each
-  answer's outcome is kept per revision (`outcomes`), which is how a canary is judged.
-- **Engine restarts**: a backend whose engine dies (vLLM) reports it with the engine's
-  generation; every ready revision goes back to not admitted, nothing warmed on that
-  generation becomes ready, and once the engine is back the watcher admits and prewarms again
-  what the registry wants.
-- **Tiers**: the residency plan holds the host tier's contents itself: there is no second copy
-  to keep in step with it.
-
-- **Held alias moves**: the worker serves an alias where the pipeline moved it
-  (`mint_core.alias_intents`). One moved by anyone else (the MLflow UI) is held: the previous
-  target keeps serving, `held_moves` reports it (`/health`, `mint status`) and an alias event
-  records it, until the pipeline moves the alias (promote, rollback).
-
-Every readiness change is kept in an event log (`events`), and every held alias move that
-appears or ends in another (`alias_events`), which is how tests and operators see what
-happened and when: the last `EVENT_LOG_LENGTH` of each (`serving.worker.readiness` says what bounds
-the worker's memory).
-
-A worker's threads (K prewarm threads and the watcher) start in `start()`, once the worker is
-whole; `close()` stops them.
-
-Locks, outermost first (a thread holding one never waits for one above it):
-
-1. `_syncing`: one sync with the registry at a time (the watcher's, `/admin/sync`'s).
-2. the catalog's own locks (its index, its registry client).
-3. the readiness table's condition (`serving.worker.readiness.ReadinessTable`): entries, policies,
-   admission queue, event log, the newest engine generation lost.
-4. `_lock`: held alias moves and their events; apart, `Prewarm`'s count of request-path
-   fetches (a leaf: nothing is taken under it).
-5. the backend's locks (residency tiers, scheduler, vLLM's counters): it calls the worker back
-   (`on_lost`) holding none of them.
+Its threads start in `start()`, once the worker is whole, and stop in `close()`: a watcher that
+syncs the catalog with the registry and admits what is placed here, and K prewarm threads. What
+a worker holds, admits by demand, gates, sends to a canary, and does when its engine restarts
+or an alias moves outside the pipeline: the README, "Running the pieces" and "Many adapters,
+many workers". `Worker` says in which order its locks are taken.
 """
 
 import logging
@@ -110,6 +60,22 @@ DEFAULT_SYNC_INTERVAL_S = MintConfig.sync_interval_s
 
 
 class Worker:
+    """A worker (see the module). Every readiness change is kept in an event log (`events`), and
+    every held alias move that appears or ends (`alias_events`): the last `EVENT_LOG_LENGTH` of
+    each, which is how tests and operators see what happened and when.
+
+    Locks, outermost first (a thread holding one never waits for one above it):
+
+    1. `_syncing`: one sync with the registry at a time (the watcher's, `/admin/sync`'s).
+    2. the catalog's own locks (its index, its registry client).
+    3. the readiness table's condition (`serving.worker.readiness.ReadinessTable`): entries,
+       policies, admission queue, event log, the newest engine generation lost.
+    4. `_lock`: held alias moves and their events; apart, `Prewarm`'s count of request-path
+       fetches (a leaf: nothing is taken under it).
+    5. the backend's locks (residency tiers, scheduler, vLLM's counters): it calls the worker
+       back (`on_lost`) holding none of them.
+    """
+
     def __init__(
         self,
         backend: Backend,
