@@ -5,9 +5,9 @@ a request is answered only by a revision ready here, and nothing is fetched on i
 
 Its threads start in `start()`, once the worker is whole, and stop in `close()`: a watcher that
 syncs the catalog with the registry and admits what is placed here, and K prewarm threads. What
-a worker holds, admits by demand, gates, sends to a canary, and does when its engine restarts
-or an alias moves outside the pipeline: the README, "Running the pieces" and "Many adapters,
-many workers". `Worker` says in which order its locks are taken.
+a worker holds, admits by demand, gates, and does when an alias moves outside the pipeline or
+its engine restarts: the README, "Running the pieces", "Many adapters, many workers" and "MinT
+in front of vLLM" (a canary's share: "Gates"). `Worker` says in which order it takes its locks.
 """
 
 import logging
