@@ -1,36 +1,13 @@
 """The worker's HTTP API: `create_app` puts the routers of `serving.http` together over one
-worker, with its API keys, its limits and its one error table.
+worker, with its API keys, its limits and its one error table (`serving.http.errors`).
 
-- TGI (`serving.http.tgi`): `POST /generate`, `POST /generate_stream`, `POST /`.
-- OpenAI (`serving.http.openai`): `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
-- Per revision reference, a base URL of its own, `/adapters/{ref}` (`ref`: `name@alias` or
-  `name:rN`): every generation route above under it responds as that revision, for clients
-  that cannot name one, such as TGI's own `text-generation` client (it posts to its base URL
-  and sends every chat with `model` "tgi"). A body that names another revision is refused
-  (422) rather than either being chosen silently.
-- MinT: `GET /v1/adapters/{name}`, `/health`, `/metrics` (`serving.http.status`),
-  `POST /v1/feedback` (`serving.http.outcomes`), and the admin endpoints under `/admin`
-  (admit, sync, routing, events: `serving.http.admin`; outcomes), which need a key of an
-  admin principal whenever the worker has API keys.
-
-Generation responses carry `X-Mint-Revision`: what served them, the exact revision or the
-base's model id, chosen once per request (a canary's share included), streams and
-multi-prompt completions too; and `X-Mint-Request-Id`, which OpenAI responses also carry as
-their `id`: what feedback names. Each response's outcome is kept per revision
-(`serving.worker.outcomes`).
-
-Errors, inside streams too, are JSON in TGI's shape, `error` and `error_type`, with the status
-codes of `serving.http.errors`.
-
-Hostile input is refused early, each time naming the limit: a body over `max_request_bytes`
-answers 413 (declared or not: a chunked body is counted as it arrives), so no prompt costs an
-unbounded tokenization; new tokens the base's context cannot hold, and more than
-`openai.MAX_PROMPTS` prompts in one completion, answer 422 before any prompt is tokenized; a
-prompt that does not fit the context with its new tokens answers 422 with both numbers.
-
-Prompts are the base's own tokens (its tokenizer, its chat template). Streamed text comes in
-the pieces of an incremental detokenizer, which add up to exactly the text a non-streamed
-response holds.
+The routers: TGI (`serving.http.tgi`) and OpenAI (`serving.http.openai`), both also under each
+revision reference's own base URL, `/adapters/{ref}`, for clients that cannot name a revision;
+MinT's status (`/v1/adapters/{name}`, `/health`, `/metrics`: `serving.http.status`), feedback
+(`serving.http.outcomes`) and the admin endpoints (`serving.http.admin`), which need an admin's
+key whenever the worker has API keys. What each route answers, with which headers
+(`X-Mint-Revision`, `X-Mint-Request-Id`), errors and limits: the README, "Running the pieces"
+(feedback: "Gates").
 """
 
 from collections.abc import AsyncIterator, Collection, Mapping
