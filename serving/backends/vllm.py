@@ -1,33 +1,13 @@
 """vLLM as a `Backend`: a vLLM OpenAI server that the worker starts on loopback, supervises and
 drives, while the worker stays the gate in front of it.
 
-How MinT's lifecycle maps onto vLLM:
-
-- **host tier**: staging writes the verified adapter as a PEFT folder, one folder per content
-  digest (vLLM caches weights by name and path, and keeps them after an unload: a path must
-  never be reused for other weights); `--max-cpu-loras` is the host tier's size in revisions.
-- **device slots**: `--max-loras`; vLLM moves adapters in and out of them itself.
-- **load** (prewarm phase 2): `POST /v1/load_lora_adapter` with `lora_name` = the exact
-  revision (`name:rN`). What vLLM refuses (a rank over `--max-lora-rank`, DoRA, modules it
-  cannot adapt; it answers 500 for most) fails the revision with vLLM's own message.
-- **unload** (eviction of an idle revision; a generation `hold`s its): `/v1/unload_lora_adapter`.
-- **generation**: `POST /v1/completions`, streamed, with the prompt as the base's token ids
-  (MinT tokenizes and applies the chat template, so both backends see the same tokens),
-  `model` = the exact revision, the base's end-of-sequence ids as stop tokens, and the token
-  ids and logprobs of each piece. The generation ends where MinT's rules say (EOS, stop
-  string, length: `serving.engine.generation.Generating`); the stream is closed there, which
-  aborts it inside vLLM. vLLM sees no request for a revision the gate did not pass, and a name
-  it does not know answers 404, never the base in its place.
-- **health**: a supervisor thread watches the process. If vLLM dies or stops answering, the
-  backend reports the problem (`/health` says `degraded`), tells the worker the adapters of
-  that engine generation are lost, and starts vLLM again with backoff, as the next
-  generation; the worker's watcher then prewarms again what the registry wants. No operator
-  action.
-- **generations**: coroutines on one event loop thread (`serving.backends.vllm_calls`),
-  `MAX_GENERATIONS` at once over kept-alive connections; more wait and count as the queue.
-
-vLLM lives in an environment of its own (it pins an older transformers): `make vllm` builds
-`.venv-vllm`; `MINT_VLLM_PYTHON` names another.
+vLLM does what it is good at (paged attention, kernels, tensor parallelism); MinT keeps what
+vLLM lacks: revisions, the readiness gate, admission, access. So staging writes each verified
+adapter as a PEFT folder of its own, prewarm loads it under its exact revision name (`name:rN`)
+through vLLM's runtime LoRA endpoints, eviction unloads it, and a generation is a streamed
+completion over the base's token ids that MinT tokenized and ends by its own rules; a
+supervisor thread starts vLLM again when it dies. How each tier and step maps onto vLLM's
+settings and endpoints, and what it does on failure: the README, "MinT in front of vLLM".
 """
 
 import asyncio
