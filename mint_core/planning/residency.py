@@ -1,29 +1,13 @@
-"""Where a ready revision's weights are: the plan of MinT's three residency tiers.
+"""Where a ready revision's weights are: the plan of MinT's three residency tiers (catalog, host
+cache, device slots), kept in one table so that what the plan says is what the worker holds.
 
-1. **catalog**: every registered revision is addressable (the registry); holding nothing.
-2. **host cache**: verified weights in host memory, bounded in bytes and in revisions. A
-   revision is ready on a worker only while it is here. The plan holds the weights themselves
-   (opaque values to it), so what the table says is what the worker holds: a revision that does
-   not fit is never half taken in.
-3. **device slots**: a fixed number of slots beside the resident base. A request pins the slot
-   of its adapter while it runs; a load takes a free slot, else the least recently used
-   unpinned one. When every slot is pinned, the request waits; it never fails for it.
-
-The tiers are inclusive: a device slot only holds a revision the host cache holds, and
-evicting a revision from the host frees its (unpinned) slot too.
-
-**The host tier is a cache**: when room is needed, the revision that leaves is the one with the
-lowest LRFU score (Lee et al., 2001: each use adds 1 to a score that halves every
-`half_life_s`, so it weighs how often and how recently a revision was used), the least recently
-used first among equals. Never one that is serving (a request pins its slot), warming (taken in,
-not yet ready: `settle` ends that), fresh (ready, and not yet used by the request that brought
-it: for up to `FRESH_S`), or protected (the worker's pins). When nothing can leave, the new
-revision is refused (`HostTierFull`) and nothing moves.
-
-This module decides and keeps the host tier. `Residency` answers what to load, where, and what
-that evicts; the worker carries that out (copies tensors into slots, clears them). Keys are
-opaque strings (revision ids). Thread-safe: the prewarm threads, the scheduler and the HTTP
-handlers share one plan. The clock is the caller's (a simulation drives the same plan).
+`Residency` decides and keeps the host tier: it holds the weights themselves (opaque values to
+it), answers what to load, where, and what that evicts (LRFU), and refuses a revision that does
+not fit (`HostTierFull`), with nothing moved; the worker carries the plan out (copies tensors
+into slots, clears them). Keys are opaque strings (revision ids). Thread-safe: the prewarm
+threads, the scheduler and the HTTP handlers share one plan. The clock is the caller's (a
+simulation drives the same plan). The tiers, and which revision leaves when room is needed:
+the README, "Running the pieces" and "Many adapters, many workers".
 """
 
 import threading
