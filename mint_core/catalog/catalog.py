@@ -1,29 +1,13 @@
 """A worker's copy of what the registry says: which revision each alias names, each revision's
 record, and so which revisions the worker should hold.
 
-The registry (MLflow) is the source of truth; the catalog follows it by `sync`, which asks only
-for adapters changed since the last sync (by the registry's last-updated time). Requests
-resolve aliases here, not in MLflow, so serving neither waits on MLflow nor stops when it is
-down: the catalog keeps the last state it saw and says how old it is. While the last sync
-failed, a name the catalog has not seen is refused at once (RegistryError) instead of being
-asked of a registry that is known not to answer, which would hold the request for as long as
-MLflow's client retries.
-
-What the catalog holds lives in a sqlite index (`catalog.index`), not in Python objects, so a
-million revisions cost what sqlite's page cache is allowed, plus the answers to recent questions,
-kept as objects (`catalog.hot`, bounded by `HOT_ANSWERS`): a request for a revision asked about
-recently is answered from a dict, without a lock and without sqlite, from any number of threads.
-A sync drops the kept answers about every adapter it changed before it returns.
-
-A worker starts from the snapshot the control plane publishes in the artifact store
-(`build_snapshot`, `start_from_snapshot`) and syncs on from the snapshot's cursor; without one,
-its first sync reads every revision from MLflow. A revision registered after that is read from
-MLflow when first named, and kept; requests that name it at the same time (a restarted worker's
-burst, before its first sync) share that one read (`catalog.flights`). The registry's "not
-found" about an adapter it does not know is kept briefly, until a sync sees the adapter
-(`catalog.absent`): unknown names, however many requests send them, do not keep MLflow busy.
-When the registry cannot answer, the caller is told so in its own terms; MLflow's address and
-its answer go to the log.
+The registry (MLflow) is the source of truth; the catalog follows it by `sync` (only adapters
+changed since the last one). Requests resolve aliases here, not in MLflow, so serving neither
+waits on MLflow nor stops when it is down. What it holds lives in a sqlite index
+(`catalog.index`), with recent answers kept as objects (`catalog.hot`), a worker starts from the
+published snapshot (`build_snapshot`, `start_from_snapshot`), and reads of the registry are
+shared (`catalog.flights`) or spared (`catalog.absent`): how, and what a caller is told while
+MLflow is down: the README, "Running the pieces".
 """
 
 import logging
