@@ -1,28 +1,13 @@
 """Serving an ASGI app over HTTP with bounded connections: `serve_http`, which the worker, the
 gateway and the trainer run their apps with.
 
-uvicorn bounds only the idle time after an answer (`timeout_keep_alive`, and even that is
-cancelled for good by the next byte that arrives). A connection that sends nothing, or half a
-request head, or half a body, is otherwise held for as long as the client likes: before this,
-1,000 of each stayed open on every service for as long as they were watched (30-40 s). So the
-protocol here (uvicorn's httptools protocol, pinned, with deadlines added) closes:
-
-- a connection whose request head (request line and headers) has not arrived whole within
-  `head_s` of the connection opening or of its previous answer, however it is trickled in;
-- a request whose body stops arriving for `body_s`: answered 408 in MinT's error shape if no
-  answer has begun, then closed;
-- an idle connection `keep_alive_s` after its last answer (uvicorn's own timer).
-
-Once a request has arrived whole nothing is timed: a generation stream or a long-poll runs
-as long as it needs. A head still incomplete past `HEAD_BYTES` is refused (431 in that shape): the
-parser (httptools) has no limit of its own.
-
-How many connections a service takes: any number are accepted (up to the listen `BACKLOG`
-waiting), and `connections` (default 1,000) are served: a request arriving while more
-connections are open, or more requests are in flight, is answered 503 in MinT's error shape
-with Retry-After, and its connection closed. A connection that sends no request is closed
-within `head_s`, so a flood of idle connections holds a service's capacity for `head_s` at
-most. The default bounds and why are `mint_core.connections.ConnectionBounds`'s.
+uvicorn bounds only the idle time after an answer: a connection that sends nothing, half a
+request head or half a body is otherwise held for as long as the client likes. So the protocol
+here (uvicorn's httptools protocol, pinned, with deadlines added) closes a connection whose
+head does not arrive whole within `head_s`, answers 408 to a body that stops for `body_s`, 431
+to a head past `HEAD_BYTES`, and 503 past `connections`; once a request has arrived whole
+nothing is timed. The bounds, and what each answer says: the README, "Running the pieces"; the
+defaults and why: `mint_core.connections.ConnectionBounds`.
 """
 
 import asyncio
