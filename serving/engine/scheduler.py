@@ -1,28 +1,12 @@
 """Continuous batching: one thread runs the engine step after step; requests join the running
 batch at any step and leave it as soon as they finish.
 
-Each step of the loop:
-
-1. **retire** rows that finished, failed or whose client went away, unpinning their device
-   slots and cutting their rows out of the key/value cache;
-2. **join** waiting requests while the batch has room: each needs its adapter in a device slot,
-   pinned for the request's life (a hit, or one copy from the host cache: at most one copy per
-   step, so a load never holds up the running rows for longer than that). A request whose
-   adapter finds every slot pinned waits; others may pass it. Joiners run their prompts
-   together (prefill) and sample their first token;
-3. **decode** one token for every running row in one forward pass.
-
-Every row keeps its own key/value cache, as rows of the batch's cache left-padded to one width;
-positions count from each row's first real token and padding is masked, so a row computes what
-it would alone.
-
-Text is the base's own: a request ends at any of its end-of-sequence ids, and its tokens become
-text through an incremental detokenizer, so the pieces its token events carry (one may be ""
-while a multi-byte character is incomplete) add up to exactly its generation's text.
-
-A row whose logits are not finite (an adapter's weights gone bad) fails its own request and no
-other: rows never mix. Whatever a step raises, every request in it, running or joining, gets
-the error as its answer and its slot is unpinned; the loop goes on with the next step.
+Each step retires the rows that finished, failed or lost their client, lets waiting requests
+join while the batch has room (each with its adapter pinned in a device slot, at most one copy
+from the host per step), and decodes one token for every running row in one forward pass. Rows
+never mix: each computes what it would alone, and a failure fails its own request, or a step's
+requests, never the loop. The steps, the key/value cache and text: the README, "Running the
+pieces".
 """
 
 import logging
