@@ -9,18 +9,14 @@ from mint_core.registry.aliases import Aliases
 from mint_core.registry.canary import Canaries
 from mint_core.registry.changes import Changes
 from mint_core.registry.gates import AdapterGates
-from mint_core.registry.revisions import RegisteredRevision, Revisions
+from mint_core.registry.revisions import Revisions
 from mint_core.registry.runs import Runs
 from mint_core.registry.stages import Stages
-from mint_core.revisions import RevisionId
 
 
 class Registry:
     """MinT's operations on an MLflow tracking server, a part per field: callers reach a part
-    (`registry.aliases.move(...)`, `registry.revisions.get(...)`).
-
-    One forwarder is left, `get` (= `revisions.get`), for `trainer/sampling.py`, which was
-    being edited by another engineer when the callers moved; it goes once that line does."""
+    (`registry.aliases.move(...)`, `registry.revisions.get(...)`)."""
 
     store: MlflowStore
     """The client (read by every part at every call) and its lookups."""
@@ -45,6 +41,3 @@ class Registry:
     @property
     def tracking_uri(self) -> str:
         return self.store.tracking_uri
-
-    def get(self, revision: RevisionId) -> RegisteredRevision:
-        return self.revisions.get(revision)
