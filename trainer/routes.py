@@ -1,25 +1,12 @@
 """The Tinker API over HTTP: the routes the `tinker` SDK (0.38) calls, under `/api/v1`, and
 `/health`.
 
-Every route is a POST with a JSON body as the SDK sends it (`trainer.bodies`), except `GET
-/api/v1/samplers/{id}` and the protobuf body of `forward_backward`/`forward` (`trainer.wire`). A
-call that does work answers a future (`request_id`) at once; the SDK polls `retrieve_future`,
-which answers the result (protobuf for forward/backward and sampling, JSON otherwise),
-`try_again` after a long poll, or an error with its category. A body that is not the SDK's is a
-422 naming the field, before any work; a request whose values cannot run fails its future
-(category `user`); a full queue is a 429 (the SDK waits and sends it again). Nothing answers 5xx
-for a request's own fault: the SDK resends a 5xx without limit. Errors answer from MinT's one
-table (`trainer.errors`); a body over `max_request_bytes` is a 413 before anything reads it, a
-compressed one too once it would decompress past that.
-
-Naming: `user_metadata={"mint_adapter": name}` names the MinT adapter whose revisions a
-model's sampler weights become, wherever the SDK sends it: `ServiceClient(user_metadata=...)`
-(its session: every model's default), `create_lora_training_client`,
-`create_training_client_from_state[_with_optimizer]` (the model), `save_weights_for_sampler`
-(that save alone); the narrower one wins.
-
-Auth: the `X-API-Key` header names the principal through `MINT_API_KEYS` (the SDK only sends
-keys starting `tml-`); without configured keys, every caller is `anonymous`.
+Each route takes its body as the SDK sends it (`trainer.bodies`; the protobuf of
+`forward_backward`/`forward`: `trainer.wire`), refused with a 422 naming the field before any
+work, and answers JSON, or a future (`request_id`) that its work finishes or fails, which the
+SDK polls with `retrieve_future`. Errors answer from MinT's one table (`trainer.errors`), a
+future's failure with its category. What each answer tells the SDK, keys and adapter names:
+the README, "Training as a service: the Tinker API".
 """
 
 import asyncio
