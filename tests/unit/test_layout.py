@@ -247,19 +247,7 @@ def test_the_registry_is_composed_not_inherited() -> None:
     assert base_classes_defined_beside(ROOT / "mint_core" / "registry") == []
 
 
-DOCSTRINGS_IN_PROGRESS = pytest.mark.xfail(strict=True, reason="issue 35 item 5: in progress")
-
-
-@pytest.mark.parametrize(
-    "package",
-    [
-        pytest.param("mint_core", marks=DOCSTRINGS_IN_PROGRESS),
-        pytest.param("serving", marks=DOCSTRINGS_IN_PROGRESS),
-        "trainer",
-        "control",
-        "processes",
-    ],
-)
+@pytest.mark.parametrize("package", ["mint_core", "serving", "trainer", "control", "processes"])
 def test_a_module_docstring_says_why_in_a_few_lines(package: str) -> None:
     long = {
         str(path.relative_to(ROOT)): lines
