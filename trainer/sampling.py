@@ -26,7 +26,6 @@ from mint_core.artifacts.packing import load as load_packed
 from mint_core.errors import (
     AccessDeniedError,
     ConfigurationError,
-    MintError,
     NotFoundError,
     NotReadyError,
 )
@@ -220,7 +219,9 @@ class Samplers:
                 prompt_logprobs = (
                     self._prompt_logprobs(sampler.key, prompt) if with_prompt else None
                 )
-            except MintError as e:
+            # Any failure (a generation past RESULT_TIMEOUT_S raises TimeoutError, not a MinT
+            # error) must end the future: the SDK polls an unfinished one forever.
+            except Exception as e:
                 self.trainer.futures.finish(request_id, failure(e, "sampling", Category.SERVER))
                 return
             sequences = [
