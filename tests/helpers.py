@@ -11,7 +11,7 @@ import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
 import torch
 from mlflow.entities.model_registry import (
@@ -251,6 +251,17 @@ def _absent(what: str) -> MlflowException:
     return MlflowException(f"{what} not found", error_code=RESOURCE_DOES_NOT_EXIST)
 
 
+_T = TypeVar("_T")
+
+
+def _page(items: list[_T], max_results: int, page_token: str | None) -> tuple[list[_T], str | None]:
+    """One page of `items` as MLflow's searches give it, and the token of the next (None at
+    the end): the token is the next page's offset."""
+    start = int(page_token or 0)
+    after = start + max_results
+    return items[start:after], (str(after) if after < len(items) else None)
+
+
 class MemoryMlflow:
     """The `MlflowClient` calls the registry's parts make, over registered models and versions
     kept in memory, as MLflow's server answers them: every answer is a new entity (what was
@@ -374,10 +385,7 @@ class MemoryMlflow:
             names = [n for n in names if self.models[n].tags.get(key) == value.strip("'")]
         if order_by == ["last_updated_timestamp DESC"]:
             names.sort(key=lambda n: -self.models[n].updated_ms)
-        start = int(page_token or 0)
-        page = names[start : start + max_results]
-        after = start + max_results
-        token = str(after) if after < len(names) else None
+        page, token = _page(names, max_results, page_token)
         return PagedList([self._registered_model(n) for n in page], token)
 
     # Model versions.
@@ -434,10 +442,7 @@ class MemoryMlflow:
             if name in self.models
             for number in sorted(self.models[name].versions)
         ]
-        start = int(page_token or 0)
-        page = found[start : start + max_results]
-        after = start + max_results
-        token = str(after) if after < len(found) else None
+        page, token = _page(found, max_results, page_token)
         return PagedList([self._model_version(n, v) for n, v in page], token)
 
     # Runs: only what a registration logs to a training run it is given.
