@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mint_core.config import LOOPBACK, check_registry_db
+from mint_core.backend_store import check_registry_db
+from mint_core.config import LOOPBACK
 from mint_core.errors import ConfigurationError
 from mint_core.revisions import RevisionRef, check_adapter_name
 

@@ -6,7 +6,9 @@ principals (`MINT_ADMIN_PRINCIPALS`) may also queue prewarms, sync and read ever
 readiness on a worker; the pipeline presents an admin key.
 """
 
+import json
 from collections.abc import Collection, Mapping
+from pathlib import Path
 
 from mint_core.errors import AccessDeniedError, AuthenticationError, ConfigurationError
 from mint_core.revisions import PolicyRecord, RevisionId
@@ -29,6 +31,26 @@ def parse_api_keys(text: str) -> dict[str, str]:
             )
         keys[key.strip()] = principal.strip()
     return keys
+
+
+def read_api_keys(text: str, path: str) -> dict[str, str]:
+    """The keys MINT_API_KEYS (`text`) names and MINT_API_KEYS_FILE (`path`, a JSON object of
+    key -> principal) adds."""
+    keys = parse_api_keys(text)
+    if path:
+        try:
+            keys.update(json.loads(Path(path).read_text()))
+        except (OSError, ValueError) as e:
+            raise ConfigurationError(
+                f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
+            ) from e
+    return keys
+
+
+def show_api_keys(keys: Mapping[str, str]) -> tuple[str, str]:
+    """The MINT_API_KEYS and MINT_API_KEYS_FILE texts `read_api_keys` gives `keys` back from."""
+    # The keys a file added are written out with the others: the file is read once.
+    return ",".join(f"{key}={who}" for key, who in keys.items()), ""
 
 
 def principal_for(api_keys: Mapping[str, str], key: str | None) -> str:

@@ -6,22 +6,24 @@ and what it means (`setting(...)`); `from_env` and `to_env` are derived from tha
 defaults of lower layers (engine slots, batch size, admission, sync interval) are these, and
 the few defaults that are not settings (ports, timeouts, canary window) are named here too."""
 
-import json
 import os
 import shlex
+import socket
 from collections.abc import Mapping
 from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
-from mint_core.access import ADMIN, parse_api_keys
+from mint_core.access import ADMIN, read_api_keys, show_api_keys
+from mint_core.backend_store import check_registry_db
 from mint_core.connections import ConnectionBounds
 from mint_core.errors import ConfigurationError
+from mint_core.exposure import TlsFiles
+from mint_core.membership import FleetWatch
 from mint_core.model.base import BaseSource
 from mint_core.retraining import RetrainSchedule
-from mint_core.revisions import RevisionId, RevisionRef
+from mint_core.revisions import RevisionId, parse_pins
 from mint_core.settings import (
     SETTING,
     Setting,
@@ -62,8 +64,6 @@ DEFAULT_CATALOG_SNAPSHOTS = 3
 """Catalog snapshots kept in the artifact store (`MintConfig.catalog_snapshots`)."""
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `--max-lora-rank` values vLLM accepts."""
-REGISTRY_DB_SCHEMES = ("sqlite", "postgresql")
-"""Databases MinT runs MLflow's backend store on (a `+driver` suffix is allowed)."""
 
 
 class BackendKind(StrEnum):
@@ -80,44 +80,6 @@ def _backend(text: str) -> BackendKind:
         return BackendKind(text.strip().lower())
     except ValueError:
         raise ValueError(f"is not one of {', '.join(BackendKind)}") from None
-
-
-def _pins(text: str) -> tuple[RevisionId, ...]:
-    return tuple(_pin(entry) for entry in names(text))
-
-
-def _pin(text: str) -> RevisionId:
-    ref = RevisionRef.parse(text)
-    if ref.revision is None:
-        raise ConfigurationError(
-            f"MINT_PINS entry {text!r} names an alias; pin exact revisions, 'name:rN'"
-        )
-    return RevisionId(ref.adapter, ref.revision)
-
-
-def _api_keys(text: str, path: str) -> dict[str, str]:
-    keys = parse_api_keys(text)
-    if path:
-        try:
-            keys.update(json.loads(Path(path).read_text()))
-        except (OSError, ValueError) as e:
-            raise ConfigurationError(
-                f"MINT_API_KEYS_FILE={path} is not a readable JSON object of key -> principal: {e}"
-            ) from e
-    return keys
-
-
-def _show_api_keys(keys: Mapping[str, str]) -> tuple[str, str]:
-    # The keys a file added are written out with the others: the file is read once.
-    return ",".join(f"{key}={who}" for key, who in keys.items()), ""
-
-
-def _base(name: str, dtype: str, device: str) -> BaseSource:
-    return BaseSource(name, dtype, device)
-
-
-def _show_base(base: BaseSource) -> tuple[str, str, str]:
-    return base.name, base.dtype, base.device
 
 
 @dataclass(frozen=True)
@@ -167,8 +129,8 @@ class MintConfig:
                 "The resident base model every adapter is trained on and served over: a model "
                 "folder or a hub id in the local Hugging Face cache, unset for the embedded "
                 "default; its dtype and device.",
-                _base,
-                _show_base,
+                BaseSource,
+                lambda base: (base.name, base.dtype, base.device),
             )
         },
     )
@@ -186,8 +148,8 @@ class MintConfig:
                 ("MINT_API_KEYS", "MINT_API_KEYS_FILE"),
                 "Worker API keys -> principals (`key=principal,...`, and/or a file holding a "
                 "JSON object). Never hard-coded.",
-                _api_keys,
-                _show_api_keys,
+                read_api_keys,
+                show_api_keys,
             )
         },
     )
@@ -243,7 +205,7 @@ class MintConfig:
         "MINT_PINS",
         (),
         "Revisions every worker holds whatever the aliases say (`name:rN,...`).",
-        parse=_pins,
+        parse=parse_pins,
         show=lambda pins: ",".join(map(str, pins)),
     )
     worker_api_key: str = setting(
@@ -390,6 +352,52 @@ class MintConfig:
         blank_is_default=True,
     )
 
+    host: str = setting(
+        "MINT_HOST",
+        "",
+        "This host's name in flow runs, MLflow runs and the fleet's roster (unset: the "
+        "machine's hostname).",
+        parse=str.strip,
+    )
+    fleet: FleetWatch = field(
+        default=FleetWatch(),
+        metadata={
+            SETTING: Setting(
+                ("MINT_FLEET", "MINT_HEARTBEAT_MS", "MINT_FLEET_STALE_MS", "MINT_FLEET_FORGET_MS"),
+                "Where the fleet's workers are found: `static` (MINT_WORKER_URLS) or `registry` "
+                "(also every worker announcing itself in MLflow); how often a worker announces "
+                "itself, and after how long (ms) a silent one is left out and forgotten.",
+                FleetWatch.parse,
+                FleetWatch.texts,
+                blank_is_default=True,
+            )
+        },
+    )
+    tls: TlsFiles = field(
+        default=TlsFiles(),
+        metadata={
+            SETTING: Setting(
+                ("MINT_TLS_CERT", "MINT_TLS_KEY"),
+                "PEM certificate and key a worker, gateway or trainer serves HTTPS with (both or "
+                "neither; clients trust a private CA through SSL_CERT_FILE).",
+                TlsFiles,
+                lambda tls: (tls.cert, tls.key),
+            )
+        },
+    )
+    train_pool: str = setting(
+        "MINT_TRAIN_POOL",
+        "mint-train",
+        "The Prefect work pool of the flows that train (release, import, retrain, rl).",
+        blank_is_default=True,
+    )
+    control_pool: str = setting(
+        "MINT_CONTROL_POOL",
+        "mint-control",
+        "The Prefect work pool of the other flows (promote, rollback, canary, repair, ...).",
+        blank_is_default=True,
+    )
+
     def __post_init__(self) -> None:
         if self.registry_db:
             check_registry_db(self.registry_db)
@@ -452,6 +460,11 @@ class MintConfig:
             )
 
     @property
+    def host_name(self) -> str:
+        """This host's name: MINT_HOST, else the machine's hostname."""
+        return self.host or socket.gethostname()
+
+    @property
     def artifact_root(self) -> Path:
         return self.home / "artifacts"
 
@@ -492,24 +505,3 @@ def variable(name: str) -> str:
     """The environment variable that sets `MintConfig` field `name` (its first, where several
     do), for messages that tell which one to change."""
     return next(setting.env[0] for f, setting in _settings() if f.name == name)
-
-
-def check_registry_db(uri: str) -> str:
-    """`uri` if it names a database MLflow's backend store can run on here; else
-    ConfigurationError naming it (its password hidden) and what to give instead."""
-    scheme = urlsplit(uri).scheme.partition("+")[0]
-    if scheme not in REGISTRY_DB_SCHEMES or "://" not in uri:
-        raise ConfigurationError(
-            f"registry database {_without_password(uri)!r} is not a sqlite:// or postgresql:// "
-            "URI; give MLflow's backend store as postgresql://user:password@host:port/database "
-            "(or sqlite:///path/mlflow.db), or leave MINT_REGISTRY_DB unset for sqlite under "
-            "MINT_HOME"
-        )
-    return uri
-
-
-def _without_password(uri: str) -> str:
-    parts = urlsplit(uri)
-    if parts.password is None:
-        return uri
-    return parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1)).geturl()

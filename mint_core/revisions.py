@@ -128,6 +128,19 @@ class RevisionId:
         return f"{self.adapter}:r{self.number}"
 
 
+def parse_pins(text: str) -> tuple[RevisionId, ...]:
+    """The revisions MINT_PINS (`name:rN,...`) names; an alias is refused, pins are exact."""
+    pins = []
+    for entry in filter(None, (part.strip() for part in text.split(","))):
+        ref = RevisionRef.parse(entry)
+        if ref.revision is None:
+            raise ConfigurationError(
+                f"MINT_PINS entry {entry!r} names an alias; pin exact revisions, 'name:rN'"
+            )
+        pins.append(RevisionId(ref.adapter, ref.revision))
+    return tuple(pins)
+
+
 @dataclass(frozen=True)
 class PolicyRecord:
     """How a revision may be used and where it came from. Immutable once registered."""

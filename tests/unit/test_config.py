@@ -2,6 +2,7 @@
 environment gives each default when unset, and `to_env` gives back every field, none left out."""
 
 import dataclasses
+import socket
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from mint_core.config import (
 )
 from mint_core.connections import ConnectionBounds
 from mint_core.errors import ConfigurationError
+from mint_core.exposure import TlsFiles
+from mint_core.membership import FleetSource, FleetWatch
 from mint_core.model.base import BaseSource
 from mint_core.retraining import RetrainSchedule
 from mint_core.revisions import RevisionId
@@ -55,6 +58,11 @@ CHANGED = MintConfig(
     registry_retry_s=7.5,
     registry_db="sqlite:////srv/mint/mlflow.db",
     http_bounds=ConnectionBounds(keep_alive_s=2.5, head_s=4, body_s=30, connections=50),
+    host="train-1",
+    fleet=FleetWatch(FleetSource.REGISTRY, heartbeat_s=0.5, stale_s=2.5, forget_s=30),
+    tls=TlsFiles("/etc/mint/tls.crt", "/etc/mint/tls.key"),
+    train_pool="gpu-train",
+    control_pool="ops",
 )
 """Every field away from its default."""
 
@@ -126,3 +134,24 @@ def test_a_registry_wait_that_is_not_a_length_of_time_is_refused(text: str) -> N
 def test_connection_bounds_that_are_no_bounds_are_refused(text: str, refusal: str) -> None:
     with pytest.raises(ConfigurationError, match=f"MINT_HTTP_BOUNDS='{text}' {refusal}"):
         MintConfig.from_env({"MINT_HTTP_BOUNDS": text})
+
+
+@pytest.mark.parametrize(
+    ("environ", "refusal"),
+    [
+        ({"MINT_FLEET": "dns"}, "MINT_FLEET='dns' is not one of static, registry"),
+        ({"MINT_HEARTBEAT_MS": "9000"}, "has heartbeat 9 s, stale after 8 s and forgotten"),
+        ({"MINT_FLEET_FORGET_MS": "soon"}, "MINT_FLEET_FORGET_MS='soon' is not a whole"),
+        ({"MINT_TLS_KEY": "/k.pem"}, "set both MINT_TLS_CERT and MINT_TLS_KEY"),
+    ],
+)
+def test_a_fleet_watch_or_tls_pair_that_cannot_work_is_refused(
+    environ: dict[str, str], refusal: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=refusal):
+        MintConfig.from_env(environ)
+
+
+def test_the_host_name_is_the_machines_unless_set() -> None:
+    assert MintConfig.from_env({"MINT_HOST": " serve-2 "}).host_name == "serve-2"
+    assert MintConfig().host_name == socket.gethostname()
