@@ -10,14 +10,9 @@ picks a worker, retries, spreads a hot revision, and finds the worker that answe
 for its feedback: the README, "Several bases, one front door" and "Many adapters, many workers".
 """
 
-from serving.gateway.app import (
-    WORKER_HEADER,
-    Gateway,
-    build_gateway,
-    serve_gateway,
-    start_gateway,
-)
+from serving.gateway.app import Gateway, build_gateway, serve_gateway, start_gateway
 from serving.gateway.fleet import Choices, Fleet, WorkerView
+from serving.gateway.forward import WORKER_HEADER
 
 __all__ = [
     "WORKER_HEADER",

@@ -9,10 +9,9 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 
 import aiohttp
-import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from mint_core.artifacts.stores import open_store
@@ -25,38 +24,21 @@ from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from processes import ManagedProcess, start_mint
 from serving.gateway.fleet import Fleet, WorkerView
+from serving.gateway.forward import forward_to, json_answer, whole_answer
 from serving.gateway.requests import gateway_document, model_of
-from serving.http.common import (
-    ADAPTER_PREFIX,
-    BASE_NAMES,
-    REQUEST_ID_HEADER,
-    REVISION_HEADER,
-    adapter_of_url,
-    sse,
-)
-from serving.http.errors import ErrorResponse, install_error_handlers
+from serving.http.common import ADAPTER_PREFIX, BASE_NAMES, adapter_of_url
+from serving.http.errors import install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.http.server import serve_http
 from serving.http.wire import ASK_INTERVAL_S, AdmitRequest
 
 log = logging.getLogger(__name__)
 
-WORKER_HEADER = "X-Mint-Worker"
-"""Names the worker that answered, for operators and tests."""
 DEFAULT_REFRESH_S = 0.5
 CONNECT_TIMEOUT_S = 2.0
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
 GENERATION_TIMEOUT_S = 600.0
-_PASSED_ON = (
-    "content-type",
-    "retry-after",
-    "retry-after-ms",
-    "www-authenticate",
-    REVISION_HEADER.lower(),
-    REQUEST_ID_HEADER.lower(),
-)
-"""Response headers a worker's answer keeps through the gateway."""
 
 
 class Gateway:
@@ -249,50 +231,7 @@ class Gateway:
         workers: list[WorkerView],
         revision: str | None,
     ) -> Response:
-        http = self._client()
-        headers = {"content-type": "application/json"}
-        if authorization := request.headers.get("authorization"):
-            headers["authorization"] = authorization
-        last_busy: Response | None = None
-        for worker in workers:
-            was_ready = revision is None or revision in worker.ready
-            worker.in_flight += 1
-            try:
-                answer = await http.post(worker.url + request.url.path, data=body, headers=headers)
-            except aiohttp.ClientConnectorError as e:
-                worker.in_flight -= 1
-                worker.down(f"refused a connection: {e}")  # it never saw the request: next one
-                continue
-            except (aiohttp.ClientError, TimeoutError) as e:
-                worker.in_flight -= 1
-                return _failed(worker, e)
-            if answer.status == 503:
-                content = await answer.read()
-                last_busy = _whole(answer, worker, content)
-                worker.in_flight -= 1
-                answer.release()
-                if not was_ready and _error_type(content) == "not_ready":
-                    return last_busy  # its placement: it admits the revision by demand
-                continue
-            if answer.content_type == "text/event-stream":
-                return _streamed(answer, worker)
-            try:
-                content = await answer.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                return _failed(worker, e)
-            finally:
-                worker.in_flight -= 1
-                answer.release()
-            return _whole(answer, worker, content)
-        if last_busy is not None:
-            return last_busy
-        log.warning(
-            "no worker took %s: %s", model, "; ".join(f"{w.url}: {w.problem}" for w in workers)
-        )
-        raise ServiceError(
-            f"every worker for {model or 'the base'} refused the connection; send the request "
-            "again shortly"
-        )
+        return await forward_to(self._client(), request, body, model, workers, revision)
 
     async def feedback(self, request: Request, body: bytes) -> Response:
         """A score for a request id, from the worker that answered it (see the module's doc)."""
@@ -307,8 +246,8 @@ class Gateway:
                 async with http.post(url, data=body, headers=headers) as answer:
                     content = await answer.read()
                     if answer.status != 404:
-                        return _whole(answer, worker, content)
-                    unknown = _whole(answer, worker, content)
+                        return whole_answer(answer, worker, content)
+                    unknown = whole_answer(answer, worker, content)
             except (aiohttp.ClientError, TimeoutError) as e:
                 worker.down(f"{type(e).__name__}: {e}")
         if unknown is not None:
@@ -328,7 +267,7 @@ class Gateway:
                 async with http.get(view.url + "/v1/models", headers=headers) as answer:
                     if answer.status == 200:
                         return (await answer.json())["data"]
-                    return _whole(answer, view, await answer.read())
+                    return whole_answer(answer, view, await answer.read())
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
                 return []
 
@@ -341,7 +280,7 @@ class Gateway:
         for entries in listed:
             for entry in entries:
                 union.setdefault(str(entry["id"]), entry)
-        return _json({"object": "list", "data": list(union.values())})
+        return json_answer({"object": "list", "data": list(union.values())})
 
     async def document(self, routes: list[Route]) -> dict[str, object]:
         """The gateway's OpenAPI document (`serving.gateway.requests`), from the first worker
@@ -390,10 +329,10 @@ class Gateway:
             return await self.feedback(request, await request.body())
 
         async def health(_: Request) -> Response:
-            return _json(self.health())
+            return json_answer(self.health())
 
         async def openapi(_: Request) -> Response:
-            return _json(await self.document(routes))
+            return json_answer(await self.document(routes))
 
         @asynccontextmanager
         async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -410,59 +349,6 @@ class Gateway:
         install_error_handlers(app, "gateway")
         app.add_middleware(BodyLimit, limit=max_request_bytes)
         return app
-
-
-def _error_type(content: bytes) -> str | None:
-    """The `error_type` of a worker's error answer; None if it has none."""
-    try:
-        body = orjson.loads(content)
-    except orjson.JSONDecodeError:
-        return None
-    return body.get("error_type") if isinstance(body, dict) else None
-
-
-def _json(payload: object) -> Response:
-    return Response(orjson.dumps(payload), media_type="application/json")
-
-
-def _kept(answer: aiohttp.ClientResponse, worker: WorkerView) -> dict[str, str]:
-    kept = {name: answer.headers[name] for name in _PASSED_ON if name in answer.headers}
-    return kept | {WORKER_HEADER: worker.url}
-
-
-def _whole(answer: aiohttp.ClientResponse, worker: WorkerView, content: bytes) -> Response:
-    return Response(content, status_code=answer.status, headers=_kept(answer, worker))
-
-
-def _failed(worker: WorkerView, error: BaseException) -> Response:
-    """The answer for a request a worker took and then failed (it died, or cut the reply); what
-    failed goes to the gateway's log."""
-    log.warning("%s failed while it had a request: %s: %s", worker.url, type(error).__name__, error)
-    message = (
-        f"worker {worker.url} failed while it had this request; the request was not retried, "
-        "as it may have run: send it again"
-    )
-    answer = ErrorResponse(502, "worker_failed", message)
-    return Response(orjson.dumps(answer.body), status_code=502, headers={WORKER_HEADER: worker.url})
-
-
-def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView) -> StreamingResponse:
-    """A worker's event stream, passed on as it comes; a worker that fails mid-stream ends it
-    with an error event."""
-
-    async def events() -> AsyncIterator[bytes]:
-        try:
-            async for chunk in answer.content.iter_any():
-                yield chunk
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("%s failed mid-stream: %s: %s", worker.url, type(e).__name__, e)
-            message = f"worker {worker.url} failed mid-stream; send the request again"
-            yield sse(ErrorResponse(502, "worker_failed", message).body).encode()
-        finally:
-            worker.in_flight -= 1
-            answer.release()
-
-    return StreamingResponse(events(), status_code=answer.status, headers=_kept(answer, worker))
 
 
 def build_gateway(config: MintConfig) -> Gateway:
