@@ -1,9 +1,11 @@
-"""Starting and stopping child processes on loopback, for whichever role runs them.
+"""Starting and stopping child processes (on loopback unless told otherwise), for whichever
+role runs them.
 
 Each process gets its own process group, so stopping it also stops whatever it spawned (MLflow's
 server forks a web server), and its output goes to a log file under the state dir.
 """
 
+import base64
 import contextlib
 import os
 import signal
@@ -23,11 +25,21 @@ from mint_core.errors import ServiceError
 from mint_core.registry_accounts import RegistryAccounts
 
 
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as probe:
-        probe.bind((LOOPBACK, 0))
+def free_port(host: str = LOOPBACK) -> int:
+    """A TCP port on `host` (default loopback) that nothing listens on right now."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as probe:
+        probe.bind((host.strip("[]"), 0))
         return probe.getsockname()[1]
+
+
+def basic_auth(secret: str) -> dict[str, str]:
+    """The Authorization header Prefect's server checks an auth string with
+    (PREFECT_SERVER_API_AUTH_STRING; its clients send PREFECT_API_AUTH_STRING this way), for
+    MinT's own probes of it. Empty without a secret."""
+    if not secret:
+        return {}
+    return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()}
 
 
 @dataclass
@@ -110,10 +122,18 @@ def stop_all(services: Sequence[ManagedProcess]) -> None:
         list(pool.map(ManagedProcess.stop, services))
 
 
-def responds_ok(url: str) -> bool:
-    """Whether `url` responds 200 right now: a health probe."""
+def responds_ok(url: str, headers: Mapping[str, str] | None = None) -> bool:
+    """Whether `url` responds 200 right now: a health probe. `headers`: e.g. `basic_auth`'s,
+    for a Prefect server with an auth string; by default, a probe of the Prefect API this
+    process points at (PREFECT_API_URL) sends its PREFECT_API_AUTH_STRING, as Prefect's own
+    client does: without it, that API answers 401."""
+    if headers is None:
+        api = os.environ.get("PREFECT_API_URL", "")
+        secret = os.environ.get("PREFECT_API_AUTH_STRING", "")
+        headers = basic_auth(secret) if api and url.startswith(api) else {}
     try:
-        with urllib.request.urlopen(url, timeout=2) as response:
+        request = urllib.request.Request(url, headers=dict(headers))
+        with urllib.request.urlopen(request, timeout=2) as response:
             return response.status == 200
     except (urllib.error.URLError, ConnectionError, TimeoutError):
         return False

@@ -22,7 +22,7 @@ def serve_trainer(config: MintConfig, host: str = LOOPBACK, port: int = TRAINER_
     def make(futures: Futures) -> Trainer:
         return Trainer(config, load_base(config.base, config.home), futures)
 
-    serve_http(create_app(make, config.api_keys), host, port, config.http_bounds)
+    serve_http(create_app(make, config.api_keys), host, port, config.http_bounds, config.tls)
 
 
 def start_trainer(
@@ -30,7 +30,12 @@ def start_trainer(
     port: int | None = None,
     timeout_s: float = 300.0,
     env: Mapping[str, str] | None = None,
+    host: str = LOOPBACK,
+    advertise: str = "",
 ) -> ManagedProcess:
-    """`mint trainer` in a child process on loopback; returns once it answers (base loaded).
-    `env`: more of its environment (e.g. the registry account it registers revisions with)."""
-    return start_mint("trainer", "trainer", "trainer", config, port, timeout_s, env)
+    """`mint trainer` in a child process on `host` (default loopback); returns once it answers
+    (base loaded). `env`: more of its environment (e.g. the registry account it registers
+    revisions with); `advertise`: the URL other hosts reach it at."""
+    return start_mint(
+        "trainer", "trainer", "trainer", config, port, timeout_s, env, host, advertise
+    )

@@ -22,10 +22,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mint_core.connections import ConnectionBounds
+from mint_core.exposure import TlsFiles
 from serving.http.common import json_bytes
 from serving.http.errors import ErrorResponse, retry_after
 
-__all__ = ["BACKLOG", "HEAD_BYTES", "BoundedProtocol", "serve_http"]
+__all__ = ["BACKLOG", "HEAD_BYTES", "BoundedProtocol", "serve_http", "uvicorn_options"]
 
 log = logging.getLogger(__name__)
 
@@ -35,23 +36,37 @@ nginx's is 32 KiB): MinT's heads are a few hundred bytes."""
 BACKLOG = 2048
 """Connections the kernel holds for a service before it accepts them (uvicorn's default; the
 kernel caps it at net.core.somaxconn)."""
+PLAIN = TlsFiles()
+"""No certificate: plain HTTP."""
 FD_RESERVE = 256
 """File descriptors a service needs besides its connections (model files, logs, its own
 connections to MLflow and workers)."""
 
 
-def serve_http(app: ASGIApp, host: str, port: int, bounds: ConnectionBounds) -> None:
-    """Serve `app` on `host`:`port` until stopped, its connections bounded by `bounds`."""
+def serve_http(
+    app: ASGIApp, host: str, port: int, bounds: ConnectionBounds, tls: TlsFiles = PLAIN
+) -> None:
+    """Serve `app` on `host`:`port` until stopped, its connections bounded by `bounds`; over
+    HTTPS with `tls`'s certificate and key if it names them."""
     _raise_fd_limit(bounds.connections + FD_RESERVE)
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        http=bounded_protocol(bounds),
-        timeout_keep_alive=bounds.keep_alive_s,  # type: ignore[arg-type]  # call_later takes floats
-        backlog=BACKLOG,
-    )
+    uvicorn.run(app, **uvicorn_options(host, port, bounds, tls))
+
+
+def uvicorn_options(
+    host: str, port: int, bounds: ConnectionBounds, tls: TlsFiles = PLAIN
+) -> dict[str, Any]:
+    """uvicorn.run's settings for `serve_http`."""
+    options: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_level": "warning",
+        "http": bounded_protocol(bounds),
+        "timeout_keep_alive": bounds.keep_alive_s,  # call_later takes floats
+        "backlog": BACKLOG,
+    }
+    if tls.enabled:
+        options |= {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+    return options
 
 
 def bounded_protocol(bounds: ConnectionBounds) -> type[HttpToolsProtocol]:

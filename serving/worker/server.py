@@ -9,6 +9,7 @@ from transformers.utils import logging as transformers_logging
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import LOOPBACK, WORKER_PORT, BackendKind, MintConfig
+from mint_core.exposure import advertised_url
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from processes import ManagedProcess, start_mint
@@ -72,10 +73,13 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> 
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     transformers_logging.disable_progress_bar()
-    worker = build_worker(config, f"http://{host}:{port}")
+    # Its name in placement: the URL every other host reaches it at (MINT_WORKER_URL, needed on
+    # a wildcard bind), so that all of them place revisions alike.
+    me = advertised_url(host, port, config.worker_url, config.tls.enabled)
+    worker = build_worker(config, me)
     app = create_app(worker, config.api_keys, config.admin_principals)
     try:
-        serve_http(app, host, port, config.http_bounds)
+        serve_http(app, host, port, config.http_bounds, config.tls)
     finally:
         worker.close()  # a vLLM backend's server runs in a process group of its own
 
@@ -85,7 +89,11 @@ def start_worker(
     port: int | None = None,
     timeout_s: float = 300.0,
     env: Mapping[str, str] | None = None,
+    host: str = LOOPBACK,
 ) -> ManagedProcess:
-    """A worker in a child process on loopback; returns once `/health` answers (base loaded).
-    `env`: more of its environment (e.g. the registry account it reads with)."""
-    return start_mint("serve", "serving worker", "worker", config, port, timeout_s, env)
+    """A worker in a child process on `host` (default loopback); returns once `/health`
+    answers (base loaded). `env`: more of its environment (e.g. the registry account it reads
+    with); its URL is `config.worker_url` if set (MINT_WORKER_URL: what other hosts use)."""
+    return start_mint(
+        "serve", "serving worker", "worker", config, port, timeout_s, env, host, config.worker_url
+    )
