@@ -1,0 +1,71 @@
+"""The cluster lane: hosts as network namespaces on one machine (tests/cluster/netns.py).
+
+Namespaces need root and iproute2. Where they cannot be made, the tests here are skipped with
+the reason; but with MINT_CLUSTER_TESTS=required (the Makefile sets it when run as root, as CI
+is) the same conditions fail them: CI never skips the cluster silently. At the end of the run
+anything left of a cluster this run made (a namespace, a link) fails it, and the summary says
+how long the lane took.
+"""
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster import netns
+
+REQUIRED = "MINT_CLUSTER_TESTS"
+"""`required`: a cluster test that cannot make namespaces fails instead of being skipped."""
+
+_durations: dict[str, float] = {}
+
+
+@pytest.fixture(scope="session")
+def namespaces_ok() -> None:
+    """Skip (or, when required, fail) unless network namespaces can be made here."""
+    reason = netns.unavailable()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRED) == "required":
+        pytest.fail(f"{REQUIRED}=required, but the cluster cannot run: {reason}", pytrace=False)
+    pytest.skip(f"no test cluster: {reason}")
+
+
+@pytest.fixture
+def small_cluster(namespaces_ok: None, tmp_path: Path) -> Iterator[netns.Cluster]:
+    """Two bare hosts, `server` and `client`, for the harness's own test."""
+    with netns.Cluster(["server", "client"], tmp_path) as cluster:
+        yield cluster
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.nodeid.startswith("tests/cluster/"):
+        _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _durations:
+        total = sum(_durations.values())
+        terminalreporter.write_line(
+            f"cluster lane: {len(_durations)} tests, {total:.1f} s (set-up and teardown included)"
+        )
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    left = [
+        name
+        for cluster in netns.MADE
+        for name in netns.leftovers(cluster.namespaces, cluster.links)
+    ]
+    if not left:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", f"the test cluster left {len(left)} namespaces/links", red=True)
+        reporter.write_line(" ".join(left))
+    for cluster in netns.MADE:
+        netns.remove(cluster.tag, cluster.namespaces, cluster.links)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

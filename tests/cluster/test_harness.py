@@ -1,0 +1,65 @@
+"""The cluster harness itself (about 5 s): hosts reach each other over the bridge, a cut host
+is silent (connects time out, no RST) until it rejoins, the relay adds its delay, and nothing
+is left once the cluster is closed."""
+
+import json
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+from tests.cluster import netns
+
+DELAY_MS = 40
+REQUESTS = 12
+
+
+def _load(cluster: netns.Cluster, url: str, *options: str) -> list[dict[str, object]]:
+    done = cluster.call(
+        "client", [sys.executable, "-m", "tests.cluster.load", "--url", url, *options]
+    )
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def _p50(records: list[dict[str, object]]) -> float:
+    assert all(r["status"] == 200 for r in records), records
+    return statistics.median(float(r["t_end"]) - float(r["t_start"]) for r in records)  # type: ignore[arg-type]
+
+
+def _listens(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_cut_rejoin_relay_and_teardown(small_cluster: netns.Cluster, tmp_path: Path) -> None:
+    cluster = small_cluster
+    server = cluster.host("server").address
+    direct, relayed = f"http://{server}:8000/", f"http://{server}:8001/"
+    cluster.run("server", "http", [sys.executable, "-m", "http.server", "--bind", server, "8000"],
+                url=direct, health="", cwd=tmp_path)  # fmt: skip
+    delay_file = tmp_path / "delay_ms"
+    delay_file.write_text(str(DELAY_MS))
+    relay = [sys.executable, "-m", "tests.cluster.relay", "--listen", f"{server}:8001",
+             "--target", f"{server}:8000", "--delay-file", str(delay_file)]  # fmt: skip
+    cluster.run("server", "relay", relay, health=lambda: _listens(server, 8001))
+
+    added_s = _p50(_load(cluster, relayed, "--requests", str(REQUESTS))) - _p50(
+        _load(cluster, direct, "--requests", str(REQUESTS))
+    )
+    assert added_s >= DELAY_MS / 1000, f"the relay added {added_s * 1000:.1f} ms at p50"
+
+    cluster.cut("server")
+    (cut,) = _load(cluster, direct, "--requests", "1", "--connect-timeout", "1")
+    assert cut["error"] == "connect_timeout", cut  # silence, not a refusal or unreachable
+    cluster.rejoin("server")
+    (back,) = _load(cluster, direct, "--requests", "1", "--connect-timeout", "2")
+    assert back["status"] == 200, back
+
+    cluster.close()
+    assert not netns.leftovers(cluster.namespaces, cluster.links)
+    listed = netns._ip("netns", "list").stdout + netns._ip("-o", "link").stdout
+    assert f"{netns.PREFIX}{cluster.tag}" not in listed and f"mc{cluster.tag}" not in listed
