@@ -10,7 +10,8 @@ process still carrying the mark was left behind: it is listed, killed, and the r
 A run that is stopped stops what it started too: SIGTERM and SIGHUP interrupt it as Ctrl-C
 (SIGINT) does, so fixtures are torn down; and a watchdog process, started in a session of its
 own before the first test that may start a process, kills whatever still carries the run's
-mark once the run has exited, however it ended (SIGKILL included).
+mark once the run has exited, however it ended (SIGKILL included), then removes what is left
+of the test clusters whose run died (network namespaces are not processes: tests/cluster/netns.py).
 
 A test that uses the `refuse_processes` fixture (every test in tests/unit does) fails if it
 starts a process of any kind; a run of such tests alone starts no watchdog either, so it
@@ -66,6 +67,8 @@ SPAWNS: tuple[tuple[object, str], ...] = (
 """Every way a Python process starts another: what `refuse_processes` makes fail."""
 
 _PROC = Path("/proc")
+CLUSTER_RECORDS = Path("/run/mint-cluster")
+"""Where tests/cluster/netns.py records the clusters it makes (RECORDS there)."""
 _mark = pytest.StashKey[str]()
 _ancestors = pytest.StashKey[str]()
 _handlers = pytest.StashKey[dict[int, object]]()
@@ -231,5 +234,15 @@ def marks_in(environ: bytes) -> list[str]:
     return []
 
 
+def sweep_clusters() -> None:
+    """Remove the namespaces and links of test clusters whose run died; only where a cluster
+    was ever made (its records' folder exists), so other runs import nothing more."""
+    if CLUSTER_RECORDS.is_dir():
+        from tests.cluster.netns import sweep
+
+        sweep()
+
+
 if __name__ == "__main__":
     watch(int(sys.argv[1]), sys.argv[2])
+    sweep_clusters()

@@ -34,9 +34,9 @@ from pathlib import Path
 
 from mint_core.errors import ServiceError
 from processes.managed import ManagedProcess, responds_ok, stop_all
+from tests.process_leaks import CLUSTER_RECORDS as RECORDS
 
 PREFIX = "mintc-"
-RECORDS = Path("/run/mint-cluster")
 IP_TIMEOUT_S = 10.0
 MADE: list["Cluster"] = []
 """Every cluster this process made: the session-end check looks for what is left of them."""

@@ -5,6 +5,7 @@ is left once the cluster is closed."""
 import json
 import socket
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,3 +64,29 @@ def test_cut_rejoin_relay_and_teardown(small_cluster: netns.Cluster, tmp_path: P
     assert not netns.leftovers(cluster.namespaces, cluster.links)
     listed = netns._ip("netns", "list").stdout + netns._ip("-o", "link").stdout
     assert f"{netns.PREFIX}{cluster.tag}" not in listed and f"mc{cluster.tag}" not in listed
+
+
+def test_a_killed_run_is_swept(namespaces_ok: None, tmp_path: Path) -> None:
+    """A run SIGKILLed with its cluster up leaves a record; the next sweep removes it all."""
+    make = (
+        "import sys, time; from pathlib import Path; from tests.cluster.netns import Cluster; "
+        "cluster = Cluster(['a', 'b'], Path(sys.argv[1])); cluster.open(); "
+        "print(cluster.tag, flush=True); time.sleep(60)"
+    )
+    owner = subprocess.Popen(
+        [sys.executable, "-c", make, str(tmp_path)], cwd=netns.ROOT, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert owner.stdout is not None
+    tag = owner.stdout.readline().strip()
+    owner.kill()
+    owner.wait()
+    record = json.loads((netns.RECORDS / f"{tag}.json").read_text())
+    made = record["namespaces"], record["links"]
+    try:
+        assert len(netns.leftovers(*made)) == 5  # 2 namespaces, the bridge, 2 veths
+        assert tag in netns.sweep()
+        assert not netns.leftovers(*made)
+        assert not (netns.RECORDS / f"{tag}.json").exists()
+    finally:
+        netns.remove(tag, *made)
