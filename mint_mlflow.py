@@ -11,8 +11,8 @@ Guarded, it differs from MLflow's basic-auth app in four ways:
   the stored hash's slow key derivation runs once per password and hash, not on every request
   (MLflow's app runs it once per call of its own function, several times per request: about
   0.3 s a request on two cores). `VerifiedCredentials` says why that weakens nothing.
-- MinT's accounts (`ACCOUNTS_VARIABLE`) are created in the server before it answers anything,
-  `/health` included: a client that waits for `/health` can sign in at once.
+- MinT's accounts (`ACCOUNTS_VARIABLE`), and the experiment workers announce themselves in,
+  are created before the server answers anything, `/health` included.
 - A refusal (403) is MLflow's JSON error (`PERMISSION_DENIED` and a message), which MLflow's
   client and UI read, not a bare "Permission denied" the UI shows as INTERNAL_ERROR.
 
@@ -34,6 +34,7 @@ from werkzeug.security import check_password_hash
 from mint_core.registry_accounts import (
     ACCOUNTS_VARIABLE,
     AUTH_VARIABLE,
+    FLEET,
     RecentAccessReads,
     RegistryAccounts,
     VerifiedCredentials,
@@ -145,6 +146,34 @@ def _create_accounts(accounts: RegistryAccounts) -> None:
         except MlflowException as e:
             if e.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
                 raise
+    _open_fleet(accounts)
+
+
+def _open_fleet(accounts: RegistryAccounts) -> None:
+    """The experiment serving workers announce themselves in (`FLEET`), and the worker
+    account's EDIT on it: the one thing that account may write (runs and their tags there; no
+    registered model, no alias, no other experiment). Idempotent."""
+    from mlflow.entities import ExperimentTag
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import RESOURCE_ALREADY_EXISTS, ErrorCode
+    from mlflow.server import auth
+    from mlflow.server.handlers import _get_tracking_store
+
+    from mint_core.registry._mlflow import EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT
+
+    store = _get_tracking_store()
+    experiment = store.get_experiment_by_name(FLEET)
+    if experiment is None:
+        experiment_id = store.create_experiment(
+            FLEET, tags=[ExperimentTag(EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT)]
+        )
+    else:
+        experiment_id = experiment.experiment_id
+    try:
+        auth.store.create_experiment_permission(experiment_id, accounts.worker.username, "EDIT")
+    except MlflowException as e:
+        if e.error_code != ErrorCode.Name(RESOURCE_ALREADY_EXISTS):
+            raise
 
 
 def _guarded(app: Flask) -> "FastAPI":

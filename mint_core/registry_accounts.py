@@ -5,7 +5,9 @@ Every account may read (the auth app's default permission); only the pipeline's 
 write: it holds MANAGE on every registered model and experiment (register, move aliases, set
 `mint.*` tags). Workers read with an account of their own; auditors read in the UI. The admin
 account only manages users. Clients pass MLflow's usual variables, `MLFLOW_TRACKING_USERNAME`
-and `MLFLOW_TRACKING_PASSWORD` (`Account.env`).
+and `MLFLOW_TRACKING_PASSWORD` (`Account.env`). The worker account writes in one place: experiment
+`FLEET`, where serving workers announce themselves (MINT_FLEET=registry); the server creates it
+and grants that account EDIT on it alone.
 
 Passwords are generated once per state dir and kept, readable by its owner only, in
 `mlflow-accounts.json` beside MLflow's files (`RegistryAccounts.load_or_create`). The server
@@ -34,6 +36,8 @@ ACCOUNTS_FILE = "mlflow-accounts.json"
 """The accounts of one registry, in the folder that holds its files."""
 USERNAME_VARIABLE = "MLFLOW_TRACKING_USERNAME"
 PASSWORD_VARIABLE = "MLFLOW_TRACKING_PASSWORD"
+FLEET = "mint-fleet"
+"""The experiment serving workers announce themselves in (`mint_core.registry.members`)."""
 AUTH_VARIABLE = "MINT_MLFLOW_AUTH"
 """Set in an MLflow server's environment: MinT's MLflow app (`mint_mlflow`) puts MLflow's
 basic-auth app in front, with the settings MLFLOW_AUTH_CONFIG_PATH names."""
@@ -45,7 +49,7 @@ class RegistryRole(StrEnum):
     PIPELINE = "pipeline"
     """The release pipeline (flows, CLI): registers revisions, moves aliases, sets tags."""
     WORKER = "worker"
-    """Serving workers: read the registry, write nothing."""
+    """Serving workers: read the registry; write only their heartbeats (experiment `FLEET`)."""
     AUDITOR = "auditor"
     """People reading the registry in MLflow's UI: read only."""
 

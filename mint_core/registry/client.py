@@ -9,6 +9,7 @@ from mint_core.registry.aliases import Aliases
 from mint_core.registry.canary import Canaries
 from mint_core.registry.changes import Changes
 from mint_core.registry.gates import AdapterGates
+from mint_core.registry.members import Members
 from mint_core.registry.revisions import Revisions
 from mint_core.registry.runs import Runs
 from mint_core.registry.stages import Stages
@@ -27,6 +28,8 @@ class Registry:
     canary: Canaries
     gates: AdapterGates
     changes: Changes
+    members: Members
+    """The serving workers' heartbeats (MINT_FLEET=registry)."""
 
     def __init__(self, tracking_uri: str) -> None:
         self.store = MlflowStore(tracking_uri)
@@ -37,6 +40,7 @@ class Registry:
         self.canary = Canaries(self.store, self.aliases)
         self.gates = AdapterGates(self.store)
         self.changes = Changes(self.store)
+        self.members = Members(self.store)
 
     @property
     def tracking_uri(self) -> str:

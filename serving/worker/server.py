@@ -10,6 +10,7 @@ from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import LOOPBACK, WORKER_PORT, BackendKind, MintConfig
 from mint_core.exposure import advertised_url
+from mint_core.membership import open_roster
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from processes import ManagedProcess, start_mint
@@ -18,6 +19,7 @@ from serving.backends.protocol import Backend
 from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
 from serving.http.server import serve_http
+from serving.worker.announce import announcer_for
 from serving.worker.peers import Peers
 from serving.worker.worker import Worker
 
@@ -41,9 +43,8 @@ def build_worker(config: MintConfig, me: str = "") -> Worker:
     and syncs with the registry at once (admitting what is placed on it). `me`: its URL as
     MINT_WORKER_URLS names it (MINT_WORKER_URL, else the address it serves on)."""
     backend = build_backend(config)
-    peers = Peers(
-        config.worker_url or me, config.worker_urls, backend.text.digest, config.worker_api_key
-    )
+    me = config.worker_url or me
+    peers = Peers(me, open_roster(config), backend.text.digest, config.worker_api_key)
     store = open_store(config)
     catalog = Catalog(
         Registry(config.tracking_uri),
@@ -61,6 +62,7 @@ def build_worker(config: MintConfig, me: str = "") -> Worker:
         sync_interval_s=config.sync_interval_s,
         peers=peers,
         replicas=config.replicas,
+        announcer=announcer_for(config, me, backend.text.digest),
     ).start()
 
 

@@ -40,6 +40,7 @@ from serving.engine.engine import BASE
 from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.metrics import CatalogCollector
+from serving.worker.announce import Announcer
 from serving.worker.outcomes import Outcomes
 from serving.worker.peers import Peers
 from serving.worker.prewarm import Prewarm
@@ -85,10 +86,13 @@ class Worker:
         sync_interval_s: float = DEFAULT_SYNC_INTERVAL_S,
         peers: Peers | None = None,
         replicas: int = MintConfig.replicas,
+        announcer: Announcer | None = None,
     ) -> None:
         self.backend = backend
-        self.peers = peers or Peers("this worker", (), "")
+        self.peers = peers or Peers("this worker", None, "")
         """The live workers of this base, for placement (None: this worker alone)."""
+        self.announcer = announcer
+        """Its heartbeat to the fleet, from `start` to `close` (MINT_FLEET=registry)."""
         self.replicas = replicas
         """Workers that hold each revision, unless its adapter's gates say otherwise."""
         self.catalog = catalog
@@ -133,6 +137,8 @@ class Worker:
         self._threads.append(threading.Thread(target=self._watch, name="watcher", daemon=True))
         for thread in self._threads:
             thread.start()
+        if self.announcer is not None:
+            self.announcer.start()
         return self
 
     # Readiness.
@@ -454,7 +460,9 @@ class Worker:
 
     def close(self) -> None:
         """Stop following the registry, prewarming and serving (waiting requests are
-        answered with an error)."""
+        answered with an error); first, leave the fleet, so that nobody sends it more."""
+        if self.announcer is not None:
+            self.announcer.stop()
         self._closed.set()
         self._nudge.set()
         self._readiness.wake()
