@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from mint_cli import catalog, rollout, services, training
 from mint_cli.options import REGISTRY, WORKERS
 from mint_core.errors import MintError, ServiceError
+from mint_core.membership import FleetSource, current_fleet
 from mint_core.registry_accounts import USERNAME_VARIABLE, RegistryAccounts
 
 if TYPE_CHECKING:
@@ -195,7 +196,7 @@ def _check_reachable(config: MintConfig, needs: Sequence[str]) -> None:
     services = []
     if REGISTRY in needs:
         services.append(("MLflow", config.tracking_uri, "MLFLOW_TRACKING_URI", "mint registry"))
-    if WORKERS in needs:
+    if WORKERS in needs and config.fleet.source is FleetSource.STATIC:
         services += [
             ("serving worker", url, "MINT_WORKER_URLS", "mint serve") for url in config.worker_urls
         ]
@@ -204,6 +205,15 @@ def _check_reachable(config: MintConfig, needs: Sequence[str]) -> None:
             raise ServiceError(
                 f"{name} at {url} ({setting}) does not answer: {cause}; start it (`{starter}`, "
                 f"or `mint up` for everything) or point {setting} at it"
+            )
+    if WORKERS in needs and config.fleet.source is not FleetSource.STATIC:
+        # Workers come and go: one that answers is enough; the roll-out leaves out the rest.
+        fleet = current_fleet(config)
+        causes = [f"{url}: {cause}" for url in fleet if (cause := _unreachable(url + "/health"))]
+        if len(causes) == len(fleet):
+            raise ServiceError(
+                f"no serving worker of the fleet answers ({'; '.join(causes)}); start one "
+                "(`mint serve` with MINT_FLEET=registry announces itself)"
             )
 
 

@@ -189,3 +189,12 @@ def open_roster(config: "MintConfig", registry: "Registry | None" = None) -> Ros
 
         registry = Registry(config.tracking_uri)
     return RegistryRoster(config.worker_urls, registry.members, config.fleet)
+
+
+def current_fleet(config: "MintConfig", registry: "Registry | None" = None) -> tuple[str, ...]:
+    """The fleet as one read finds it now, for a caller that reads it once (a roll-out, `mint
+    status`): every worker announcing itself counts, since there is no earlier read to judge
+    its heartbeat against; those that do not answer are the caller's to leave out."""
+    fleet = open_roster(config, registry)
+    fleet.refresh()
+    return fleet.fleet()

@@ -5,10 +5,10 @@ Those workers (`Fleet`) are the revision's placement over the live workers of it
 (`mint_core.planning.placement`, the same function the workers and the gateway use), the
 workers that already hold it or tried to, and, when the adapter's `production` revision is
 ready on other workers, those too: the alias move then finds the new revision ready wherever
-the old one served, and causes no cold misses. Working
-them out takes a registry read and every worker's `/health`: it is done once per roll-out, by
-the admit step (with its retries), which returns it, and passed to each later step. A step
-called without one (a test, a benchmark) works it out.
+the old one served, and causes no cold misses. Working them out takes a registry read (two with
+MINT_FLEET=registry: who announces itself) and every worker's `/health`: it is done once per
+roll-out, by the admit step (with its retries), which returns it, and passed to each later
+step. A step called without one (a test, a benchmark) works it out.
 """
 
 import logging
@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 
 from mint_core.config import READY_TIMEOUT_S, MintConfig
 from mint_core.errors import NotFoundError, NotReadyError, ServiceError
+from mint_core.membership import current_fleet
 from mint_core.planning.placement import place
 from mint_core.registry import Registry, RolloutSlot, check_activatable
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
@@ -41,26 +42,35 @@ class Fleet:
 
 
 def resolve_fleet(config: MintConfig, revision: RevisionId) -> Fleet:
-    """The workers in `config` that are to hold `revision`: its placement over the live workers
-    of its base (a worker names its base in `/health`; one that does not answer is not live),
+    """The workers of the fleet (`mint_core.membership.current_fleet`) that are to hold
+    `revision`: its placement over the live workers of its base (a worker names its base in
+    `/health`; one that does not answer is not live),
     the workers that hold it already or tried to (a repair retries it there), and those where
     the adapter's production revision is ready. NotReadyError if no live worker serves the
     base."""
     registry = Registry(config.tracking_uri)
     policy = registry.revisions.get(revision).policy
-    live = {}
-    for url in config.worker_urls:
+    urls = current_fleet(config, registry)
+
+    def serves_base(url: str) -> WorkerClient | None:
         worker = WorkerClient(url, config.worker_api_key)
         try:
             if worker.health()["base_digest"] == policy.base_digest:
-                live[worker.url] = worker
+                return worker
         except ServiceError as e:
             log.warning("leaving out worker %s, which did not answer: %s", url, e)
+        return None
+
+    # All at once: a worker that does not answer costs its timeout once, not once per worker.
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        answers = zip(urls, pool.map(serves_base, urls), strict=True)
+        live = {url: worker for url, worker in answers if worker is not None}
     if not live:
         raise NotReadyError(
-            f"no worker in MINT_WORKER_URLS ({', '.join(config.worker_urls)}) that answers serves "
-            f"the base of {revision}, {policy.base_model_id} ({policy.base_digest}): start one "
-            "with MINT_BASE_MODEL set to that base and add its URL"
+            f"no worker of the fleet ({', '.join(urls)}) that answers serves the base of "
+            f"{revision}, {policy.base_model_id} ({policy.base_digest}): start one with "
+            "MINT_BASE_MODEL set to that base, and add its URL to MINT_WORKER_URLS (or, with "
+            "MINT_FLEET=registry, let it announce itself)"
         )
     replicas = registry.gates.of(revision.adapter).replicas or config.replicas
     targets = set(place(str(revision), list(live), replicas))
@@ -201,7 +211,7 @@ def activate_revision(
 
 
 def nudge_workers(config: MintConfig) -> None:
-    """Have every worker in `config` (every base's: one that does not serve the adapter syncs
+    """Have every worker of the fleet (every base's: one that does not serve the adapter syncs
     fast) catch up with the registry now, all at once: the slowest, not their sum, is how long
     users wait for an alias move. A worker that does not answer catches up at its next sync."""
 
@@ -211,9 +221,10 @@ def nudge_workers(config: MintConfig) -> None:
         except ServiceError as e:
             log.warning("could not nudge worker %s to sync: %s", url, e)
 
-    if len(config.worker_urls) <= 1:  # no thread for the common case
-        for url in config.worker_urls:
+    urls = current_fleet(config)
+    if len(urls) <= 1:  # no thread for the common case
+        for url in urls:
             nudge(url)
         return
-    with ThreadPoolExecutor(max_workers=min(16, len(config.worker_urls))) as pool:
-        list(pool.map(nudge, config.worker_urls))
+    with ThreadPoolExecutor(max_workers=min(16, len(urls))) as pool:
+        list(pool.map(nudge, urls))
