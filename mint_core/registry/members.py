@@ -10,7 +10,7 @@ never touched. The registry server creates `FLEET` at start and lets the worker 
 and nothing else (`mint_mlflow`).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlflow.entities import RunTag, ViewType
 
@@ -85,6 +85,7 @@ class Members:
     def announce(self, member: Member) -> Membership:
         """Mark `member` present: its run (found by its URL) RUNNING again with its tags as
         they are now, or a new run. The heartbeat goes on from the run's."""
+        member = replace(member, url=member.url.rstrip("/"))
         tags = {
             URL_TAG: member.url,
             HOST_TAG: member.host,
