@@ -1,19 +1,34 @@
-"""The services the control plane runs beside MinT, on loopback only: MLflow, an S3 API, Prefect,
-and the `Supervisor` that keeps `mint up`'s services running. Starting and stopping a process is
-`processes`'s, shared with serving and the trainer.
+"""The services the control plane runs beside MinT: MLflow, an S3 API, Prefect, and the
+`Supervisor` that keeps `mint up`'s services running. Each listens on loopback unless given a
+host, and then only guarded (`mint_core.exposure.check_guarded`). Starting and stopping a
+process is `processes`'s, shared with serving and the trainer.
 """
 
 import contextlib
+import json
 import sqlite3
 import sys
 import time
-from collections.abc import Callable
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
+from control.credentials import PREFECT_CLIENT_AUTH, PREFECT_SERVER_AUTH
 from mint_core.config import LOOPBACK
 from mint_core.errors import ServiceError
+from mint_core.exposure import (
+    Service,
+    advertised_url,
+    check_guarded,
+    is_loopback,
+    is_wildcard,
+    local_url,
+    url_host,
+)
 from mint_core.registry_accounts import (
     ACCOUNTS_VARIABLE,
     AUTH_VARIABLE,
@@ -23,6 +38,7 @@ from mint_core.registry_accounts import (
     auth_config,
 )
 from processes import ManagedProcess, free_port, start_process, stop_all
+from processes.managed import basic_auth
 
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
@@ -55,31 +71,44 @@ def start_mlflow(
     backend_store_uri: str = "",
     accounts: RegistryAccounts | None = None,
     store: "MintConfig | None" = None,
+    host: str = LOOPBACK,
+    advertise: str = "",
 ) -> ManagedProcess:
-    """An MLflow tracking server on loopback, one worker, artifacts under `home`; its backend
-    store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite under `home`.
+    """An MLflow tracking server on `host` (default loopback; beyond it, only with `accounts`),
+    its URL `advertise` if given (what other hosts use), one worker, artifacts under `home`;
+    its backend store is `backend_store_uri` (a PostgreSQL or sqlite URI), by default sqlite
+    under `home`.
     With `accounts`, MLflow's basic-auth app guards it (users in sqlite under `home`): every
     account reads, only the pipeline's writes (`mint_core.registry_accounts`); the server makes
     the accounts before it answers `/health`, so each signs in as soon as it is up. Model-version
     pages show revisions' files from the artifact store `store` configures (by default the one
-    the environment's MINT_HOME and MINT_S3_* name)."""
-    port = port or free_port()
+    the environment's MINT_HOME and MINT_S3_* name), and it serves HTTPS with `store`'s
+    MINT_TLS_CERT and MINT_TLS_KEY if it names them."""
+    check_guarded(Service.MLFLOW, host, guard=accounts.admin.username if accounts else "")
+    port = port or free_port(host)
+    tls = store.tls if store is not None else None
+    url = advertised_url(host, port, advertise, bool(tls and tls.enabled))
     home.mkdir(parents=True, exist_ok=True)
     backend_store_uri = backend_store_uri or f"sqlite:///{home.absolute() / 'mlflow.db'}"
     _write_ahead_log(backend_store_uri)
+    # uvicorn otherwise waits on SIGTERM for every request in flight, however long a client
+    # takes to send it (a release retrying, a slow upload): stopping would hang.
+    uvicorn_opts = f"--timeout-graceful-shutdown {MLFLOW_SHUTDOWN_S:g}"
+    if tls is not None and tls.enabled:
+        uvicorn_opts += f" --ssl-certfile {tls.cert} --ssl-keyfile {tls.key}"
     argv = [
         sys.executable, "-m", "mlflow", "server",
-        "--host", LOOPBACK,
+        "--host", host,
         "--port", str(port),
         "--workers", "1",
         "--backend-store-uri", backend_store_uri,
         "--artifacts-destination", str(home.absolute() / "mlflow-artifacts"),
-        # uvicorn otherwise waits on SIGTERM for every request in flight, however long a
-        # client takes to send it (a release retrying, a slow upload): stopping would hang.
-        "--uvicorn-opts", f"--timeout-graceful-shutdown {MLFLOW_SHUTDOWN_S:g}",
+        "--uvicorn-opts", uvicorn_opts,
         # MinT's app (mint_mlflow): MLflow's, its UI opening on model training, not GenAI.
         "--app-name", "mint",
     ]  # fmt: skip
+    if not is_loopback(host):
+        argv += ["--allowed-hosts", ",".join(allowed_hosts(host, url))]
     env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true"}
     if store is not None:
         # mint-local:// sources resolve under the server's MINT_HOME
@@ -104,7 +133,7 @@ def start_mlflow(
     server = start_process(
         "mlflow server",
         argv,
-        f"http://{LOOPBACK}:{port}",
+        local_url(host, port, bool(tls and tls.enabled)),
         "/health",
         home / "logs" / "mlflow.log",
         env,
@@ -113,47 +142,135 @@ def start_mlflow(
         # request cut short leaves nothing half-written.
         grace_s=MLFLOW_SHUTDOWN_S + 0.5,
     )
+    server.url = url
     server.accounts = accounts
     return server
 
 
-def start_s3(home: Path, port: int | None = None) -> ManagedProcess:
-    """An S3 API (moto's server) on loopback, for tests and local runs of the S3 store. It keeps
-    objects in memory: what it holds is gone when it stops."""
-    port = port or free_port()
-    argv = [sys.executable, "-m", "moto.server", "-H", LOOPBACK, "-p", str(port)]
-    return start_process(
+def allowed_hosts(host: str, url: str) -> list[str]:
+    """The Host headers an MLflow server on `host`, reached at `url`, answers: MLflow 3.17
+    refuses any other with 403, and by default allows only loopback and private addresses,
+    so a control host reached by name would refuse every other host."""
+    names = ["localhost", "127.0.0.1", "[::1]"]
+    if not is_wildcard(host):
+        names.append(url_host(host))
+    advertised = urlsplit(url).hostname
+    if advertised:
+        names.append(url_host(advertised))
+    return [entry for name in dict.fromkeys(names) for entry in (name, f"{name}:*")]
+
+
+def start_s3(
+    home: Path,
+    port: int | None = None,
+    host: str = LOOPBACK,
+    advertise: str = "",
+    test_network: bool = False,
+) -> ManagedProcess:
+    """An S3 API (moto's server) on `host` (default loopback), for tests and local runs of the
+    S3 store. It keeps objects in memory: what it holds is gone when it stops. It has no
+    credentials: beyond loopback only on a closed `test_network` (namespaces a test made)."""
+    check_guarded(Service.S3_TEST, host, guard="test-network" if test_network else "")
+    port = port or free_port(host)
+    url = advertised_url(host, port, advertise)
+    argv = [sys.executable, "-m", "moto.server", "-H", host, "-p", str(port)]
+    server = start_process(
         "moto S3 server",
         argv,
-        f"http://{LOOPBACK}:{port}",
+        local_url(host, port),
         "/moto-api/",
         home / "logs" / f"s3-{port}.log",
     )
+    server.url = url
+    return server
 
 
-def start_prefect(home: Path, port: int | None = None) -> ManagedProcess:
-    """A Prefect server (API and UI) on loopback, its database under `home`. Its API is at
-    `url + "/api"`."""
-    port = port or free_port()
+def start_prefect(
+    home: Path,
+    port: int | None = None,
+    host: str = LOOPBACK,
+    advertise: str = "",
+    auth: str = "",
+) -> ManagedProcess:
+    """A Prefect server (API and UI) on `host` (default loopback), its database under `home`.
+    Its API is at `url + "/api"`, `url` being `advertise` if given (what other hosts use).
+    With `auth` (beyond loopback, required), every API request but its health checks must
+    carry it (PREFECT_API_AUTH_STRING on the clients' side), and its UI asks for it."""
+    check_guarded(Service.PREFECT, host, guard=auth)
+    port = port or free_port(host)
+    url = advertised_url(host, port, advertise)
     argv = [
-        sys.executable, "-m", "prefect", "server", "start", "--host", LOOPBACK, "--port", str(port)
+        sys.executable, "-m", "prefect", "server", "start", "--host", host, "--port", str(port)
     ]  # fmt: skip
     env = {
         "PREFECT_HOME": str(home.absolute() / "prefect"),
         "PREFECT_API_URL": "",
         # The UI asks its API at this address; Prefect's default is port 4200 whatever port
         # the server was started on, and the UI of any other port shows only errors.
-        "PREFECT_UI_API_URL": f"http://{LOOPBACK}:{port}/api",
+        "PREFECT_UI_API_URL": f"{url}/api",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "DO_NOT_TRACK": "1",
     }
-    return start_process(
+    if auth:
+        env[PREFECT_SERVER_AUTH] = auth
+    server = start_process(
         "prefect server",
         argv,
-        f"http://{LOOPBACK}:{port}",
+        local_url(host, port),
         "/api/health",
         home / "logs" / "prefect.log",
         env,
+    )
+    server.url = url
+    return server
+
+
+def start_prefect_worker(
+    config: "MintConfig",
+    pool: str,
+    prefect_api_url: str,
+    auth: str = "",
+    env: Mapping[str, str] | None = None,
+    limit: int | None = None,
+) -> ManagedProcess:
+    """`prefect worker start` of a process `pool` (made if missing) named after this host
+    (MINT_HOST): it runs the pool's flow runs as child processes with this host's environment
+    plus `env`. Returns once the server lists it among the pool's workers."""
+    name = config.host_name
+    argv = [
+        sys.executable, "-m", "prefect", "worker", "start",
+        "--pool", pool, "--type", "process", "--name", name,
+    ]  # fmt: skip
+    if limit is not None:
+        argv += ["--limit", str(limit)]
+    worker_env = (
+        config.to_env()
+        | {
+            "PREFECT_API_URL": prefect_api_url,
+            PREFECT_CLIENT_AUTH: auth,
+            # Never `uv run` a flow run: the host's environment is MinT's, installed.
+            "PREFECT_RUNNER_AUTO_INSTALL_DEPENDENCIES": "false",
+        }
+        | dict(env or {})
+    )
+    headers = basic_auth(auth) | {"Content-Type": "application/json"}
+    filter_url = f"{prefect_api_url}/work_pools/{pool}/workers/filter"
+
+    def listed() -> bool:
+        request = urllib.request.Request(filter_url, b"{}", headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                return any(w.get("name") == name for w in json.load(response))
+        except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
+            return False
+
+    return start_process(
+        f"prefect worker ({pool})",
+        argv,
+        prefect_api_url,
+        listed,
+        config.home / "logs" / f"prefect-worker-{pool}.log",
+        worker_env,
     )
 
 

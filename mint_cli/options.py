@@ -179,10 +179,27 @@ backend_store_option = option(
 )
 
 
-def address_options(command: argparse.ArgumentParser, port: int) -> None:
-    """`--host` and `--port` of a service that listens."""
-    command.add_argument("--host", default=LOOPBACK)
+def address_options(command: argparse.ArgumentParser, port: int, advertise: bool = False) -> None:
+    """`--host` and `--port` of a service that listens (and `--advertise-url`, for one others
+    name by its URL)."""
+    host_option(command)
     command.add_argument("--port", type=PORT, default=port)
+    if advertise:
+        advertise_option(command)
+
+
+host_option = option(
+    "--host",
+    default=LOOPBACK,
+    help=f"the address to listen on (default {LOOPBACK}: this machine only); beyond loopback "
+    "the service must be guarded (keys, accounts, an auth string) or it refuses to start",
+)
+advertise_option = option(
+    "--advertise-url",
+    default="",
+    help="the URL other hosts reach it at, when it is not http://<host>:<port> (needed with "
+    "--host 0.0.0.0; a worker's name in placement: every host must use this one)",
+)
 
 
 class FlowOptions:

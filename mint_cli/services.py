@@ -13,7 +13,15 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mint_cli.options import PORT, address_options, backend_store_option, whole
+from mint_cli.options import (
+    PORT,
+    address_options,
+    advertise_option,
+    backend_store_option,
+    host_option,
+    whole,
+)
+from mint_cli.roles import add_role_options, check_up, up_role
 from mint_core.config import (
     GATEWAY_PORT,
     MLFLOW_PORT,
@@ -23,6 +31,7 @@ from mint_core.config import (
     BackendKind,
 )
 from mint_core.errors import ConfigurationError, ServiceError
+from mint_core.exposure import Service, advertised_url, check_guarded
 from mint_core.registry_accounts import ACCOUNTS_FILE, RegistryAccounts
 
 if TYPE_CHECKING:
@@ -30,12 +39,34 @@ if TYPE_CHECKING:
     from mint_core.config import MintConfig
 
 
+def _worker_config(args: argparse.Namespace, config: MintConfig) -> MintConfig:
+    if args.backend:
+        config = dataclasses.replace(config, backend=BackendKind(args.backend))
+    if args.advertise_url:
+        config = dataclasses.replace(config, worker_url=args.advertise_url.rstrip("/"))
+    return config
+
+
+def check_serve(args: argparse.Namespace, config: MintConfig) -> None:
+    # Before the base loads: a worker beyond loopback with its admin doors open, or named by
+    # an address no other host can use, never starts.
+    config = _worker_config(args, config)
+    check_guarded(Service.WORKER, args.host, config)
+    advertised_url(args.host, args.port, config.worker_url, config.tls.enabled)
+
+
 def cmd_serve(args: argparse.Namespace, config: MintConfig) -> None:
     from serving.worker.server import serve
 
-    if args.backend:
-        config = dataclasses.replace(config, backend=BackendKind(args.backend))
-    serve(config, args.host, args.port)
+    serve(_worker_config(args, config), args.host, args.port)
+
+
+def check_trainer(args: argparse.Namespace, config: MintConfig) -> None:
+    check_guarded(Service.TRAINER, args.host, config)
+
+
+def check_gateway(args: argparse.Namespace, config: MintConfig) -> None:
+    check_guarded(Service.GATEWAY, args.host, config)
 
 
 def cmd_trainer(args: argparse.Namespace, config: MintConfig) -> None:
@@ -55,7 +86,13 @@ def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
 
     accounts = RegistryAccounts.load_or_create(config.home)
     server = start_mlflow(
-        config.home, args.port, args.backend_store_uri or config.registry_db, accounts, store=config
+        config.home,
+        args.port,
+        args.backend_store_uri or config.registry_db,
+        accounts,
+        store=config,
+        host=args.host,
+        advertise=args.advertise_url,
     )
     try:
         print(
@@ -83,6 +120,9 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
+    if args.role is not None:
+        up_role(args, config)
+        return
     build_base(config)  # before any service (and Prefect's import): the worker only loads it
     from control.services import Supervisor, start_mlflow, start_prefect
     from flows.deployments import start_flow_server
@@ -181,7 +221,8 @@ def add_commands(commands: Commands) -> None:
         help="what runs the model: MinT's embedded engine or a vLLM server the worker starts "
         "and supervises (default: MINT_BACKEND, else embedded)",
     )
-    serve.set_defaults(run=cmd_serve, service=True)
+    advertise_option(serve)
+    serve.set_defaults(run=cmd_serve, check=check_serve, service=True)
 
     trainer = commands.add_parser(
         "trainer",
@@ -189,7 +230,7 @@ def add_commands(commands: Commands) -> None:
         "tinker-cookbook loops) over one resident base, many tenants at once",
     )
     address_options(trainer, TRAINER_PORT)
-    trainer.set_defaults(run=cmd_trainer, service=True)
+    trainer.set_defaults(run=cmd_trainer, check=check_trainer, service=True)
 
     gateway = commands.add_parser(
         "gateway",
@@ -197,10 +238,12 @@ def add_commands(commands: Commands) -> None:
         "workers' TGI and OpenAI APIs, each request sent to a worker of its revision's base",
     )
     address_options(gateway, GATEWAY_PORT)
-    gateway.set_defaults(run=cmd_gateway, service=True)
+    gateway.set_defaults(run=cmd_gateway, check=check_gateway, service=True)
 
     registry = commands.add_parser("registry", help="run the MLflow server (registry and UI)")
+    host_option(registry)
     registry.add_argument("--port", type=PORT, default=MLFLOW_PORT)
+    advertise_option(registry)
     backend_store_option(registry)
     registry.set_defaults(run=cmd_registry, service=True)
 
@@ -222,7 +265,8 @@ def add_commands(commands: Commands) -> None:
     up.add_argument("--worker-port", type=PORT, default=WORKER_PORT)
     up.add_argument("--trainer-port", type=PORT, default=TRAINER_PORT)
     backend_store_option(up)
-    up.set_defaults(run=cmd_up, service=True)
+    add_role_options(up)
+    up.set_defaults(run=cmd_up, check=check_up, service=True)
 
     demo = commands.add_parser("demo", help="start everything, release two adapters, compare")
     demo.add_argument(

@@ -45,17 +45,17 @@ class TlsFiles:
 class Service(StrEnum):
     """A service that listens, as `check_guarded` knows it."""
 
-    WORKER = "mint serve"
+    WORKER = "a serving worker (mint serve)"
     """A serving worker: its `/admin/...` endpoints admit, evict and show every revision."""
-    TRAINER = "mint trainer"
+    TRAINER = "the trainer (mint trainer)"
     """The Tinker API: it trains and samples on the host's accelerator."""
-    GATEWAY = "mint gateway"
+    GATEWAY = "the gateway (mint gateway)"
     """The front door: it presents MINT_WORKER_API_KEY to workers that ask for keys."""
-    MLFLOW = "mlflow server"
+    MLFLOW = "the MLflow server"
     """The registry of record: its accounts decide who may move an alias."""
-    PREFECT = "prefect server"
+    PREFECT = "the Prefect server"
     """Flow runs and their parameters: anyone who reaches it can start a release."""
-    S3_TEST = "moto S3 server"
+    S3_TEST = "the S3 test server (moto)"
     """The S3 test endpoint: no credentials at all, objects in memory."""
 
 
