@@ -1,14 +1,18 @@
-"""MinT's flows as Prefect deployments: what `mint flows serve` (and `mint up`) serves.
+"""MinT's flows as Prefect deployments: what `mint flows serve` (and `mint up`) serves, and what
+`mint flows deploy` puts in work pools (`flows.pools`) when flow runs go to other hosts.
 
-`release`, `promote`, `rollback`, `canary`, `repair`, `retrain`, `rl` and `approve` run from the
-Prefect UI with a parameter form (a roll-out paused for approval also shows its own form on its
-run); each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>` deployment on
-its cron. Serving needs no work pool, but the serving process must keep running:
-flow runs start as its subprocesses, with its environment (MinT's configuration included).
-`catalog-snapshot` publishes the catalog snapshot workers start from.
+`release`, `import`, `promote`, `rollback`, `canary`, `repair`, `retrain`, `rl` and `approve`
+run from the Prefect UI with a parameter form (a roll-out paused for approval also shows its own
+form on its run); each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>`
+deployment on its cron. `catalog-snapshot` publishes the catalog snapshot workers start from.
+Served, they need no work pool, but the serving process must keep running: flow runs start as
+its subprocesses, with its environment (MinT's configuration included). Deployed, each goes to
+its `Pool`: the flows that train to the train hosts, the others to the control host.
 """
 
 import sys
+from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 import prefect
@@ -20,7 +24,7 @@ from flows.approval import approve
 from flows.canary import canary
 from flows.catalog import catalog_snapshot
 from flows.promote import promote, rollback
-from flows.release import SCHEDULED, release, retrain
+from flows.release import SCHEDULED, import_adapter, release, retrain
 from flows.repair import repair
 from flows.rl import rl
 from mint_core.config import MintConfig
@@ -36,9 +40,32 @@ from the Prefect UI records a person (the flows' Python default, `mint`, is for 
 code; `mint` commands pass the user)."""
 
 
+class Pool(StrEnum):
+    """Where a flow's runs go when the deployments are in work pools (`mint flows deploy`):
+    each names a Prefect process pool, which MinT's configuration names."""
+
+    TRAIN = "train"
+    """The flows that train (release, import, retrain, rl): on the hosts with the accelerator,
+    one run at a time each (MINT_TRAIN_POOL)."""
+    CONTROL = "control"
+    """The others: they move aliases, ask the workers, answer approvals and publish the
+    catalog, needing no accelerator (MINT_CONTROL_POOL)."""
+
+    def work_pool(self, config: MintConfig) -> str:
+        """The Prefect work pool's name in `config`."""
+        return config.train_pool if self is Pool.TRAIN else config.control_pool
+
+
 def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
-    deployments = [_guided(deployment) for deployment in _deployments(config)]
-    return deployments
+    return [_guided(deployment) for deployment in _deployments(config)]
+
+
+def deployments_by_pool(config: MintConfig) -> dict[Pool, list[RunnerDeployment]]:
+    """`build_deployments`, each in its flow's pool (`POOLS`)."""
+    pooled: dict[Pool, list[RunnerDeployment]] = {pool: [] for pool in Pool}
+    for deployment in build_deployments(config):
+        pooled[POOLS[deployment.flow_name]].append(deployment)
+    return pooled
 
 
 def _guided(deployment: RunnerDeployment) -> RunnerDeployment:
@@ -66,6 +93,11 @@ def _guided(deployment: RunnerDeployment) -> RunnerDeployment:
 
 _SERVED: tuple[tuple[Flow[..., Any], str, str], ...] = (
     (release, "release", "Train and release a new revision."),
+    (
+        import_adapter,
+        "import",
+        "Release a PEFT LoRA adapter trained elsewhere as the next revision of an adapter.",
+    ),
     (promote, "promote", "Serve an existing revision as production."),
     (rollback, "rollback", "Return production to its previous revision (or the one named)."),
     (
@@ -81,6 +113,22 @@ _SERVED: tuple[tuple[Flow[..., Any], str, str], ...] = (
     (catalog_snapshot, "catalog-snapshot", "Publish the catalog snapshot workers start from."),
 )
 """Each flow served, by deployment name, with the description the Prefect UI shows."""
+
+POOLS: Mapping[str, Pool] = {
+    "release": Pool.TRAIN,
+    "import": Pool.TRAIN,
+    "retrain": Pool.TRAIN,  # and each `retrain-<adapter>` on its schedule
+    "rl": Pool.TRAIN,
+    "promote": Pool.CONTROL,
+    "rollback": Pool.CONTROL,
+    "canary": Pool.CONTROL,
+    "repair": Pool.CONTROL,
+    "approve": Pool.CONTROL,
+    "catalog-snapshot": Pool.CONTROL,
+}
+"""Each served flow's pool, by flow name. Why repair is a control flow: it exports frozen
+files again and admits them, which needs no accelerator; an approval waits in the run of the
+roll-out it approves, wherever that runs (see `flows.pools`)."""
 
 
 RUN_NAMES = (

@@ -94,9 +94,9 @@ def test_deployment_forms_guide_a_person(flow_server: ManagedProcess) -> None:
             if field_name in ("actor", "reviewer"):
                 people += 1
                 assert field_name in form["required"] and "default" not in field, where
-    # release, promote, rollback, canary, repair, rl, retrain and its scheduled deployment;
-    # approve's reviewer
-    assert people == 9
+    # release, import, promote, rollback, canary, repair, rl, retrain and its scheduled
+    # deployment; approve's reviewer
+    assert people == 10
     release = forms["release"]["properties"]
     assert release["steps"]["type"] == "integer" and "default" not in release["steps"]
     assert release["target_modules"]["type"] == "array"
