@@ -34,9 +34,9 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_flows_deploy(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.pools import CrashWatch, deploy_to_pools
 
-    _check_prefect_api()
     given = {"heartbeat_s": args.heartbeat_s, "crash_after_s": args.crash_after_s}
     watch = CrashWatch(**{name: value for name, value in given.items() if value is not None})
+    _check_prefect_api()
     deployed = deploy_to_pools(config, watch)
     for pool, names in deployed.deployments.items():
         print(f"work pool {pool}: {', '.join(sorted(names))}")

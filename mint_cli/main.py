@@ -25,7 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from mint_cli import catalog, rollout, services, training
+from mint_cli import catalog, flows, rollout, services, training
 from mint_cli.options import REGISTRY, WORKERS
 from mint_core.errors import MintError, ServiceError
 from mint_core.membership import FleetSource, current_fleet
@@ -34,7 +34,7 @@ from mint_core.registry_accounts import USERNAME_VARIABLE, RegistryAccounts
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
 
-COMMAND_GROUPS = (training, rollout, catalog, services)
+COMMAND_GROUPS = (training, rollout, catalog, services, flows)
 """The modules whose `add_commands` make up `mint`, in the order `mint --help` lists them."""
 
 

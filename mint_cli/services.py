@@ -1,5 +1,5 @@
 """Commands that run services until stopped: `mint serve` (a worker), `gateway`, `registry`
-(MLflow), `flows serve` (Prefect deployments) and `up` (all of them); and `mint demo`.
+(MLflow) and `up` (all of them, `mint flows serve` among them); and `mint demo`.
 
 Child processes run these same commands (`python -m mint_cli serve ...`): a worker or gateway
 started by `mint up`, a test or a benchmark parses the same options as one started by hand."""
@@ -30,7 +30,7 @@ from mint_core.config import (
     WORKER_PORT,
     BackendKind,
 )
-from mint_core.errors import ConfigurationError, ServiceError
+from mint_core.errors import ServiceError
 from mint_core.exposure import Service, advertised_url, check_guarded
 from mint_core.registry_accounts import ACCOUNTS_FILE, RegistryAccounts
 
@@ -106,17 +106,6 @@ def cmd_registry(args: argparse.Namespace, config: MintConfig) -> None:
         )
     finally:
         server.stop()
-
-
-def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
-    from flows.deployments import serve_deployments
-
-    if not os.environ.get("PREFECT_API_URL"):
-        raise ConfigurationError(
-            "PREFECT_API_URL is not set: point it at the Prefect server the deployments belong "
-            f"to (e.g. http://127.0.0.1:{PREFECT_PORT}/api), or run `mint up`, which starts one"
-        )
-    serve_deployments(config)
 
 
 def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
@@ -246,15 +235,6 @@ def add_commands(commands: Commands) -> None:
     advertise_option(registry)
     backend_store_option(registry)
     registry.set_defaults(run=cmd_registry, service=True)
-
-    flows = commands.add_parser("flows", help="Prefect deployments of MinT's flows")
-    flow_commands = flows.add_subparsers(dest="flows_command", required=True)
-    flows_serve = flow_commands.add_parser(
-        "serve",
-        help="serve release, promote, rollback and retrain (+ MINT_RETRAIN schedules) to the "
-        "Prefect server at PREFECT_API_URL, running their flow runs until stopped",
-    )
-    flows_serve.set_defaults(run=cmd_flows_serve, service=True, runs_pipeline=True)
 
     up = commands.add_parser(
         "up",
