@@ -3,7 +3,9 @@ what a client sends by D, keeps the order of chunks, passes answers back at once
 new D from its file while it runs."""
 
 import asyncio
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.cluster.relay import Delay, Relay
@@ -26,7 +28,11 @@ async def _echo_server() -> tuple[asyncio.Server, int, list[tuple[float, bytes]]
     return server, server.sockets[0].getsockname()[1], arrivals
 
 
-async def _round_trips(delay_file: Path, sends: list[bytes], gap_s: float) -> dict[str, object]:
+async def _round_trips(
+    delay_file: Path, sends: list[bytes], gap_s: float, between: Callable[[], None] = lambda: None
+) -> dict[str, object]:
+    """Send `sends` through a relay to an echo server, `gap_s` apart, calling `between` after
+    each gap; what was sent when, what arrived when, and what came back."""
     server, port, arrivals = await _echo_server()
     relay = Relay((LOOPBACK, 0), (LOOPBACK, port), Delay(delay_file))
     _, relay_port = await relay.start()
@@ -38,6 +44,7 @@ async def _round_trips(delay_file: Path, sends: list[bytes], gap_s: float) -> di
             writer.write(data)
             await writer.drain()
             await asyncio.sleep(gap_s)
+            between()
         writer.write_eof()
         echoed = b""
         while chunk := await reader.read(65536):
@@ -58,6 +65,21 @@ def test_chunks_arrive_delayed_and_in_order(tmp_path: Path) -> None:
     assert got["echoed"] == b"".join(sends)  # order kept, nothing lost
     first_arrival = got["arrivals"][0][0]  # type: ignore[index]
     assert first_arrival - got["sent_at"][0] >= 0.08  # type: ignore[index]
+
+
+def test_a_shorter_delay_never_overtakes(tmp_path: Path) -> None:
+    """As netem's queue: a chunk sent after the delay dropped still waits for the one before."""
+    delay_file = tmp_path / "delay_ms"
+    delay_file.write_text("150")
+
+    def drop_delay() -> None:
+        delay_file.write_text("0")
+        os.utime(delay_file, ns=(time.time_ns(), time.time_ns() + 1_000_000))
+
+    got = asyncio.run(_round_trips(delay_file, [b"first;", b"second;"], 0.05, drop_delay))
+    assert got["echoed"] == b"first;second;"
+    arrivals = [t for t, _ in got["arrivals"]]  # type: ignore[attr-defined]
+    assert arrivals[0] - got["sent_at"][0] >= 0.15  # type: ignore[index]
 
 
 def test_no_file_means_no_delay(tmp_path: Path) -> None:
