@@ -9,10 +9,12 @@ tests/unit/test_exposure.py's.
 """
 
 import base64
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,7 +23,7 @@ import pytest
 
 from control.credentials import SECRETS_FILE, read_env_file
 from mint_core.model.base import BaseModel
-from processes import free_port
+from processes import free_port, start_process
 from tests.integration.helpers import MINT, mint_env, start_mint, stop_and_check, wait_for
 
 HOST = "127.0.0.2"
@@ -115,3 +117,50 @@ def test_control_and_train_roles(
     stop_and_check(control, signal.SIGINT, [f"{api}/health"], log)
     stopped = "stopped: prefect worker (mint-control), prefect server, mlflow server"
     assert stopped in log.read_text()
+
+
+TLS_APP = """
+import sys
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from mint_core.connections import ConnectionBounds
+from mint_core.exposure import TlsFiles
+from serving.http.server import serve_http
+
+app = Starlette(routes=[Route("/health", lambda request: PlainTextResponse("ok"))])
+serve_http(app, "127.0.0.1", int(sys.argv[1]), ConnectionBounds(), TlsFiles(*sys.argv[2:4]))
+"""
+
+
+def test_serve_http_speaks_tls_with_the_certificate_it_is_given(tmp_path: Path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    port = free_port()
+    url = f"https://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        with contextlib.suppress(httpx.TransportError):
+            return httpx.get(f"{url}/health", verify=str(cert)).status_code == 200
+        return False
+
+    server = start_process(
+        "TLS test service",
+        [sys.executable, "-c", TLS_APP, str(port), str(cert), str(key)],
+        url,
+        answers,
+        tmp_path / "tls.log",
+        timeout_s=60,
+    )
+    try:
+        with pytest.raises(httpx.ConnectError):  # signed by nobody the client trusts
+            httpx.get(f"{url}/health")
+        with pytest.raises(httpx.RemoteProtocolError):  # it speaks TLS only
+            httpx.get(f"http://127.0.0.1:{port}/health")
+    finally:
+        server.stop()

@@ -3,6 +3,7 @@ to uvicorn: `mint_core.exposure` and `serving.http.server.uvicorn_options`."""
 
 import pytest
 
+from control.services import allowed_hosts
 from mint_core.config import MintConfig
 from mint_core.connections import ConnectionBounds
 from mint_core.errors import ConfigurationError
@@ -135,3 +136,11 @@ def test_tls_goes_to_uvicorn() -> None:
 def test_tls_needs_both_files() -> None:
     with pytest.raises(ValueError, match="MINT_TLS_CERT and MINT_TLS_KEY"):
         TlsFiles("/c.pem", "")
+
+
+def test_mlflow_allows_the_host_headers_it_is_reached_by() -> None:
+    # MLflow 3.17 answers 403 to any other Host header; its defaults cover no host name.
+    allowed = allowed_hosts("0.0.0.0", "http://ctl.example:5000")
+    assert {"ctl.example", "ctl.example:*", "127.0.0.1:*", "localhost:*"} <= set(allowed)
+    assert "0.0.0.0" not in allowed
+    assert {"10.0.0.1:*", "ctl:*"} <= set(allowed_hosts("10.0.0.1", "http://ctl:5000"))
