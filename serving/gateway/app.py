@@ -17,14 +17,15 @@ from starlette.routing import Route
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import GATEWAY_PORT, LOOPBACK, MintConfig
-from mint_core.connections import ConnectionBounds
 from mint_core.errors import NotFoundError, RegistryError, ServiceError
+from mint_core.membership import FleetSource, Roster, open_roster
 from mint_core.planning.placement import Demand
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from processes import ManagedProcess, start_mint
 from serving.gateway.fleet import Fleet, WorkerView
 from serving.gateway.forward import forward_to, json_answer, whole_answer
+from serving.gateway.links import Links
 from serving.gateway.requests import gateway_document, model_of
 from serving.http.common import ADAPTER_PREFIX, BASE_NAMES, adapter_of_url
 from serving.http.errors import install_error_handlers
@@ -35,10 +36,8 @@ from serving.http.wire import ASK_INTERVAL_S, AdmitRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_REFRESH_S = 0.5
-CONNECT_TIMEOUT_S = 2.0
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
-GENERATION_TIMEOUT_S = 600.0
 
 
 class Gateway:
@@ -53,7 +52,10 @@ class Gateway:
         sync_interval_s: float = MintConfig.sync_interval_s,
         replicas: int = MintConfig.replicas,
         hot_rate: float = MintConfig.hot_rate,
+        roster: Roster | None = None,
     ) -> None:
+        """`roster`: where the fleet is read as it changes (MINT_FLEET=registry); without one
+        it is `worker_urls`, fixed."""
         self.fleet = Fleet([WorkerView(url.rstrip("/")) for url in worker_urls])
         self.catalog = catalog
         self.replicas = replicas
@@ -69,33 +71,67 @@ class Gateway:
         self._admin_headers = (
             {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         )
+        self.roster = roster
+        self.links = Links()
         self._closed = threading.Event()
-        self._http: aiohttp.ClientSession | None = None
         self._document: dict[str, object] | None = None
         """The OpenAPI document, once a worker has described the routes it forwards."""
 
     # Keeping the copies fresh.
 
     async def refresh(self) -> None:
-        """Read every worker's routing state once; a worker that does not answer is down."""
-        http = self._client()
+        """Read every worker's routing state once; a worker that does not answer is down. One
+        that cannot be reached, and sent nothing meanwhile, has its link cut: its requests end
+        at once (`serving.gateway.links`)."""
 
         async def one(view: WorkerView) -> None:
+            asked_at = time.monotonic()
+            link = self.links.of(view.url)
             try:
-                async with http.get(
+                async with link.session.get(
                     view.url + "/admin/routing", headers=self._admin_headers, timeout=_POLL
                 ) as answer:
                     answer.raise_for_status()
                     view.update(await answer.json())
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError) as e:
+                    link.heard()
+            except (aiohttp.ClientConnectionError, TimeoutError) as e:
+                view.down(f"unreachable: {type(e).__name__}: {e}")
+                why = f"the gateway could not reach it: {type(e).__name__}"
+                if await self.links.cut_if_silent(view.url, link, asked_at, why):
+                    log.warning("%s is unreachable; its requests were ended: %s", view.url, e)
+            except (aiohttp.ClientError, ValueError, KeyError) as e:
                 view.down(f"{type(e).__name__}: {e}")
 
-        await asyncio.gather(*(one(view) for view in self.fleet.workers))
+        await asyncio.gather(*(one(view) for view in self.fleet.workers + self.fleet.leaving))
+        for view in self.fleet.drained():
+            await self.links.cut(view.url, "it left the fleet")
 
     async def _refresh_loop(self) -> None:
         while True:
             await self.refresh()
             await asyncio.sleep(self.refresh_s)
+
+    async def follow_roster(self) -> None:
+        """Read the roster once and make the fleet its members (`Fleet.reconcile`)."""
+        if self.roster is None:
+            return
+        await asyncio.to_thread(self.roster.refresh)
+        change = self.fleet.reconcile(self.roster.fleet())
+        for view in change.joined:
+            log.info("%s joined the fleet", view.url)
+        for view in change.left:
+            view.down("it left the fleet")
+            log.info("%s left the fleet, with %d requests in flight", view.url, view.in_flight)
+            if view not in self.fleet.leaving:
+                await self.links.cut(view.url, "it left the fleet")
+
+    async def _roster_loop(self) -> None:
+        while True:
+            try:
+                await self.follow_roster()
+            except Exception:  # the loop must outlive any one bad read
+                log.exception("reading the fleet's roster failed")
+            await asyncio.sleep(self.sync_interval_s)
 
     def sync_catalog(self) -> None:
         """Catch the catalog up with the registry once."""
@@ -111,39 +147,25 @@ class Gateway:
             self.sync_catalog()
             self._closed.wait(self.sync_interval_s)
 
-    def _client(self) -> aiohttp.ClientSession:
-        # aiohttp, not httpx: a fifth of the CPU per forwarded request (measured here, 0.15 ms
-        # against 0.8 ms), and the gateway's hop is all CPU.
-        if self._http is None:
-            timeout = aiohttp.ClientTimeout(
-                total=GENERATION_TIMEOUT_S, sock_connect=CONNECT_TIMEOUT_S
-            )
-            # An idle connection is reused for half as long as a worker keeps it open: aiohttp
-            # keeps it 15 s by default, and a request sent on one the worker has just closed
-            # fails instead of being answered.
-            reuse_s = ConnectionBounds.keep_alive_s / 2
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=reuse_s)
-            self._http = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, auto_decompress=False
-            )
-        return self._http
-
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """Refresh workers and sync the catalog in the background while the app serves."""
         sync = threading.Thread(target=self._sync_loop, name="catalog-sync", daemon=True)
         sync.start()
+        await self.follow_roster()
         await self.refresh()
-        refresher = asyncio.create_task(self._refresh_loop())
+        loops = [asyncio.create_task(self._refresh_loop())]
+        if self.roster is not None:
+            loops.append(asyncio.create_task(self._roster_loop()))
         try:
             yield
         finally:
-            refresher.cancel()
+            for loop in loops:
+                loop.cancel()
             self._closed.set()
             sync.join(timeout=30)  # a sync under way finishes before its index goes
             self.catalog.close()
-            if self._http is not None:
-                await self._http.close()
+            await self.links.close()
 
     # Routing and forwarding.
 
@@ -200,7 +222,9 @@ class Gateway:
         async def ask() -> None:
             try:
                 url = worker.url + "/admin/admit"
-                async with self._client().post(url, json=body, headers=self._admin_headers) as a:
+                async with self.links.of(worker.url).session.post(
+                    url, json=body, headers=self._admin_headers
+                ) as a:
                     if a.status >= 400:
                         log.warning("%s refused to admit %s: %s", worker.url, revision, a.status)
             except (aiohttp.ClientError, TimeoutError) as e:
@@ -231,11 +255,10 @@ class Gateway:
         workers: list[WorkerView],
         revision: str | None,
     ) -> Response:
-        return await forward_to(self._client(), request, body, model, workers, revision)
+        return await forward_to(self.links, request, body, model, workers, revision)
 
     async def feedback(self, request: Request, body: bytes) -> Response:
         """A score for a request id, from the worker that answered it (see the module's doc)."""
-        http = self._client()
         headers = {"content-type": "application/json"}
         if authorization := request.headers.get("authorization"):
             headers["authorization"] = authorization
@@ -243,7 +266,9 @@ class Gateway:
         for worker in [w for w in self.fleet.workers if w.up]:
             url = worker.url + request.url.path
             try:
-                async with http.post(url, data=body, headers=headers) as answer:
+                async with self.links.of(worker.url).session.post(
+                    url, data=body, headers=headers
+                ) as answer:
                     content = await answer.read()
                     if answer.status != 404:
                         return whole_answer(answer, worker, content)
@@ -257,14 +282,14 @@ class Gateway:
     async def models(self, request: Request) -> Response:
         """The union of every worker's `/v1/models` for this caller; a caller every worker
         refuses (an unknown key: 401) gets the first refusal, not an empty list."""
-        http = self._client()
         headers = {}
         if authorization := request.headers.get("authorization"):
             headers["authorization"] = authorization
 
         async def one(view: WorkerView) -> list[dict[str, object]] | Response:
             try:
-                async with http.get(view.url + "/v1/models", headers=headers) as answer:
+                session = self.links.of(view.url).session
+                async with session.get(view.url + "/v1/models", headers=headers) as answer:
                     if answer.status == 200:
                         return (await answer.json())["data"]
                     return whole_answer(answer, view, await answer.read())
@@ -289,7 +314,10 @@ class Gateway:
             return self._document
         for worker in [w for w in self.fleet.workers if w.up]:
             try:
-                async with self._client().get(worker.url + "/openapi.json", timeout=_POLL) as a:
+                described = self.links.of(worker.url).session.get(
+                    worker.url + "/openapi.json", timeout=_POLL
+                )
+                async with described as a:
                     a.raise_for_status()
                     self._document = gateway_document(await a.json(), routes)
                     return self._document
@@ -301,6 +329,12 @@ class Gateway:
 
     def health(self) -> dict[str, object]:
         up = [w for w in self.fleet.workers if w.up]
+        leaving = [
+            {"url": w.url, "up": False, "base_model": w.base_model, "base_digest": w.base_digest,
+             "ready": 0, "in_flight": w.in_flight, "problem": "it left the fleet; its requests "
+             "in flight finish there"}
+            for w in self.fleet.leaving
+        ]  # fmt: skip
         return {
             "status": "ok" if up and self.catalog.unreachable is None else "degraded",
             "registry_problem": self.catalog.unreachable,
@@ -308,7 +342,7 @@ class Gateway:
                 {"url": w.url, "up": w.up, "base_model": w.base_model, "base_digest": w.base_digest,
                  "ready": len(w.ready), "in_flight": w.in_flight, "problem": w.problem}
                 for w in self.fleet.workers
-            ],
+            ] + leaving,
         }  # fmt: skip
 
     def app(self, max_request_bytes: int = MAX_REQUEST_BYTES) -> Starlette:
@@ -353,9 +387,13 @@ class Gateway:
 
 def build_gateway(config: MintConfig) -> Gateway:
     """A gateway whose catalog (every base's revisions) starts from the snapshot in the
-    artifact store, if there is one, like a worker's."""
-    catalog = Catalog(Registry(config.tracking_uri), folder=config.home / "catalog")
+    artifact store, if there is one, like a worker's; with MINT_FLEET=registry its fleet
+    follows the workers announcing themselves (MINT_WORKER_URLS alone: fixed, as it always
+    was)."""
+    registry = Registry(config.tracking_uri)
+    catalog = Catalog(registry, folder=config.home / "catalog")
     catalog.start_from_snapshot(open_store(config))
+    static = config.fleet.source is FleetSource.STATIC
     return Gateway(
         config.worker_urls,
         catalog,
@@ -363,6 +401,7 @@ def build_gateway(config: MintConfig) -> Gateway:
         sync_interval_s=config.sync_interval_s,
         replicas=config.replicas,
         hot_rate=config.hot_rate,
+        roster=None if static else open_roster(config, registry),
     )
 
 

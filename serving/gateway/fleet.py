@@ -1,7 +1,10 @@
 """The gateway's copy of the fleet: each worker's base, ready revisions and load, and the order
-in which it tries them for a revision (placement first: see `serving.gateway`)."""
+in which it tries them for a revision (placement first: see `serving.gateway`). Where the fleet
+is read from a roster (MINT_FLEET=registry), `reconcile` follows its changes: a joiner is down
+until it first answers; a leaver takes no new request and is kept, still refreshed, until the
+requests it had are done."""
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from mint_core.errors import ConfigurationError
@@ -50,11 +53,40 @@ class Choices:
     """Workers of its placement where it is not ready: asked to admit it while others serve."""
 
 
+@dataclass(frozen=True)
+class Change:
+    """What one `reconcile` did."""
+
+    joined: list[WorkerView]
+    left: list[WorkerView]
+    """Out of the fleet; those with requests in flight are in `leaving` until they are done."""
+
+
 @dataclass
 class Fleet:
     """Every worker the gateway routes to, and the order in which it tries them."""
 
     workers: list[WorkerView] = field(default_factory=list)
+    leaving: list[WorkerView] = field(default_factory=list)
+    """Workers gone from the roster with requests still in flight: refreshed, not routed to."""
+
+    def reconcile(self, urls: Iterable[str]) -> Change:
+        """Make the fleet the workers at `urls`: a joiner is down until its first refresh;
+        the order of those that stay is kept (ties in load go to the earlier)."""
+        wanted = list(dict.fromkeys(url.rstrip("/") for url in urls))
+        kept = {w.url: w for w in self.workers if w.url in wanted}
+        back = {w.url: w for w in self.leaving if w.url in wanted}  # rejoined while draining
+        left = [w for w in self.workers if w.url not in kept]
+        joined = [WorkerView(url) for url in wanted if url not in kept and url not in back]
+        self.workers = [*kept.values(), *back.values(), *joined]
+        self.leaving = [w for w in [*self.leaving, *left] if w.url not in back and w.in_flight]
+        return Change(joined, left)
+
+    def drained(self) -> list[WorkerView]:
+        """Drop the leavers whose requests are done, and return them."""
+        done = [w for w in self.leaving if not w.in_flight]
+        self.leaving = [w for w in self.leaving if w.in_flight]
+        return done
 
     def serving_base(self, digest: str) -> list[WorkerView]:
         return [w for w in self.workers if w.up and w.base_digest == digest]

@@ -11,6 +11,7 @@ from starlette.responses import Response, StreamingResponse
 
 from mint_core.errors import ServiceError
 from serving.gateway.fleet import WorkerView
+from serving.gateway.links import CONNECT_TIMEOUT_S, Link, Links
 from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER, sse
 from serving.http.errors import ErrorResponse
 
@@ -30,54 +31,64 @@ _PASSED_ON = (
 
 
 async def forward_to(
-    http: aiohttp.ClientSession,
+    links: Links,
     request: Request,
     body: bytes,
     model: str | None,
     workers: list[WorkerView],
     revision: str | None,
 ) -> Response:
-    """`request` (its `body` read) from the first of `workers` that takes it, for `model`."""
+    """`request` (its `body` read) from the first of `workers` that takes it, for `model`. A
+    worker that refuses the connection or does not take it in time never saw the request: the
+    next one gets it. Once a worker has the body, the request is its (a generation is not
+    replayed: it may have run, and a stream may have started)."""
     headers = {"content-type": "application/json"}
     if authorization := request.headers.get("authorization"):
         headers["authorization"] = authorization
     last_busy: Response | None = None
     for worker in workers:
         was_ready = revision is None or revision in worker.ready
+        link = links.of(worker.url)
         worker.in_flight += 1
         try:
-            answer = await http.post(worker.url + request.url.path, data=body, headers=headers)
-        except aiohttp.ClientConnectorError as e:
+            url = worker.url + request.url.path
+            answer = await link.session.post(url, data=body, headers=headers)
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             worker.in_flight -= 1
-            worker.down(f"refused a connection: {e}")  # it never saw the request: next one
+            worker.down(f"did not take a connection: {e}")  # it never saw the request: next one
             continue
         except (aiohttp.ClientError, TimeoutError) as e:
             worker.in_flight -= 1
-            return _failed(worker, e)
+            return _failed(worker, link, e)
+        link.opened(answer)
         if answer.status == 503:
-            content = await answer.read()
+            try:
+                content = await answer.read()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                return _failed(worker, link, e)
+            finally:
+                worker.in_flight -= 1
+                link.closed(answer)
             last_busy = whole_answer(answer, worker, content)
-            worker.in_flight -= 1
-            answer.release()
             if not was_ready and _error_type(content) == "not_ready":
                 return last_busy  # its placement: it admits the revision by demand
             continue
         if answer.content_type == "text/event-stream":
-            return _streamed(answer, worker)
+            return _streamed(answer, worker, link)
         try:
             content = await answer.read()
         except (aiohttp.ClientError, TimeoutError) as e:
-            return _failed(worker, e)
+            return _failed(worker, link, e)
         finally:
             worker.in_flight -= 1
-            answer.release()
+            link.closed(answer)
         return whole_answer(answer, worker, content)
     if last_busy is not None:
         return last_busy
     log.warning("no worker took %s: %s", model, "; ".join(f"{w.url}: {w.problem}" for w in workers))
     raise ServiceError(
-        f"every worker for {model or 'the base'} refused the connection; send the request "
-        "again shortly"
+        f"every worker for {model or 'the base'} refused the connection or did not take it in "
+        f"{CONNECT_TIMEOUT_S:g} s; send the request again shortly"
     )
 
 
@@ -103,32 +114,45 @@ def whole_answer(answer: aiohttp.ClientResponse, worker: WorkerView, content: by
     return Response(content, status_code=answer.status, headers=_kept(answer, worker))
 
 
-def _failed(worker: WorkerView, error: BaseException) -> Response:
-    """The answer for a request a worker took and then failed (it died, or cut the reply); what
-    failed goes to the gateway's log."""
-    log.warning("%s failed while it had a request: %s: %s", worker.url, type(error).__name__, error)
+def _failure(
+    worker: WorkerView, link: Link, error: BaseException, when: str = "while it had this request"
+) -> ErrorResponse:
+    """What a client is told of a request a worker took and then failed: it died or cut the
+    reply (`worker_failed`), or it stopped answering and the gateway cut its link
+    (`worker_unreachable`). What failed goes to the gateway's log."""
+    if link.cut is not None:
+        log.warning("%s: a request it had was ended, %s", worker.url, link.cut)
+        message = (
+            f"worker {worker.url} stopped answering {when} ({link.cut}); the request was not "
+            "sent to another worker, as it may have run: send it again"
+        )
+        return ErrorResponse(502, "worker_unreachable", message)
+    log.warning("%s failed %s: %s: %s", worker.url, when, type(error).__name__, error)
     message = (
-        f"worker {worker.url} failed while it had this request; the request was not retried, "
-        "as it may have run: send it again"
+        f"worker {worker.url} failed {when}; the request was not retried, as it may have run: "
+        "send it again"
     )
-    answer = ErrorResponse(502, "worker_failed", message)
+    return ErrorResponse(502, "worker_failed", message)
+
+
+def _failed(worker: WorkerView, link: Link, error: BaseException) -> Response:
+    answer = _failure(worker, link, error)
     return Response(orjson.dumps(answer.body), status_code=502, headers={WORKER_HEADER: worker.url})
 
 
-def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView) -> StreamingResponse:
+def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView, link: Link) -> StreamingResponse:
     """A worker's event stream, passed on as it comes; a worker that fails mid-stream ends it
     with an error event."""
 
     async def events() -> AsyncIterator[bytes]:
         try:
             async for chunk in answer.content.iter_any():
+                link.heard()
                 yield chunk
         except (aiohttp.ClientError, TimeoutError) as e:
-            log.warning("%s failed mid-stream: %s: %s", worker.url, type(e).__name__, e)
-            message = f"worker {worker.url} failed mid-stream; send the request again"
-            yield sse(ErrorResponse(502, "worker_failed", message).body).encode()
+            yield sse(_failure(worker, link, e, "mid-stream").body).encode()
         finally:
             worker.in_flight -= 1
-            answer.release()
+            link.closed(answer)
 
     return StreamingResponse(events(), status_code=answer.status, headers=_kept(answer, worker))

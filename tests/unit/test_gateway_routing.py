@@ -1,17 +1,34 @@
 """The gateway's routing answers a model name the catalog answered recently on the event loop,
 without a thread hop, and goes to the catalog off the loop again once a sync changed that
-adapter, and only that adapter (a real catalog, against a registry held in memory)."""
+adapter, and only that adapter (a real catalog, against a registry held in memory).
+
+Under partitions and a changing fleet: a worker that does not take a connection in time is
+skipped for the next; one the refresh finds unreachable has its requests ended with a 502
+`worker_unreachable` (one that still sends something is slow, and keeps them); the fleet follows
+a roster, a leaver keeping its requests in flight until they are done."""
 
 import asyncio
+import json
+import socket
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
+import httpx
 import pytest
+from aiohttp import web
 
 from mint_core.catalog.catalog import Catalog
 from mint_core.errors import NotFoundError
 from mint_core.revisions import RevisionRef
+from serving.gateway import app as gateway_app
+from serving.gateway import links
 from serving.gateway.app import Gateway
+from serving.gateway.fleet import Fleet, WorkerView
+from serving.gateway.forward import WORKER_HEADER
 from tests.helpers import BASE_DIGEST, MemoryRegistry, make_policy
 
 SERVED_BASE = make_policy().base_digest
@@ -91,3 +108,256 @@ def test_a_failed_resolution_is_never_kept(
         with pytest.raises(NotFoundError):
             asyncio.run(gw.route("ghost@production"))
     assert hopped == ["ghost@production"] * 2
+
+
+# A cut-off worker, a slow one, a fleet that changes: fake workers are aiohttp servers on
+# loopback in the test's own event loop; the gateway's app is called through httpx's ASGI
+# transport, and its refresh is called by hand.
+
+ROUTING = {"base_model": "acme/base", "base_digest": SERVED_BASE, "in_flight": 0, "ready": [],
+           "device_slots": []}  # fmt: skip
+ANSWER = {"generated_text": "hi"}
+
+
+@dataclass
+class FakeWorker:
+    """A worker that answers `/generate` and `/admin/routing` at once, or hangs (`stalled`:
+    takes requests, never answers: a host cut off or stopped), or streams (`stream`)."""
+
+    stalled: bool = False
+    stream: bool = False
+    chunk_every_s: float | None = None
+    """With `stream`: a chunk this often, forever (a slow worker that still talks)."""
+    seen: int = 0
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        await request.read()
+        self.seen += 1
+        if self.stream:
+            answer = web.StreamResponse(headers={"content-type": "text/event-stream"})
+            await answer.prepare(request)
+            await answer.write(b"data: {}\n\n")
+            while self.chunk_every_s is not None:
+                await asyncio.sleep(self.chunk_every_s)
+                await answer.write(b"data: {}\n\n")
+            await asyncio.Event().wait()
+        if self.stalled:
+            await asyncio.Event().wait()
+        return web.json_response(ANSWER)
+
+    async def routing(self, _: web.Request) -> web.Response:
+        if self.stalled:
+            await asyncio.Event().wait()
+        return web.json_response(ROUTING)
+
+    async def start(self) -> "FakeWorker":
+        app = web.Application()
+        app.router.add_post("/generate", self.generate)
+        app.router.add_get("/admin/routing", self.routing)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+@contextmanager
+def unconnectable() -> Iterator[str]:
+    """A URL whose connections are never taken: a listening socket whose backlog is full, so
+    the kernel drops each new SYN (like a host cut off, on loopback)."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = [socket.socket() for _ in range(4)]
+        for filler in fillers:
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            for filler in fillers:
+                filler.close()
+
+
+@pytest.fixture
+def quick(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connect and poll timeouts short enough for a unit test."""
+    monkeypatch.setattr(links, "CONNECT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(gateway_app, "_POLL", aiohttp.ClientTimeout(total=0.3))
+
+
+def up(gw: Gateway) -> None:
+    for worker in gw.fleet.workers:
+        worker.update(ROUTING)
+
+
+def client(gw: Gateway) -> httpx.AsyncClient:
+    transport = httpx.ASGITransport(app=gw.app())
+    return httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=30)
+
+
+async def generate(http: httpx.AsyncClient) -> httpx.Response:
+    return await http.post("/generate", json={"inputs": "hello"})
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_connect_timeout_moves_on_to_the_next_worker(catalog: Catalog) -> None:
+    async def run() -> None:
+        taker = await FakeWorker().start()
+        with unconnectable() as silent:
+            gw = Gateway([silent, taker.url], catalog)
+            up(gw)
+            async with client(gw) as http:
+                started = time.monotonic()
+                answer = await generate(http)
+                took = time.monotonic() - started
+            await gw.links.close()
+        await taker.stop()
+        assert answer.status_code == 200 and answer.json() == ANSWER
+        assert answer.headers[WORKER_HEADER] == taker.url and taker.seen == 1
+        assert 0.3 <= took < 5, took
+        assert not gw.fleet.workers[0].up  # until the refresh hears from it
+        assert "did not take a connection" in str(gw.fleet.workers[0].problem)
+
+    asyncio.run(run())
+
+
+@pytest.mark.usefixtures("quick")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_a_worker_found_unreachable_has_its_requests_ended_with_a_502(
+    catalog: Catalog, stream: bool
+) -> None:
+    """Its request in flight ends when the refresh finds it unreachable; the next request goes
+    to the other worker."""
+
+    async def run() -> None:
+        stalled = await FakeWorker(stalled=not stream, stream=stream).start()
+        other = await FakeWorker().start()
+        gw = Gateway([stalled.url, other.url], catalog)
+        up(gw)
+        async with client(gw) as http:
+            pending = asyncio.create_task(generate(http))
+            while not stalled.seen:
+                await asyncio.sleep(0.01)
+            stalled.stalled = True  # its routing poll hangs from now on
+            await asyncio.sleep(0.1)  # a stream's first chunk is heard before the poll
+            started = time.monotonic()
+            await gw.refresh()
+            ended = await asyncio.wait_for(pending, 5)
+            took = time.monotonic() - started
+            after = await generate(http)
+        await gw.links.close()
+        for worker in (stalled, other):
+            await worker.stop()
+        if stream:
+            assert ended.status_code == 200  # the stream had begun: its last event says why
+            error = json.loads(ended.text.strip().splitlines()[-1].removeprefix("data:"))
+        else:
+            assert ended.status_code == 502 and ended.headers[WORKER_HEADER] == stalled.url
+            error = ended.json()
+        assert error["error_type"] == "worker_unreachable", error
+        assert "send it again" in error["error"] and stalled.url in error["error"]
+        assert took < 2, took
+        assert after.status_code == 200 and after.headers[WORKER_HEADER] == other.url
+        assert not gw.fleet.workers[0].up and gw.fleet.workers[0].in_flight == 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.usefixtures("quick")
+def test_a_slow_worker_that_still_streams_keeps_its_requests(catalog: Catalog) -> None:
+    """Its routing poll times out (it is down for new requests) but its stream's chunks keep
+    coming, so it is slow, not cut off; once they stop too, the next refresh ends the stream."""
+
+    async def run() -> None:
+        slow = await FakeWorker(stream=True, chunk_every_s=0.01).start()
+        gw = Gateway([slow.url], catalog)
+        up(gw)
+        async with client(gw) as http:
+            pending = asyncio.create_task(generate(http))
+            while not slow.seen:
+                await asyncio.sleep(0.01)
+            slow.stalled = True
+            await gw.refresh()
+            assert not gw.fleet.workers[0].up and not pending.done()
+            slow.chunk_every_s = None  # now it says nothing at all (after one last chunk)
+            deadline = time.monotonic() + 10
+            while not pending.done() and time.monotonic() < deadline:
+                await gw.refresh()  # the first refresh to hear nothing ends the stream
+                await asyncio.sleep(0.01)
+            ended = await asyncio.wait_for(pending, 5)
+        await gw.links.close()
+        await slow.stop()
+        assert ended.status_code == 200 and ended.text.count("data: {}") >= 2
+        assert '"error_type":"worker_unreachable"' in ended.text.replace(" ", "")
+
+    asyncio.run(run())
+
+
+class FakeRoster:
+    """A roster whose fleet the test sets (`mint_core.membership.Roster`)."""
+
+    def __init__(self, *urls: str) -> None:
+        self.urls = tuple(sorted(urls))
+        self.reads = 0
+
+    def refresh(self) -> None:
+        self.reads += 1
+
+    def fleet(self) -> tuple[str, ...]:
+        return self.urls
+
+
+def test_reconcile_adds_joiners_down_and_keeps_a_busy_leaver_until_it_is_done() -> None:
+    a, b, c, d = (WorkerView(f"http://w{n}") for n in range(4))
+    fleet = Fleet([b, a, c])
+    b.in_flight = 2
+    change = fleet.reconcile(["http://w0", "http://w2/", "http://w3"])
+    assert [w.url for w in fleet.workers] == ["http://w0", "http://w2", "http://w3"]
+    assert change.joined == [fleet.workers[2]] and not fleet.workers[2].up
+    assert change.left == [b] and fleet.leaving == [b]  # its two requests finish there
+    assert fleet.drained() == [] and fleet.leaving == [b]
+    b.in_flight = 0
+    assert fleet.drained() == [b] and fleet.leaving == []
+    c.in_flight = 1
+    fleet.reconcile(["http://w0", "http://w3"])
+    assert fleet.leaving == [c]
+    fleet.reconcile(["http://w0", "http://w2", "http://w3"])  # back before it drained
+    assert fleet.leaving == [] and fleet.workers[-1] is c and d.url not in fleet.leaving
+
+
+def test_the_gateway_follows_its_roster(catalog: Catalog) -> None:
+    """A joiner is routed to once its first refresh answers; a leaver takes no new request."""
+
+    async def run() -> None:
+        first, second = await FakeWorker().start(), await FakeWorker().start()
+        roster = FakeRoster(first.url)
+        gw = Gateway([], catalog, roster=roster)
+        async with client(gw) as http:
+            await gw.follow_roster()
+            assert [w.url for w in gw.fleet.workers] == [first.url]
+            roster.urls = tuple(sorted([first.url, second.url]))
+            await gw.follow_roster()
+            joiner = next(w for w in gw.fleet.workers if w.url == second.url)
+            assert not joiner.up and joiner.problem == "not heard from yet"
+            await gw.refresh()
+            assert joiner.up
+            roster.urls = (second.url,)
+            await gw.follow_roster()
+            answers = [await generate(http) for _ in range(3)]
+        await gw.links.close()
+        for worker in (first, second):
+            await worker.stop()
+        assert roster.reads == 3
+        assert [a.headers[WORKER_HEADER] for a in answers] == [second.url] * 3
+        assert [w.url for w in gw.fleet.workers] == [second.url] and gw.fleet.leaving == []
+
+    asyncio.run(run())
