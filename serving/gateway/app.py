@@ -407,7 +407,7 @@ def build_gateway(config: MintConfig) -> Gateway:
 
 def serve_gateway(config: MintConfig, host: str = LOOPBACK, port: int = GATEWAY_PORT) -> None:
     app = build_gateway(config).app()
-    serve_http(app, host, port, config.http_bounds)
+    serve_http(app, host, port, config.http_bounds, config.tls)
 
 
 def start_gateway(
