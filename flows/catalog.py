@@ -8,13 +8,14 @@ from prefect import flow
 from flows.ending import ends_on_mint_error
 from mint_core.config import MintConfig
 from tasks.pipeline import snapshot_catalog
-from tasks.runs import summarize
+from tasks.runs import label_run, summarize
 
 
 @flow(name="catalog-snapshot", flow_run_name="catalog snapshot")
 @ends_on_mint_error
 def catalog_snapshot() -> str:
     """Publish a new catalog snapshot; its digest."""
+    label_run(None)
     digest = snapshot_catalog(MintConfig.from_env()).digest
     summarize("catalog", "published a catalog snapshot", {"digest": digest})
     return digest

@@ -68,8 +68,9 @@ def release(
     Args:
         adapter: The adapter to release a new revision of, e.g. `support-bot` (lower-case
             letters, digits, '-' or '_'); a new name starts at r1.
-        data: Training rows: a JSONL file (path on the flow server, or s3:// URI), one
-            `{"prompt", "completion"}` or `{"messages"}` object per line.
+        data: Training rows: a JSONL file (an s3:// URI, or a path on the host the run runs
+            on: a train host, with work pools), one `{"prompt", "completion"}` or
+            `{"messages"}` object per line.
         eval_data: Held-out rows (JSONL, as `data`) the revision is scored on; empty: about
             `eval_fraction` of `data` is held out instead, chosen by each row's content for
             this adapter, so every release of it from that file holds out the same rows.
@@ -149,7 +150,8 @@ def import_adapter(
 
     Args:
         adapter: The adapter to release it as the next revision of, e.g. `support-bot`.
-        path: The PEFT adapter folder (adapter_config.json and weights) on the flow server.
+        path: The PEFT adapter folder (adapter_config.json and weights) on the host the run
+            runs on (a train host, with work pools).
         actor: Your name: recorded as who imported it (stage and alias histories).
         principals: API-key principals that may use the revision; empty: everyone.
         base_model: Model folder or hub id it was trained on, if not MINT_BASE_MODEL.
@@ -171,10 +173,11 @@ def import_adapter(
 
 
 def _summarize(config: MintConfig, adapter: str, report: ReleaseReport, held_out: str) -> None:
-    """The run's summary artifact: the revision, where production went, its held-out figures
-    (and on which rows) and each stage's time."""
+    """The run's summary artifact: the revision, where production went, the host it was made
+    on, its held-out figures (and on which rows) and each stage's time."""
     facts: dict[str, object] = {"revision": report.revision}
     facts["production"] = production_move(config, adapter)
+    facts["host"] = config.host_name
     facts |= {f"{name} ({held_out})": value for name, value in report.eval_metrics.items()}
     facts["stages"] = ", ".join(f"{k} {v:.1f} s" for k, v in report.stage_seconds.items())
     summarize(adapter, f"released {report.revision}", facts)
@@ -218,7 +221,8 @@ def retrain(
 
     Args:
         adapter: The adapter to retrain, e.g. `support-bot`.
-        data: Training rows: a JSONL file (path on the flow server, or s3:// URI).
+        data: Training rows: a JSONL file (an s3:// URI, or a path on the host the run runs
+            on).
         steps: Optimizer steps; empty: one epoch over `data`.
         actor: Your name: recorded as who retrained it (stage and alias histories); a
             scheduled run records the schedule.

@@ -119,6 +119,7 @@ def start_rl_run(
         adapter,
         grpo.params() | {"rl_task": task_name, "prompts": prompts},
         DatasetLog(dataset, digest, 0),
+        config.host_name,
     )
     return RlRun(run_id, dataset, digest)
 

@@ -1,7 +1,7 @@
 """How a flow run tells, in the Prefect UI, what it did: a name that says it (`release
-upper-bot`, `rollback upper-bot r2→r1`), an `adapter:<name>` tag to filter the runs list by,
-the key events in its log (through Prefect's run logger, which the UI shows), and a summary
-markdown artifact at its end.
+upper-bot`, `rollback upper-bot r2→r1`), an `adapter:<name>` tag to filter the runs list by, a
+`host:<name>` tag saying where it ran, the key events in its log (through Prefect's run logger,
+which the UI shows), and a summary markdown artifact at its end.
 """
 
 import logging
@@ -19,6 +19,11 @@ from mint_core.revisions import PRODUCTION
 ADAPTER_TAG = "adapter:{}"
 """The tag of every flow run that acts on an adapter: the runs list filters on it."""
 
+HOST_TAG = "host:{}"
+"""The tag of every flow run MinT labels: the host it ran on (MINT_HOST, else the machine's
+hostname). Prefect records only the process id of a run a worker started, and the hosts of a
+test cluster (network namespaces) share one hostname."""
+
 
 def run_name(describe: Callable[[Mapping[str, object]], str]) -> Callable[[], str]:
     """A `flow_run_name` for `@flow`: `describe` of the run's parameters (Prefect calls a
@@ -34,14 +39,19 @@ def run_log() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
     return get_run_logger()
 
 
-def label_run(adapter: str, name: str | None = None) -> None:
-    """Tag the current flow run `adapter:<adapter>`, and rename it to `name` when what it
-    does became known only while it ran (a rollback finds its target)."""
+def label_run(adapter: str | None, name: str | None = None) -> None:
+    """Tag the current flow run `adapter:<adapter>` (unless None: a run that acts on no
+    adapter) and `host:<this host>`, and rename it to `name` when what it does became known
+    only while it ran (a rollback finds its target)."""
     context = FlowRunContext.get()
     if context is None or context.flow_run is None:
         return
     run = context.flow_run
-    tags = sorted({*run.tags, ADAPTER_TAG.format(adapter)})
+    # Read here, at the start of a flow run (an entry point), like the flows' configuration.
+    labels = {HOST_TAG.format(MintConfig.from_env().host_name)}
+    if adapter is not None:
+        labels.add(ADAPTER_TAG.format(adapter))
+    tags = sorted({*run.tags, *labels})
     with get_client(sync_client=True) as client:
         client.update_flow_run(run.id, tags=tags, name=name)
     run.tags = tags

@@ -58,7 +58,10 @@ def train_adapter(
         "eval_data": held_out.describe(path=True) if held_out.held_out else held_out.source,
     }
     run_id = registry.runs.start_training(
-        adapter, run_facts, DatasetLog(data.source, data.digest, len(data.rows), local)
+        adapter,
+        run_facts,
+        DatasetLog(data.source, data.digest, len(data.rows), local),
+        config.host_name,
     )
     # The hyperparameters are logged once the base is loaded, with the targets as trained (its
     # family's default resolved); as asked, if training fails before.

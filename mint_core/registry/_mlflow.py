@@ -52,6 +52,8 @@ CANARY_PERCENT_TAG = TAG_PREFIX + "canary_percent"
 registered-model tag, so that every worker reads the same share at the same sync as the alias."""
 REVISION_RUN_TAG = TAG_PREFIX + "revision"
 """On a training (or import) run: the revision it made, e.g. `upper-bot:r2`."""
+HOST_RUN_TAG = TAG_PREFIX + "host"
+"""On a training run: the host it trained on (MINT_HOST, else the machine's hostname)."""
 RUN_NAME_TAG = "mlflow.runName"
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 """The tag MLflow's UI reads to open an experiment as model training (runs, the model registry

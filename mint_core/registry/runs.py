@@ -14,6 +14,7 @@ from mlflow.store.artifact.artifact_repository_registry import get_artifact_repo
 
 from mint_core.registry._mlflow import (
     EXPERIMENT_KIND_TAG,
+    HOST_RUN_TAG,
     MODEL_DEVELOPMENT,
     REVISION_RUN_TAG,
     RUN_NAME_TAG,
@@ -102,14 +103,15 @@ class Runs:
             _EXPERIMENT_IDS.pop(self.store.tracking_uri, None)
             return self.store.client.create_run(self._experiment_id(), run_name=run_name, tags=tags)
 
-    def start_training(self, adapter: str, params: Mapping[str, str], dataset: DatasetLog) -> str:
-        """An MLflow run for training a revision of `adapter`: its hyperparameters as params,
-        its dataset as the run's input (with the file as an artifact when it is local). The
-        loss curve follows (`log_losses`), then `finish_training`."""
+    def start_training(
+        self, adapter: str, params: Mapping[str, str], dataset: DatasetLog, host: str = ""
+    ) -> str:
+        """An MLflow run for training a revision of `adapter` (on `host`, when named): its
+        hyperparameters as params, its dataset as the run's input (with the file as an artifact
+        when it is local). The loss curve follows (`log_losses`), then `finish_training`."""
         with self.store.failing(f"start a training run for {adapter!r}"):
-            run_id = self._create_run(
-                f"{adapter}-train", {TAG_PREFIX + "adapter": adapter}
-            ).info.run_id
+            tags = {TAG_PREFIX + "adapter": adapter} | ({HOST_RUN_TAG: host} if host else {})
+            run_id = self._create_run(f"{adapter}-train", tags).info.run_id
             self.store.client.log_batch(run_id, params=_params(params))
             self.store.client.log_inputs(run_id, [dataset.input()])
             if dataset.local_path is not None:
