@@ -11,7 +11,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -232,10 +232,13 @@ def start_prefect_worker(
     auth: str = "",
     env: Mapping[str, str] | None = None,
     limit: int | None = None,
+    queues: Sequence[str] = (),
 ) -> ManagedProcess:
     """`prefect worker start` of a process `pool` (made if missing) named after this host
     (MINT_HOST): it runs the pool's flow runs as child processes with this host's environment
-    plus `env`. Returns once the server lists it among the pool's workers."""
+    plus `env`. Returns once the server lists it among the pool's workers. `queues`: the pool's
+    work queues it polls (made if missing; Prefect's worker polls no queue that does not
+    exist, silently), e.g. `default` and `host_queue(config)`; none: all of the pool's."""
     name = config.host_name
     argv = [
         sys.executable, "-m", "prefect", "worker", "start",
@@ -243,6 +246,8 @@ def start_prefect_worker(
     ]  # fmt: skip
     if limit is not None:
         argv += ["--limit", str(limit)]
+    for queue in queues:
+        argv += ["--work-queue", queue]
     worker_env = (
         config.to_env()
         | {
@@ -255,6 +260,8 @@ def start_prefect_worker(
     )
     headers = basic_auth(auth) | {"Content-Type": "application/json"}
     filter_url = f"{prefect_api_url}/work_pools/{pool}/workers/filter"
+    if queues:
+        _ensure_queues(prefect_api_url, pool, queues, headers)
 
     def listed() -> bool:
         request = urllib.request.Request(filter_url, b"{}", headers, method="POST")
@@ -272,6 +279,28 @@ def start_prefect_worker(
         config.home / "logs" / f"prefect-worker-{pool}.log",
         worker_env,
     )
+
+
+def host_queue(config: "MintConfig") -> str:
+    """The work queue only this host's worker polls besides its pool's default one: a run
+    created in it (`run_deployment(..., work_queue_name=...)`) runs on this host."""
+    return f"host-{config.host_name}"
+
+
+def _ensure_queues(
+    api_url: str, pool: str, queues: Sequence[str], headers: Mapping[str, str]
+) -> None:
+    """Create each of `queues` in `pool` (the pool first, as a process pool, as its worker
+    would make it), unless it exists."""
+    calls = [(f"{api_url}/work_pools/", {"name": pool, "type": "process"})]
+    calls += [(f"{api_url}/work_pools/{pool}/queues", {"name": queue}) for queue in queues]
+    for url, body in calls:
+        request = urllib.request.Request(url, json.dumps(body).encode(), dict(headers))
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+        except urllib.error.HTTPError as e:
+            if e.code != 409:  # 409: it exists already
+                raise ServiceError(f"Prefect refused to create {body} at {url}: {e}") from e
 
 
 RESTART_FIRST_S = 1.0

@@ -1,19 +1,19 @@
 """Flow runs on other hosts: `mint flows deploy` puts each deployment in its Prefect process
 work pool (`Pool`: the flows that train to MINT_TRAIN_POOL, the others to MINT_CONTROL_POOL),
-and each host runs `prefect worker start` on its pool (`start_pool_worker`). A run then starts
-as a subprocess of the worker that took it, with that host's environment: MinT's configuration
-is the host's own. `mint flows serve` stays the one-machine way, with no pool.
+and each host runs `prefect worker start` on its pool (`control.services.start_prefect_worker`,
+which `mint up --role control|train` runs). A run then starts as a subprocess of the worker that
+took it, with that host's environment: MinT's configuration is the host's own. `mint flows
+serve` stays the one-machine way, with no pool.
 
 Nothing marks a run Crashed when its host, or its worker with it, dies (Prefect's foreman only
 marks the worker offline), so the runs of the pools' deployments send a heartbeat every
 `CrashWatch.heartbeat_s` (set in their environment by the deployment) and an automation marks a
 run Crashed once none has come for `crash_after_s` and it has not ended. A train host's worker
-also polls a work queue of its own (`host_queue`), so a run can be sent to one host.
+also polls a work queue of its own (`control.services.host_queue`), so that a run can be sent
+to one host.
 """
 
 import contextlib
-import sys
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -22,7 +22,7 @@ from uuid import UUID
 from prefect import get_client
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import WorkPoolCreate
-from prefect.client.schemas.objects import StateType, WorkerStatus
+from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 from prefect.events.schemas.events import ResourceSpecification
@@ -31,7 +31,6 @@ from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from flows.deployments import Pool, deployments_by_pool
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
-from processes import ManagedProcess, start_process
 
 POOL_TAG = "pool:{}"
 """The tag of every deployment in a work pool (and so of its runs): the runs list filters on
@@ -170,62 +169,3 @@ def install_crash_automation(
     for existing in client.read_automations_by_name(AUTOMATION):
         client.delete_automation(existing.id)
     return client.create_automation(crash_automation(config, watch))
-
-
-def host_queue(config: MintConfig) -> str:
-    """The work queue only this host's train worker polls, besides the pool's default queue: a
-    run created in it (`run_deployment(..., work_queue_name=...)`) runs on this host."""
-    return f"host-{config.host_name}"
-
-
-def worker_argv(config: MintConfig, pool: Pool) -> list[str]:
-    """`prefect worker start` for `pool` on this host, named after it. A train host takes one
-    run at a time (the accelerator is its one resource) from the default queue and its own."""
-    argv = [sys.executable, "-m", "prefect", "worker", "start", "--type", "process"]
-    argv += ["--pool", pool.work_pool(config), "--name", config.host_name]
-    if pool is Pool.TRAIN:
-        argv += ["--limit", "1", "--work-queue", "default", "--work-queue", host_queue(config)]
-    return argv
-
-
-def start_pool_worker(
-    config: MintConfig,
-    pool: Pool,
-    prefect_api_url: str,
-    env: Mapping[str, str] | None = None,
-    timeout_s: float = 120.0,
-) -> ManagedProcess:
-    """This host's worker of `pool` in a child process, returning once the Prefect server lists
-    it online. Its flow runs get its environment: `config`'s settings, then `env` (e.g. the
-    Prefect auth string, PREFECT_WORKER_QUERY_SECONDS). The pool must exist (`deploy_to_pools`);
-    a train host's own queue is created here."""
-    env = {**config.to_env(), "PREFECT_API_URL": prefect_api_url, **(env or {})}
-    auth = env.get("PREFECT_API_AUTH_STRING") or None
-    work_pool = pool.work_pool(config)
-    with SyncPrefectClient(prefect_api_url, auth_string=auth) as client:
-        try:
-            client.read_work_pool(work_pool)
-        except ObjectNotFound as e:
-            raise ConfigurationError(
-                f"Prefect at {prefect_api_url} has no work pool {work_pool!r}: run `mint flows "
-                "deploy` against it first (the control host does, in `mint up --role control`)"
-            ) from e
-        if pool is Pool.TRAIN:
-            with contextlib.suppress(ObjectAlreadyExists):  # this host's worker ran before
-                client.create_work_queue(host_queue(config), work_pool_name=work_pool)
-
-    def online() -> bool:
-        time.sleep(0.3)  # on top of start_process's 0.2 s: each look is an API request
-        with SyncPrefectClient(prefect_api_url, auth_string=auth) as client:
-            workers = client.read_workers_for_work_pool(work_pool)
-        return any(w.name == config.host_name and w.status == WorkerStatus.ONLINE for w in workers)
-
-    return start_process(
-        f"{work_pool} worker",
-        worker_argv(config, pool),
-        prefect_api_url,
-        online,
-        config.home / "logs" / f"worker-{work_pool}.log",
-        env,
-        timeout_s=timeout_s,
-    )

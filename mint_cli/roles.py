@@ -262,7 +262,7 @@ def _create_bucket(endpoint_url: str, bucket: str) -> None:
 
 
 def _up_train(args: argparse.Namespace, config: MintConfig) -> None:
-    from control.services import start_prefect_worker
+    from control.services import host_queue, start_prefect_worker
     from mint_cli.services import build_base
     from trainer.server import start_trainer
 
@@ -275,6 +275,8 @@ def _up_train(args: argparse.Namespace, config: MintConfig) -> None:
             partial(
                 start_prefect_worker, config, config.train_pool, api,
                 os.environ.get(PREFECT_CLIENT_AUTH, ""), runs_env, 1,
+                # Its own queue besides the pool's: a run can be sent to this host.
+                queues=("default", host_queue(config)),
             )
         )  # fmt: skip
         lines = [f"train pool worker:       {config.host_name} in {config.train_pool} at {api}"]

@@ -1,7 +1,7 @@
 """Work pools (`flows.pools`): every served flow goes to exactly one pool, the flows that train
 to the train pool; what `deploy_to_pools` asks of Prefect (the pools, each deployment's pool,
-tag and run environment, the crash automation); the workers' command lines; the crash watch's
-bounds. The Prefect server's side runs in tests/integration/test_work_pools.py."""
+tag and run environment, the crash automation); the crash watch's bounds. The Prefect server's
+side runs in tests/integration/test_work_pools.py."""
 
 from collections.abc import Iterator
 from datetime import timedelta
@@ -22,8 +22,6 @@ from flows.pools import (
     CrashWatch,
     crash_automation,
     deploy_to_pools,
-    host_queue,
-    worker_argv,
 )
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError
@@ -36,7 +34,6 @@ with mock.patch("platform.architecture", return_value=("64bit", "ELF")):
 
 CONFIG = MintConfig(
     retrain=(RetrainSchedule("nightly-bot", "/data/nightly.jsonl", "0 3 * * *"),),
-    host="train-7",
     train_pool="gpu-pool",
     control_pool="cpu-pool",
 )
@@ -67,24 +64,6 @@ def test_import_is_served() -> None:
 def test_pools_are_named_by_the_configuration() -> None:
     assert [pool.work_pool(CONFIG) for pool in Pool] == ["gpu-pool", "cpu-pool"]
     assert [pool.work_pool(MintConfig()) for pool in Pool] == ["mint-train", "mint-control"]
-
-
-def test_a_train_worker_takes_one_run_at_a_time_from_its_pool_and_its_own_queue() -> None:
-    train = worker_argv(CONFIG, Pool.TRAIN)
-    assert train[1:5] == ["-m", "prefect", "worker", "start"]
-    assert _option(train, "--pool") == ["gpu-pool"]
-    assert _option(train, "--type") == ["process"]
-    assert _option(train, "--name") == ["train-7"]
-    assert _option(train, "--limit") == ["1"]
-    assert _option(train, "--work-queue") == ["default", "host-train-7"]
-    assert host_queue(CONFIG) == "host-train-7"
-    control = worker_argv(CONFIG, Pool.CONTROL)
-    assert _option(control, "--pool") == ["cpu-pool"]
-    assert _option(control, "--limit") == _option(control, "--work-queue") == []
-
-
-def _option(argv: list[str], name: str) -> list[str]:
-    return [argv[i + 1] for i, arg in enumerate(argv) if arg == name]
 
 
 @pytest.mark.parametrize(
