@@ -17,9 +17,11 @@ namespaces do not separate). The test process's own settings never change: what 
 (URLs, the auth string, the accounts) is in `Booted`, for explicit clients.
 """
 
+import json
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +40,10 @@ WORKER_PORT, RELAY_PORT, GATEWAY_PORT = 8000, 8001, 8080
 MLFLOW_PORT, PREFECT_PORT, S3_PORT = 5000, 4200, 9000
 BOOT_TIMEOUT_S = 300.0
 """Generous: on 2 busy cores a worker loads torch and the base in tens of seconds."""
+
+FLEET_TIMEOUT_S = 60.0
+"""How long the gateway may take to list every worker up once all roles are (it reads the
+workers' heartbeats from the registry every second or so)."""
 
 QUIET = {
     "OMP_NUM_THREADS": "1",
@@ -169,6 +175,8 @@ def boot(cluster: Cluster, base_home: Path, registry_db: str) -> Booted:
         for role, service, seconds in pool.map(timed, starts):
             services[role] = service
             boot_s[role] = seconds
+    gateway_url = f"http://{gw}:{GATEWAY_PORT}"
+    wait_fleet(gateway_url, list(worker_urls.values()), FLEET_TIMEOUT_S)
     boot_s["all"] = time.monotonic() - start
     return Booted(
         cluster=cluster,
@@ -176,13 +184,33 @@ def boot(cluster: Cluster, base_home: Path, registry_db: str) -> Booted:
         prefect_api=envs["train"]["PREFECT_API_URL"],
         prefect_auth=secrets.prefect_auth,
         s3_endpoint=envs["serve"].get("MINT_S3_ENDPOINT_URL", ""),
-        gateway_url=f"http://{gw}:{GATEWAY_PORT}",
+        gateway_url=gateway_url,
         worker_urls=worker_urls,
         direct_urls=direct_urls,
         delay_files=delay_files,
         host_envs=envs,
         services=services,
         boot_s=boot_s,
+    )
+
+
+def wait_fleet(gateway_url: str, workers: list[str], timeout_s: float) -> None:
+    """Return once the gateway's /health lists each of `workers` (advertised URLs) up;
+    ServiceError with what it last said otherwise."""
+    deadline, said = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(gateway_url + "/health", timeout=5) as response:
+                said = response.read().decode(errors="replace")
+            up = {w["url"] for w in json.loads(said)["workers"] if w["up"]}
+            if up >= set(workers):
+                return
+        except (OSError, ValueError, KeyError) as e:
+            said = repr(e)
+        time.sleep(0.5)
+    raise ServiceError(
+        f"the gateway at {gateway_url} did not list {workers} up within {timeout_s:.0f} s; "
+        f"its /health said: {said[:1500]}"
     )
 
 

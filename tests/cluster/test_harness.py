@@ -87,7 +87,8 @@ def test_a_killed_run_is_swept(namespaces_ok: None, tmp_path: Path) -> None:
 
 
 def test_roles_boot(mint_cluster: roles.Booted) -> None:
-    """Every role answers from where its callers are, and only with its credentials."""
+    """Every role answers from where its callers are, and only with its credentials; the
+    gateway lists both workers by their advertised (relay) URLs (the boot waits for it)."""
     booted = mint_cluster
     (health,) = _load(booted.cluster, booted.gateway_url + "/health", "--requests", "1")
     assert health["status"] == 200, health  # the client host reaches the gateway
@@ -102,6 +103,10 @@ def test_roles_boot(mint_cluster: roles.Booted) -> None:
     assert _status(workers, post=True) == 401  # Prefect asks for its auth string
     listed = _json(workers, basic=booted.prefect_auth, post=True)
     assert {w["name"] for w in listed} == set(roles.TRAIN)
+    queues = _json(booted.prefect_api + "/work_pools/mint-train/queues/filter",
+                   basic=booted.prefect_auth, post=True)  # fmt: skip
+    # A run can be pinned to a train host (issue 37 pins a companion run to the second one).
+    assert {f"host-{role}" for role in roles.TRAIN} <= {q["name"] for q in queues}
 
 
 def _request(url: str, basic: str | None, post: bool) -> urllib.request.Request:
