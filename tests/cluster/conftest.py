@@ -40,9 +40,9 @@ def small_cluster(namespaces_ok: None, tmp_path: Path) -> Iterator[netns.Cluster
         yield cluster
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # down before the integration lane starts: not 40 min idle
 def mint_cluster(namespaces_ok: None, mint_home: Path, session_dir: Path) -> Iterator[roles.Booted]:
-    """Every role of MinT booted in its host (tests/cluster/roles.py), once per session. The
+    """Every role of MinT booted in its host (tests/cluster/roles.py), once for the lane. The
     base is built under the session's MINT_HOME first (the integration lane reuses it), and
     PostgreSQL, MLflow's store, is started here and stopped last."""
     import warnings
