@@ -214,6 +214,15 @@ class Cluster:
         found = _ip("netns", "pids", self.host(role).namespace, check=False)
         return [int(pid) for pid in found.stdout.split()]
 
+    def kill_host(self, role: str) -> list[int]:
+        """SIGKILL every process inside host `role` (a host that dies: no process gets to say
+        goodbye); returns their pids. Its namespace and link stay: `run` starts it again."""
+        killed = self.pids(role)
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return killed
+
     def close(self) -> None:
         """Stop everything and remove every namespace and link; then check nothing is left.
         ServiceError if something is."""

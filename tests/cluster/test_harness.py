@@ -1,12 +1,14 @@
 """The cluster harness itself (about 5 s): hosts reach each other over the bridge, a cut host
-is silent (connects time out, no RST) until it rejoins, the relay adds its delay, and nothing
-is left once the cluster is closed."""
+is silent (connects time out, no RST) until it rejoins, the relay adds its delay, a killed host
+runs nothing, and nothing is left once the cluster is closed or its run was killed. Then the
+roles booted in their hosts (the lane's shared cluster)."""
 
 import base64
 import json
 import statistics
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -54,6 +56,11 @@ def test_cut_rejoin_relay_and_teardown(small_cluster: netns.Cluster, tmp_path: P
     (back,) = _load(cluster, direct, "--requests", "1", "--connect-timeout", "2")
     assert back["status"] == 200, back
 
+    assert len(cluster.kill_host("server")) == 2  # the HTTP server and the relay
+    deadline = time.monotonic() + 5
+    while cluster.pids("server") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not cluster.pids("server")
     cluster.close()
     assert not netns.leftovers(cluster.namespaces, cluster.links)
     listed = netns._ip("netns", "list").stdout + netns._ip("-o", "link").stdout
