@@ -10,7 +10,10 @@ marks the worker offline), so the runs of the pools' deployments send a heartbea
 `CrashWatch.heartbeat_s` (set in their environment by the deployment) and an automation marks a
 run Crashed once none has come for `crash_after_s` and it has not ended. A train host's worker
 also polls a work queue of its own (`control.services.host_queue`), so that a run can be sent
-to one host.
+to one host. A gated release waits for its approval inside its own run, after training, so it
+holds its train host's one slot until answered or `Gates.approval_timeout_s` passes: the price
+of one run (and one record) per release, whoever starts it; give gated adapters a timeout of
+hours, not the default day.
 """
 
 import contextlib

@@ -42,9 +42,9 @@ def cmd_flows_deploy(args: argparse.Namespace, config: MintConfig) -> None:
         print(f"work pool {pool}: {', '.join(sorted(names))}")
     print(
         f"a run whose heartbeats (every {watch.heartbeat_s} s) stop for {watch.crash_after_s} "
-        "s is marked Crashed; runs wait for a worker of their pool on some host: "
-        f"`mint up --role train` on a train host, `prefect worker start --pool "
-        f"{config.control_pool} --type process` on the control host",
+        "s is marked Crashed; runs wait for a worker of their pool: `mint up --role train` "
+        f"runs one of {config.train_pool} on a train host, `mint up --role control` one of "
+        f"{config.control_pool}",
         flush=True,
     )
 
