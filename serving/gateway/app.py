@@ -81,8 +81,8 @@ class Gateway:
 
     async def refresh(self) -> None:
         """Read every worker's routing state once; a worker that does not answer is down. One
-        that cannot be reached, and sent nothing meanwhile, has its link cut: its requests end
-        at once (`serving.gateway.links`)."""
+        that does not answer in time or take a connection, and sent nothing meanwhile, has its
+        link cut: its requests end at once (`serving.gateway.links`)."""
 
         async def one(view: WorkerView) -> None:
             asked_at = time.monotonic()
@@ -94,7 +94,9 @@ class Gateway:
                     answer.raise_for_status()
                     view.update(await answer.json())
                     link.heard()
-            except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            except (aiohttp.ClientConnectorError, TimeoutError) as e:
+                # No answer, or no connection: cut off (a reset or a close is an answer: its
+                # requests have failed already, or are still going).
                 view.down(f"unreachable: {type(e).__name__}: {e}")
                 why = f"the gateway could not reach it: {type(e).__name__}"
                 if await self.links.cut_if_silent(view.url, link, asked_at, why):

@@ -137,7 +137,8 @@ def _failure(
 
 def _failed(worker: WorkerView, link: Link, error: BaseException) -> Response:
     answer = _failure(worker, link, error)
-    return Response(orjson.dumps(answer.body), status_code=502, headers={WORKER_HEADER: worker.url})
+    headers = {WORKER_HEADER: worker.url}
+    return Response(orjson.dumps(answer.body), 502, headers, media_type="application/json")
 
 
 def _streamed(answer: aiohttp.ClientResponse, worker: WorkerView, link: Link) -> StreamingResponse:

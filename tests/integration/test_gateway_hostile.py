@@ -4,9 +4,16 @@ and echoes no more than a short prefix of what was sent. Unknown routes and meth
 the same shape; the gateway describes what it forwards (`/openapi.json`); and a client that
 goes away mid-body is at most one line in the gateway's log, no traceback.
 
-A real gateway process in front of the session's worker, over HTTP on loopback."""
+A real gateway process in front of the session's worker, over HTTP on loopback. And a worker
+that stops answering (SIGSTOP: its kernel still takes connections and bytes, as a host cut off
+takes nothing, and neither resets) with a request on it: that request ends with a 502 within a
+refresh of the gateway's plus two seconds, the next goes to the other worker, and once the
+stopped one answers again it gets its share back."""
 
+import dataclasses
 import json
+import os
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -18,7 +25,7 @@ import pytest
 
 from mint_core.config import MintConfig
 from processes import ManagedProcess
-from serving.gateway import start_gateway
+from serving.gateway import WORKER_HEADER, start_gateway
 from serving.http.errors import MESSAGE_LIMIT
 from serving.http.limits import MAX_REQUEST_BYTES
 from tests.integration.helpers import error_of
@@ -176,3 +183,51 @@ def test_clients_that_go_away_mid_body_are_one_log_line_each(gateway: ManagedPro
         time.sleep(0.2)
     assert "Traceback" not in logged, logged[:2000]
     assert len(logged.splitlines()) <= DISCONNECTS, logged[:2000]
+
+
+REFRESH_S = 0.5 + 2.0
+"""How long the gateway takes to find a worker unreachable: its refresh interval, then the
+poll's timeout (`serving.gateway.app`)."""
+
+
+def generate_base(gateway: ManagedProcess) -> httpx.Response:
+    body = {"inputs": "hello", "parameters": {"max_new_tokens": 4}}
+    return httpx.post(gateway.url + "/generate", json=body, timeout=60)
+
+
+def workers_up(gateway: ManagedProcess) -> dict[str, bool]:
+    health = httpx.get(gateway.url + "/health", timeout=10).json()
+    return {w["url"]: w["up"] for w in health["workers"]}
+
+
+def test_a_stopped_worker_ends_its_request_with_a_502_and_rejoins(
+    fleet_config: MintConfig, s3_worker: ManagedProcess, worker: ManagedProcess
+) -> None:
+    """Two workers of one base (the S3 one reuses the session's, as the lifecycle tests do);
+    base requests go to the first listed while both are idle, so it is the one stopped."""
+    victim, survivor = s3_worker, worker
+    config = dataclasses.replace(fleet_config, worker_urls=(victim.url, survivor.url))
+    gateway = start_gateway(config)
+    try:
+        assert generate_base(gateway).headers[WORKER_HEADER] == victim.url
+        os.killpg(victim.process.pid, signal.SIGSTOP)
+        try:
+            stopped_at = time.monotonic()
+            ended = generate_base(gateway)  # sent to the victim before the gateway knows
+            took = time.monotonic() - stopped_at
+            message = error_of(ended, 502, "worker_unreachable")
+            assert ended.headers[WORKER_HEADER] == victim.url and "send it again" in message
+            assert took < REFRESH_S + 2, took
+            after = [generate_base(gateway) for _ in range(3)]
+            assert [(a.status_code, a.headers[WORKER_HEADER]) for a in after] == [
+                (200, survivor.url)
+            ] * 3
+        finally:
+            os.killpg(victim.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while not all(workers_up(gateway).values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(workers_up(gateway).values()), workers_up(gateway)
+        assert generate_base(gateway).headers[WORKER_HEADER] == victim.url  # its share is back
+    finally:
+        gateway.stop()

@@ -262,6 +262,7 @@ def test_a_worker_found_unreachable_has_its_requests_ended_with_a_502(
             error = json.loads(ended.text.strip().splitlines()[-1].removeprefix("data:"))
         else:
             assert ended.status_code == 502 and ended.headers[WORKER_HEADER] == stalled.url
+            assert ended.headers["content-type"] == "application/json"
             error = ended.json()
         assert error["error_type"] == "worker_unreachable", error
         assert "send it again" in error["error"] and stalled.url in error["error"]
