@@ -25,13 +25,13 @@ Health = list[tuple["WorkerClient", dict[str, object] | None]]
 def fleet_health(config: MintConfig) -> Health:
     """Every worker's `/health`, asked once for both tables: the fleet's workers
     (MINT_WORKER_URLS, and with MINT_FLEET=registry those announcing themselves)."""
-    from mint_core.membership import current_fleet
+    from mint_core.membership import FleetSource, current_fleet
     from serving.http.client import WorkerClient
 
     fleet: Health = []
-    # MINT_WORKER_URLS in its own order first, as the tables always listed it.
-    seeds = [url.rstrip("/") for url in config.worker_urls]
-    for url in dict.fromkeys([*seeds, *current_fleet(config)]):
+    static = config.fleet.source is FleetSource.STATIC
+    # A static fleet in MINT_WORKER_URLS' order, as the tables always listed it.
+    for url in config.worker_urls if static else current_fleet(config):
         worker = WorkerClient(url, config.worker_api_key)
         try:
             fleet.append((worker, worker.health()))

@@ -180,15 +180,25 @@ class RegistryRoster:
 
 
 def open_roster(config: "MintConfig", registry: "Registry | None" = None) -> Roster:
-    """The roster `config.fleet` names, seeded with `config.worker_urls`: static, or read
-    from `registry` (a client of `config.tracking_uri` when not given)."""
+    """The roster `config.fleet` names: static (`config.worker_urls`), or read from `registry`
+    (a client of `config.tracking_uri` when not given) and seeded with `registry_seeds`."""
     if config.fleet.source is FleetSource.STATIC:
         return StaticRoster(config.worker_urls)
     if registry is None:
         from mint_core.registry import Registry  # MLflow's client only where it is read
 
         registry = Registry(config.tracking_uri)
-    return RegistryRoster(config.worker_urls, registry.members, config.fleet)
+    return RegistryRoster(registry_seeds(config), registry.members, config.fleet)
+
+
+def registry_seeds(config: "MintConfig") -> tuple[str, ...]:
+    """The workers a registry roster counts whatever the registry says: MINT_WORKER_URLS if
+    set. Left at its default (this host's loopback) it names nothing: on another host it is
+    nobody, or this host's own worker under a second name, and placement must see one name per
+    worker; a worker there announces itself anyway."""
+    from mint_core.config import MintConfig
+
+    return () if config.worker_urls == MintConfig.worker_urls else config.worker_urls
 
 
 def current_fleet(config: "MintConfig", registry: "Registry | None" = None) -> tuple[str, ...]:

@@ -21,6 +21,7 @@ from mint_core.membership import (
     StaticRoster,
     current_fleet,
     open_roster,
+    registry_seeds,
 )
 from mint_core.planning.roster import Beat, Member
 from mint_core.registry._mlflow import MlflowStore
@@ -271,3 +272,10 @@ def test_the_announcer_beats_rides_out_an_outage_and_leaves(
     _wait_for(lambda: seq() > before and announcer.problem is None)
     announcer.stop()
     assert [status for _tags, status in runs.runs.values()] == ["FINISHED"]
+
+
+def test_a_registry_roster_seeds_only_worker_urls_that_are_set() -> None:
+    """The default (this host's loopback) would be nobody on another host, or this host's own
+    worker under a second name."""
+    assert registry_seeds(MintConfig(fleet=WATCH)) == ()
+    assert registry_seeds(MintConfig(worker_urls=(SEED,), fleet=WATCH)) == (SEED,)
