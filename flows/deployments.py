@@ -10,6 +10,7 @@ its subprocesses, with its environment (MinT's configuration included). Deployed
 its `Pool`: the flows that train to the train hosts, the others to the control host.
 """
 
+import os
 import sys
 from collections.abc import Mapping
 from enum import StrEnum
@@ -30,6 +31,7 @@ from flows.rl import rl
 from mint_core.config import MintConfig
 from mint_core.revisions import check_adapter_name
 from processes import ManagedProcess, responds_ok, start_process
+from processes.managed import basic_auth
 
 # Flows are found by module path, so runs start from any working directory.
 _BY_MODULE = {"entrypoint_type": EntrypointType.MODULE_PATH, "tags": ["mint"]}
@@ -172,15 +174,21 @@ def serve_deployments(config: MintConfig) -> None:
 
 
 def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProcess:
-    """`mint flows serve` in a child process; returns once its deployments are registered."""
+    """`mint flows serve` in a child process; returns once its deployments are registered.
+    It and the wait present this process's PREFECT_API_AUTH_STRING, if any, to the server."""
     env = config.to_env() | {"PREFECT_API_URL": prefect_api_url}
     # The very deployments the child serves, so none is left out of the wait.
     names = [f"{d.flow_name}/{d.name}" for d in _deployments(config)]
+    # Explicit: `prefect_api_url` need not be this process's PREFECT_API_URL, whose auth string
+    # `responds_ok` sends by default.
+    auth = basic_auth(os.environ.get("PREFECT_API_AUTH_STRING", ""))
     return start_process(
         "flow server",
         [sys.executable, "-m", "mint_cli", "flows", "serve"],
         prefect_api_url,
-        lambda: all(responds_ok(f"{prefect_api_url}/deployments/name/{name}") for name in names),
+        lambda: all(
+            responds_ok(f"{prefect_api_url}/deployments/name/{name}", auth) for name in names
+        ),
         config.home / "logs" / "flows.log",
         env,
     )
