@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import subprocess
 import sys
@@ -221,36 +220,35 @@ def _up_control(args: argparse.Namespace, config: MintConfig) -> None:
             "MINT_FLEET": "registry",
         }
         os.environ |= {"PREFECT_API_URL": api, PREFECT_CLIENT_AUTH: secrets.prefect_auth}
+        _deploy_flows(config, runs_env)  # the pools and their deployments, before any worker
         supervisor.start(
             partial(
                 start_prefect_worker, config, config.control_pool, api, secrets.prefect_auth,
                 runs_env,
             )
         )  # fmt: skip
-        deployed = _deploy_flows(config, runs_env)
         lines = [
             f"MLflow UI (registry):    {mlflow.url}",
             f"Prefect UI (flows):      {prefect.url}  (auth string in {home / SECRETS_FILE})",
         ]
         if s3_url:
             lines.append(f"S3 test endpoint:        {s3_url}  (bucket {config.s3_bucket})")
-        lines.append(f"flow deployments:        {deployed}")
+        pools = f"{config.control_pool} (this host), {config.train_pool} (train hosts)"
+        lines.append(f"flow deployments in:    {pools}")
         for role, path in written.items():
             lines.append(f"{role} host env:{' ' * (15 - len(role))}{path}")
         _ready(supervisor, Role.CONTROL, config, lines)
 
 
-def _deploy_flows(config: MintConfig, env: dict[str, str]) -> str:
-    """`mint flows deploy` (the flows into the two pools), where this MinT has it."""
-    if importlib.util.find_spec("flows.pools") is None:
-        return "not deployed: this MinT has no `mint flows deploy` (run `mint flows serve`)"
+def _deploy_flows(config: MintConfig, env: dict[str, str]) -> None:
+    """`mint flows deploy`: the pools, each flow's deployment in its pool, the crash watch."""
     command = [sys.executable, "-m", "mint_cli", "flows", "deploy"]
     done = subprocess.run(
         command, env=os.environ | config.to_env() | env, capture_output=True, text=True
     )
     if done.returncode != 0:
-        raise ServiceError(f"`mint flows deploy` failed:\n{(done.stdout + done.stderr)[-2000:]}")
-    return f"in the pools {config.control_pool} and {config.train_pool}"
+        said = (done.stdout + done.stderr).strip().splitlines() or ["(it said nothing)"]
+        raise ServiceError(f"`mint flows deploy` failed: {said[-1]}")
 
 
 def _create_bucket(endpoint_url: str, bucket: str) -> None:
@@ -268,13 +266,11 @@ def _up_train(args: argparse.Namespace, config: MintConfig) -> None:
 
     api = _prefect_api()
     build_base(config)  # the flow runs and the trainer load it: once, before either starts
-    # Flow-run heartbeats every 30 s (Prefect's least): a run whose host dies is noticed.
-    runs_env = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}
     with _supervised() as supervisor:
         supervisor.start(
             partial(
                 start_prefect_worker, config, config.train_pool, api,
-                os.environ.get(PREFECT_CLIENT_AUTH, ""), runs_env, 1,
+                os.environ.get(PREFECT_CLIENT_AUTH, ""), None, 1,
                 # Its own queue besides the pool's: a run can be sent to this host.
                 queues=("default", host_queue(config)),
             )

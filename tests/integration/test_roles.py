@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -94,7 +95,12 @@ def test_control_and_train_roles(
     assert wrong.status_code == 401
     pools = httpx.post(f"{api}/work_pools/filter", json={}, headers=_auth(secrets["prefect_auth"]))
     assert pools.status_code == 200
-    assert "mint-control" in {pool["name"] for pool in pools.json()}
+    assert {"mint-control", "mint-train"} <= {pool["name"] for pool in pools.json()}
+    deployments = httpx.post(
+        f"{api}/deployments/filter", json={}, headers=_auth(secrets["prefect_auth"])
+    ).json()
+    in_pools = {d["work_pool_name"] for d in deployments}
+    assert in_pools == {"mint-control", "mint-train"}, in_pools
     assert httpx.get(f"{api}/health").status_code == 200
 
     # A train host: its env file and its own name, nothing else.
@@ -143,10 +149,11 @@ def test_serve_http_speaks_tls_with_the_certificate_it_is_given(tmp_path: Path) 
     )  # fmt: skip
     port = free_port()
     url = f"https://127.0.0.1:{port}"
+    trusting = ssl.create_default_context(cafile=str(cert))
 
     def answers() -> bool:
         with contextlib.suppress(httpx.TransportError):
-            return httpx.get(f"{url}/health", verify=str(cert)).status_code == 200
+            return httpx.get(f"{url}/health", verify=trusting).status_code == 200
         return False
 
     server = start_process(
