@@ -25,6 +25,7 @@ from uuid import UUID
 from prefect import get_client
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.actions import WorkPoolCreate
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterTags
 from prefect.client.schemas.objects import StateType
 from prefect.events.actions import ChangeFlowRunState
 from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
@@ -94,13 +95,16 @@ class Deployed:
     """Each work pool's deployments, as `flow/deployment` names."""
     deployment_ids: tuple[UUID, ...]
     automation_id: UUID
+    removed: tuple[str, ...] = ()
+    """Deployments an earlier deploy made that this one no longer has, deleted."""
     watch: CrashWatch = field(default_factory=CrashWatch)
 
 
 def deploy_to_pools(config: MintConfig, watch: CrashWatch = CrashWatch()) -> Deployed:
     """Create the work pools that are missing (process pools), put every deployment in its
     pool, and install (or replace) the crash automation, on the Prefect server this process
-    points at (PREFECT_API_URL). Deploying again updates each deployment in place."""
+    points at (PREFECT_API_URL). Deploying again updates each deployment in place and deletes
+    those of its pools it no longer has (`remove_stale`)."""
     with get_client(sync_client=True) as client:
         for pool in Pool:
             ensure_pool(client, pool.work_pool(config))
@@ -116,8 +120,22 @@ def deploy_to_pools(config: MintConfig, watch: CrashWatch = CrashWatch()) -> Dep
             ids.append(deployment.apply(work_pool_name=work_pool))
         names[work_pool] = tuple(f"{d.flow_name}/{d.name}" for d in deployments)
     with get_client(sync_client=True) as client:
+        removed = remove_stale(client, config, set(ids))
         automation_id = install_crash_automation(client, config, watch)
-    return Deployed(names, tuple(ids), automation_id, watch)
+    return Deployed(names, tuple(ids), automation_id, removed, watch)
+
+
+def remove_stale(client: SyncPrefectClient, config: MintConfig, kept: set[UUID]) -> tuple[str, ...]:
+    """Delete the deployments an earlier deploy put in MinT's pools that this one did not (a
+    schedule since taken out of MINT_RETRAIN would go on starting runs); their names."""
+    tags = [POOL_TAG.format(pool.work_pool(config)) for pool in Pool]
+    found = client.read_deployments(
+        deployment_filter=DeploymentFilter(tags=DeploymentFilterTags(any_=tags))
+    )
+    stale = [deployment for deployment in found if deployment.id not in kept]
+    for deployment in stale:
+        client.delete_deployment(deployment.id)
+    return tuple(sorted(deployment.name for deployment in stale))
 
 
 def ensure_pool(client: SyncPrefectClient, name: str) -> None:

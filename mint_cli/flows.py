@@ -40,6 +40,8 @@ def cmd_flows_deploy(args: argparse.Namespace, config: MintConfig) -> None:
     deployed = deploy_to_pools(config, watch)
     for pool, names in deployed.deployments.items():
         print(f"work pool {pool}: {', '.join(sorted(names))}")
+    if deployed.removed:
+        print(f"removed, no longer deployed: {', '.join(deployed.removed)}")
     print(
         f"a run whose heartbeats (every {watch.heartbeat_s} s) stop for {watch.crash_after_s} "
         "s is marked Crashed; runs wait for a worker of their pool: `mint up --role train` "

@@ -100,6 +100,12 @@ def test_the_crash_automation_watches_the_pools_runs_for_missing_heartbeats() ->
     assert action.state == StateType.CRASHED and "no heartbeat for 75 s" in action.message
 
 
+class _Read:
+    def __init__(self, id: UUID, name: str = "") -> None:
+        self.id = id
+        self.name = name
+
+
 class _Prefect:
     """What `deploy_to_pools` asks of Prefect's client, recorded (the API is real in the
     integration test)."""
@@ -109,6 +115,9 @@ class _Prefect:
         self.created_pools: list[tuple[str, str]] = []
         self.automations: dict[UUID, AutomationCore] = {uuid4(): _named(AUTOMATION)}
         self.applied: list[tuple[str, str, list[str], dict[str, Any]]] = []
+        self.stale = _Read(uuid4(), "retrain-dropped-bot")
+        self.deployments = {self.stale.id: self.stale}
+        self.asked_tags: list[str] = []
 
     def __enter__(self) -> "_Prefect":
         return self
@@ -124,6 +133,13 @@ class _Prefect:
         self.pools.add(work_pool.name)
         self.created_pools.append((work_pool.name, work_pool.type))
 
+    def read_deployments(self, deployment_filter: Any) -> list[_Read]:
+        self.asked_tags = deployment_filter.tags.any_
+        return list(self.deployments.values())
+
+    def delete_deployment(self, deployment_id: UUID) -> None:
+        del self.deployments[deployment_id]
+
     def read_automations_by_name(self, name: str) -> list[Any]:
         return [_Read(id) for id, a in self.automations.items() if a.name == name]
 
@@ -133,11 +149,6 @@ class _Prefect:
     def create_automation(self, automation: AutomationCore) -> UUID:
         self.automations[automation_id := uuid4()] = automation
         return automation_id
-
-
-class _Read:
-    def __init__(self, id: UUID) -> None:
-        self.id = id
 
 
 def _named(name: str) -> AutomationCore:
@@ -150,7 +161,9 @@ def prefect(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Prefect]:
 
     def apply(self: RunnerDeployment, work_pool_name: str | None = None, **_: object) -> UUID:
         recorded.applied.append((self.name, str(work_pool_name), self.tags, self.job_variables))
-        return uuid4()
+        deployment_id = uuid4()
+        recorded.deployments[deployment_id] = _Read(deployment_id, self.name)
+        return deployment_id
 
     monkeypatch.setattr(flows.pools, "get_client", lambda sync_client: recorded)
     monkeypatch.setattr(RunnerDeployment, "apply", apply)
@@ -176,6 +189,11 @@ def test_deploy_creates_the_missing_pool_and_puts_each_deployment_in_its_pool(
         "release/release", "import/import", "retrain/retrain", "retrain/retrain-nightly-bot",
         "rl/rl",
     }  # fmt: skip
+    # What an earlier deploy made and this one has not is gone: its schedule would go on.
+    assert prefect.asked_tags == ["pool:gpu-pool", "pool:cpu-pool"]
+    assert deployed.removed == ("retrain-dropped-bot",)
+    assert prefect.stale.id not in prefect.deployments
+    assert len(prefect.deployments) == 11
     # The earlier deploy's automation is replaced, not kept beside the new one.
     (automation,) = prefect.automations.values()
     assert deployed.automation_id in prefect.automations
