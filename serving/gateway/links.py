@@ -21,6 +21,7 @@ from mint_core.connections import ConnectionBounds
 CONNECT_TIMEOUT_S = 2.0
 """A worker that does not take a connection this fast is skipped for the next one."""
 GENERATION_TIMEOUT_S = 600.0
+"""The longest a request may take; one on a worker cut off ends sooner (see above)."""
 
 
 @dataclass
@@ -32,7 +33,6 @@ class Link:
     """Why the gateway closed it, once it has: its requests failed because of that."""
     heard_at: float = float("-inf")
     """When something last came from the worker on it (an answer's head, a stream's chunk)."""
-
     reading: set[aiohttp.ClientResponse] = field(default_factory=set)
     """Answers whose heads have come and whose bodies are being read."""
 
