@@ -101,7 +101,8 @@ class MintConfig:
         "MINT_WORKER_URLS",
         (f"http://{LOOPBACK}:{WORKER_PORT}",),
         "Serving workers that must report a revision ready before it is activated "
-        "(comma-separated).",
+        "(comma-separated); with MINT_FLEET=registry, only those that do not announce "
+        "themselves (unset: none).",
         parse=urls,
         show=",".join,
     )

@@ -18,6 +18,8 @@ one shared `MlflowStore`:
    every alias move needs the adapter's roll-out slot (`slots`), held.
 5. `canary`, `gates`: a candidate's share of live traffic, and what its roll-outs must pass.
 6. `changes`: what workers read at each sync to follow all of this.
+7. `members`: the serving workers announcing themselves (MINT_FLEET=registry), one run each in
+   the `mint-fleet` experiment, never a registered model.
 
 `_mlflow` holds the store (the client), the tag names and the one translation of MLflow's
 failures into MinT's errors.
