@@ -296,11 +296,22 @@ def _ensure_queues(
     calls += [(f"{api_url}/work_pools/{pool}/queues", {"name": queue}) for queue in queues]
     for url, body in calls:
         request = urllib.request.Request(url, json.dumps(body).encode(), dict(headers))
-        try:
-            urllib.request.urlopen(request, timeout=10).close()
-        except urllib.error.HTTPError as e:
-            if e.code != 409:  # 409: it exists already
-                raise ServiceError(f"Prefect refused to create {body} at {url}: {e}") from e
+        for attempt in range(QUEUE_ATTEMPTS):
+            try:
+                urllib.request.urlopen(request, timeout=10).close()
+            except urllib.error.HTTPError as e:
+                if e.code == 409:  # it exists already
+                    break
+                # 503: a server on SQLite whose database another host's write holds locked.
+                if e.code != 503 or attempt == QUEUE_ATTEMPTS - 1:
+                    raise ServiceError(f"Prefect refused to create {body} at {url}: {e}") from e
+                time.sleep(1.0)
+            else:
+                break
+
+
+QUEUE_ATTEMPTS = 5
+"""How often a queue's creation is tried when Prefect answers 503 (busy), a second apart."""
 
 
 RESTART_FIRST_S = 1.0
