@@ -348,6 +348,93 @@ def tiers_sim(result: Result) -> Figure:
     return fig
 
 
+def cluster(result: Result) -> Figure:
+    fig, axes = plt.subplots(2, 2, figsize=(16, 8.5))
+    fig.suptitle("cluster: MinT across hosts (network namespaces on one machine)")
+    (release, cut), (latency, times) = axes
+    figures = {k: result.get(k) or {} for k in
+               ("release", "serve_cut", "control_cut", "latency", "train_killed")}  # fmt: skip
+    stages = figures["release"].get("stage_s", {})
+    if stages:
+        bars_panel(release, stages, "seconds (one release)")
+        release.set_title(f"release: ran on {figures['release'].get('flow_run_host', '?')}, "
+                          f"{figures['release'].get('total_s', 0):.1f} s from its start to the "
+                          f"client's first answer by it", fontsize=9)  # fmt: skip
+    else:
+        release.set_axis_off()
+    serve_cut_timeline(cut, figures["serve_cut"])
+    p50 = figures["latency"].get("p50_ms", {})
+    if p50:
+        bars_panel(latency, p50, "client p50 (ms), path@delay")
+        latency.set_title(
+            f"gateway adds {figures['latency'].get('added_p50_ms_no_delay', 0):.1f} ms, "
+            f"{figures['latency'].get('added_p50_ms_20ms', 0):.1f} ms with the delay",
+            fontsize=9,
+        )
+    else:
+        latency.set_axis_off()
+    waits = {
+        "cut: gateway\nsees it": figures["serve_cut"].get("down_s"),
+        "cut: revisions\nrecovered": figures["serve_cut"].get("recovery_s"),
+        "cut: share\nback": figures["serve_cut"].get("rejoin_s"),
+        "control cut:\ncaught up": figures["control_cut"].get("catch_up_s"),
+        "activation,\nno delay": figures["latency"].get("activation_s_no_delay"),
+        "activation,\n20 ms": figures["latency"].get("activation_s_20ms"),
+        "train kill:\nrun ended": figures["train_killed"].get("crash_detected_s"),
+    }
+    waits = {k: v for k, v in waits.items() if v is not None and v > 0}
+    if waits:
+        bars_panel(times, waits, "seconds", log=True)
+        killed = figures["train_killed"]
+        times.set_title(
+            f"control cut served all: {figures['control_cut'].get('served_while_cut')}; "
+            f"kill: {killed.get('final_state', '?')}, registered {killed.get('registered', '?')}"
+            f", rerun ok {killed.get('rerun_ok', '?')} on {killed.get('rerun_host', '?')}",
+            fontsize=8,
+        )
+    else:
+        times.set_axis_off()
+    return fig
+
+
+def serve_cut_timeline(ax: Axes, cut: Result) -> None:
+    """Each client lane's requests around the cut (x: sent, seconds from the cut), coloured by
+    who answered; lines where the gateway saw it, the lanes recovered, the link came back."""
+    lanes = cut.get("timeline", {}).get("lanes", [])
+    if not lanes:
+        ax.set_axis_off()
+        return
+    styles = {"serve-1": ("o", "#1565c0"), "serve-2": ("o", "#ef6c00"), "no answer": ("x", "black")}
+    points: dict[str, tuple[list[float], list[int]]] = {}
+    for row, lane in enumerate(lanes):
+        for t, status, worker in zip(lane["t_start_s"], lane["status"], lane["worker"],
+                                     strict=True):  # fmt: skip
+            kind = worker if status == 200 else f"{status or 'no answer'}"
+            xs, ys = points.setdefault(kind, ([], []))
+            xs.append(t)
+            ys.append(row)
+    for kind, (xs, ys) in sorted(points.items()):
+        marker, colour = styles.get(kind, ("x", MISSED))
+        ax.scatter(xs, ys, s=9, marker=marker, color=colour, label=kind)
+    link_up, rejoin_s = cut["timeline"].get("link_up_s"), cut.get("rejoin_s")
+    marks = [
+        ("cut", 0.0),
+        ("gateway sees", cut.get("down_s")),
+        ("recovered", cut.get("recovery_s")),
+        ("link up", link_up),
+        ("its share back", None if link_up is None or rejoin_s is None else link_up + rejoin_s),
+    ]
+    for (name, at), style in zip(marks, ("-", ":", "--", "-.", (0, (1, 4))), strict=True):
+        if at is not None:
+            ax.axvline(at, color="black", linestyle=style, linewidth=1, label=name)
+    labels = [f"{lane['adapter']}{' (cut host)' * lane['held_by_cut_host']}" for lane in lanes]
+    ax.set_yticks(range(len(lanes)), labels, fontsize=8)
+    ax.set_xlabel("request sent, s from the cut")
+    ax.set_title(f"serve cut: {cut.get('failed_requests')} of {cut.get('requests')} failed "
+                 f"({cut.get('failed_status')})", fontsize=9)  # fmt: skip
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
 DRAWINGS: dict[str, Callable[[Result], Figure]] = {
     "register": register,
     "admission": admission,
@@ -363,6 +450,7 @@ DRAWINGS: dict[str, Callable[[Result], Figure]] = {
     "tenants": tenants,
     "tiers": tiers,
     "tiers_sim": tiers_sim,
+    "cluster": cluster,
 }
 
 
