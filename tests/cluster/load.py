@@ -10,7 +10,8 @@ a scenario from outside:
 
 `t_start`/`t_end` are wall-clock seconds (every namespace shares the machine's clock); a
 request with no answer has `status` null and `error` "timeout", "connect_timeout",
-"refused", "unreachable" or the exception's name and text.
+"refused", "unreachable" or the exception's name and text. `attempts`: its tries (a 503 with
+Retry-After is asked again, up to `--retries` times, as OpenAI's clients do).
 
     python -m tests.cluster.load --url http://10.1.2.5:8080/v1/completions \\
         --json '{"model": "m", "prompt": "hi"}' --concurrency 2 --duration 10 --out load.jsonl
@@ -22,7 +23,7 @@ import errno
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
@@ -45,6 +46,16 @@ def classify(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+def retry_after(headers: Mapping[str, str]) -> float | None:
+    """Seconds a 503 asks the client to wait (Retry-After-Ms, else Retry-After), if it says."""
+    for name, scale in (("Retry-After-Ms", 1000.0), ("Retry-After", 1.0)):
+        try:
+            return float(headers[name]) / scale
+        except (KeyError, ValueError):
+            continue
+    return None
+
+
 async def _lane(
     lane: int, session: aiohttp.ClientSession, args: argparse.Namespace, state: dict[str, int],
     out: IO[str],
@@ -60,18 +71,24 @@ async def _lane(
         index = state["sent"]
         state["sent"] += 1
         record: dict[str, object] = {"i": index, "lane": lane, "url": args.url}
-        start = time.time()
-        try:
-            async with session.request(
-                args.method, args.url, data=args.json, headers=args.headers
-            ) as response:
-                await response.read()
-                record.update(status=response.status, error=None)
-                kept = {h: response.headers[h] for h in args.keep if h in response.headers}
-                record["headers"] = kept
-        except (TimeoutError, aiohttp.ClientError, OSError) as error:
-            record.update(status=None, error=classify(error), headers={})
-        record.update(t_start=start, t_end=time.time())
+        start, attempts = time.time(), 0
+        wait: float | None = 0.0
+        while wait is not None:  # a 503's Retry-After is honoured --retries times
+            await asyncio.sleep(wait)
+            attempts, wait = attempts + 1, None
+            try:
+                async with session.request(
+                    args.method, args.url, data=args.json, headers=args.headers
+                ) as response:
+                    await response.read()
+                    record.update(status=response.status, error=None)
+                    kept = {h: response.headers[h] for h in args.keep if h in response.headers}
+                    record["headers"] = kept
+                    if response.status == 503 and attempts <= args.retries:
+                        wait = retry_after(response.headers)
+            except (TimeoutError, aiohttp.ClientError, OSError) as error:
+                record.update(status=None, error=classify(error), headers={})
+        record.update(t_start=start, t_end=time.time(), attempts=attempts)
         out.write(json.dumps(record) + "\n")
         out.flush()
         if args.interval:
@@ -109,6 +126,8 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--interval", type=float, default=0.0, help="seconds between a lane's")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds per request")
     parser.add_argument("--connect-timeout", type=float, default=2.0)
+    retries = "ask again after a 503's Retry-After, up to this many times (as OpenAI's clients do)"
+    parser.add_argument("--retries", type=int, default=0, help=retries)
     parser.add_argument("--no-keepalive", action="store_true", help="a connection per request")
     parser.add_argument("--out", type=Path, default=None, help="default: standard output")
     args = parser.parse_args(argv)
