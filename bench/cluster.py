@@ -116,7 +116,8 @@ def timeline(
     held: Sequence[str],
 ) -> dict[str, Any]:
     """Each client lane's requests (tests/cluster/load.py's lines) in seconds from the cut:
-    when sent and answered, the status (None: no answer) and which serve host answered."""
+    when sent and answered, the status (None: no answer), which serve host answered, and how
+    many attempts it took (a 503's Retry-After honoured)."""
     lanes = []
     for adapter, lines in sorted(answers.items()):
         ordered = sorted(lines, key=lambda a: a["t_start"])
@@ -129,6 +130,7 @@ def timeline(
             "worker": [worker_roles.get(a["headers"].get("X-Mint-Worker", ""), "")
                        for a in ordered],
             "error": [a["error"] for a in ordered],
+            "attempts": [a.get("attempts", 1) for a in ordered],
         })  # fmt: skip
     link_up = None if rejoined_at is None else round(rejoined_at - cut_at, 3)
     return {"link_up_s": link_up, "lanes": lanes}
