@@ -16,6 +16,7 @@ catalog must answer at once with what it holds rather than hold requests.
 """
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -97,3 +98,12 @@ def wait_out_registry_outages(seconds: float) -> None:
     """Let calls to MLflow wait out an outage for up to `seconds` (at an edge: a command that
     runs the pipeline); 0 makes them fail at once."""
     OUTAGES.wait_s = seconds
+
+
+def notice_registry_outages_quickly() -> None:
+    """Make this process's MLflow client give up on an unanswering server within seconds (one
+    retry, 5 s per request) unless the environment says otherwise: for the processes that
+    follow the registry in the background (a worker, a gateway), which must report `degraded`
+    and serve on, not wait through MLflow's default minutes of retries."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")

@@ -21,6 +21,7 @@ from mint_core.errors import NotFoundError, RegistryError, ServiceError
 from mint_core.membership import FleetSource, Roster, open_roster
 from mint_core.planning.placement import Demand
 from mint_core.registry import RegisteredRevision, Registry
+from mint_core.registry_outages import notice_registry_outages_quickly
 from mint_core.revisions import RevisionId, RevisionRef
 from processes import ManagedProcess, start_mint
 from serving.gateway.fleet import Fleet, WorkerView
@@ -408,6 +409,7 @@ def build_gateway(config: MintConfig) -> Gateway:
 
 
 def serve_gateway(config: MintConfig, host: str = LOOPBACK, port: int = GATEWAY_PORT) -> None:
+    notice_registry_outages_quickly()
     app = build_gateway(config).app()
     serve_http(app, host, port, config.http_bounds, config.tls)
 

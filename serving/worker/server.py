@@ -1,7 +1,6 @@
 """Starting a worker: in this process (`serve`) or as a child process (`start_worker`)."""
 
 import logging
-import os
 from collections.abc import Mapping
 
 from transformers.utils import logging as transformers_logging
@@ -13,6 +12,7 @@ from mint_core.exposure import advertised_url
 from mint_core.membership import open_roster
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
+from mint_core.registry_outages import notice_registry_outages_quickly
 from processes import ManagedProcess, start_mint
 from serving.backends.embedded import EmbeddedBackend
 from serving.backends.protocol import Backend
@@ -70,10 +70,7 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> 
     """Load the base, follow the registry, serve until stopped: a worker process's life,
     however it is started (`mint serve`, by hand or from `start_worker`)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    # A worker asks MLflow in the background and must notice quickly when it is down, not
-    # after MLflow's default minutes of retries.
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    notice_registry_outages_quickly()
     transformers_logging.disable_progress_bar()
     # Its name in placement: the URL every other host reaches it at (MINT_WORKER_URL, needed on
     # a wildcard bind), so that all of them place revisions alike.
