@@ -168,7 +168,7 @@ def start_process(
         )
     service = ManagedProcess(name, process, url, log_path, grace_s)
     try:
-        _wait_healthy(service, healthy, timeout_s)
+        wait_healthy(service, healthy, timeout_s)
     except BaseException:
         service.stop()  # whatever it forked before failing, too
         raise
@@ -197,7 +197,8 @@ def _term_with_parent(argv: Sequence[str]) -> list[str]:
     return [sys.executable, "-I", "-S", "-c", TERM_WITH_PARENT, str(os.getpid()), *argv]
 
 
-def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:
+def wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:
+    """Return once `healthy()`; ServiceError naming its log if it exits or times out first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if service.process.poll() is not None:
@@ -209,6 +210,6 @@ def _wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_
             return
         time.sleep(0.2)
     raise ServiceError(
-        f"{service.name} was not healthy at {service.url} within {timeout_s:.0f} s; "
-        + service.log_excerpt()
+        f"{service.name} was not healthy{f' at {service.url}' if service.url else ''} within "
+        f"{timeout_s:.0f} s; " + service.log_excerpt()
     )

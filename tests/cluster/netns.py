@@ -28,13 +28,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from mint_core.errors import ServiceError
-from processes.managed import ManagedProcess, responds_ok, stop_all
+from processes.managed import ManagedProcess, responds_ok, stop_all, wait_healthy
 from tests.process_leaks import CLUSTER_RECORDS as RECORDS
 
 PREFIX = "mintc-"
@@ -250,23 +249,6 @@ def host_environment(env: Mapping[str, str] | None) -> dict[str, str]:
     """The test process's environment without the prefixes of CLEAN_VARIABLES, plus `env`."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(CLEAN_VARIABLES)}
     return {**base, **(env or {})}
-
-
-def wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:
-    """Return once `healthy()`; ServiceError naming its log if it exits or times out first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if service.process.poll() is not None:
-            raise ServiceError(
-                f"{service.name} exited with code {service.process.returncode} while starting; "
-                + service.log_excerpt()
-            )
-        if healthy():
-            return
-        time.sleep(0.2)
-    raise ServiceError(
-        f"{service.name} was not healthy within {timeout_s:.0f} s; " + service.log_excerpt()
-    )
 
 
 def listens(address: str, port: int) -> bool:

@@ -29,8 +29,8 @@ from functools import partial
 from pathlib import Path
 
 from mint_core.errors import ServiceError
-from processes.managed import ManagedProcess
-from tests.cluster.netns import Cluster, listens, wait_healthy
+from processes.managed import ManagedProcess, wait_healthy
+from tests.cluster.netns import Cluster, listens
 
 CONTROL, GATEWAY, CLIENT = "ctl", "gw", "client"
 SERVE = ("serve-1", "serve-2")
