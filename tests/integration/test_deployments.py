@@ -163,7 +163,7 @@ def test_a_rerun_of_a_flow_run_skips_finished_training(
 
 
 def test_flows_serve_needs_a_prefect_server(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mint_cli.services import cmd_flows_serve
+    from mint_cli.flows import cmd_flows_serve
 
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     with pytest.raises(ConfigurationError, match="PREFECT_API_URL"):
