@@ -243,22 +243,12 @@ class Gateway:
     async def forward(self, request: Request, body: bytes, model: str | None) -> Response:
         workers, revision = await self.route(model)
         if revision is None:
-            return await self._forward(request, body, model, workers, None)
+            return await forward_to(self.links, request, body, model, workers, None)
         self.demand.started(revision)
         try:
-            return await self._forward(request, body, model, workers, revision)
+            return await forward_to(self.links, request, body, model, workers, revision)
         finally:
             self.demand.finished(revision)
-
-    async def _forward(
-        self,
-        request: Request,
-        body: bytes,
-        model: str | None,
-        workers: list[WorkerView],
-        revision: str | None,
-    ) -> Response:
-        return await forward_to(self.links, request, body, model, workers, revision)
 
     async def feedback(self, request: Request, body: bytes) -> Response:
         """A score for a request id, from the worker that answered it (see the module's doc)."""

@@ -61,19 +61,7 @@ async def forward_to(
             worker.in_flight -= 1
             return _failed(worker, link, e)
         link.opened(answer)
-        if answer.status == 503:
-            try:
-                content = await answer.read()
-            except (aiohttp.ClientError, TimeoutError) as e:
-                return _failed(worker, link, e)
-            finally:
-                worker.in_flight -= 1
-                link.closed(answer)
-            last_busy = whole_answer(answer, worker, content)
-            if not was_ready and _error_type(content) == "not_ready":
-                return last_busy  # its placement: it admits the revision by demand
-            continue
-        if answer.content_type == "text/event-stream":
+        if answer.content_type == "text/event-stream" and answer.status != 503:
             return _streamed(answer, worker, link)
         try:
             content = await answer.read()
@@ -82,7 +70,11 @@ async def forward_to(
         finally:
             worker.in_flight -= 1
             link.closed(answer)
-        return whole_answer(answer, worker, content)
+        if answer.status != 503:
+            return whole_answer(answer, worker, content)
+        last_busy = whole_answer(answer, worker, content)
+        if not was_ready and _error_type(content) == "not_ready":
+            return last_busy  # its placement: it admits the revision by demand
     if last_busy is not None:
         return last_busy
     log.warning("no worker took %s: %s", model, "; ".join(f"{w.url}: {w.problem}" for w in workers))
