@@ -386,6 +386,13 @@ class MintConfig:
             )
         },
     )
+    train_address: str = setting(
+        "MINT_TRAIN_ADDRESS",
+        "",
+        "The address other train hosts reach this one at: node 0 of a training launch on "
+        "several hosts (`--nnodes`) listens there (`mint up --role train --host` sets it).",
+        parse=str.strip,
+    )
     train_pool: str = setting(
         "MINT_TRAIN_POOL",
         "mint-train",

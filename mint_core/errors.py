@@ -82,5 +82,10 @@ class RejectedError(MintError):
     message carries the figures or the decision. `production` did not move."""
 
 
+class TrainingFailedError(MintError):
+    """A training process (a rank of a distributed launch) failed or was lost: the whole step
+    failed, every rank was stopped and nothing was registered; a rerun starts it again."""
+
+
 class DatasetError(ConfigurationError):
     """Training data that cannot be used: the message names `FILE:LINE` and the reason."""

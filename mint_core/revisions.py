@@ -172,6 +172,9 @@ class PolicyRecord:
     target_parameters: tuple[str, ...] = ()
     """Fused MoE expert parameters the LoRA adapts (PEFT's `target_parameters`); () for none.
     Records from before expert LoRA lack it and read as ()."""
+    trained_with: Mapping[str, object] = field(default_factory=dict)
+    """How it was trained: world_size, train_hosts, dist_backend (`mint_core.distributed.World`);
+    empty for an imported adapter and records from before distributed training."""
     schema_version: int = POLICY_SCHEMA_VERSION
 
     def to_json(self, compact: bool = False) -> str:

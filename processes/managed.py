@@ -159,7 +159,7 @@ def start_process(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
         process = subprocess.Popen(
-            _term_with_parent(argv) if die_with_parent else list(argv),
+            term_with_parent(argv) if die_with_parent else list(argv),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -186,7 +186,7 @@ os.execvp(sys.argv[2], sys.argv[2:])
 it ends, then execs the service (the request survives exec)."""
 
 
-def _term_with_parent(argv: Sequence[str]) -> list[str]:
+def term_with_parent(argv: Sequence[str]) -> list[str]:
     """`argv` behind a small Python that gets it SIGTERM when the thread that started it
     ends, asked for in the child itself: not through Popen's `preexec_fn`, which runs Python
     between fork and exec and can deadlock a threaded program (a worker is one). Where Linux's

@@ -122,6 +122,10 @@ class Runs:
         """Every param in `params`, in one request (a param, once logged, never changes)."""
         self.store.client.log_batch(run_id, params=_params(params))
 
+    def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
+        """Every tag in `tags`, in one request."""
+        self.store.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
     def log_losses(self, run_id: str, name: str, losses: Sequence[tuple[int, float]]) -> None:
         """Metric `name` at each (step, value), in one request."""
         now = _now_ms()

@@ -61,6 +61,7 @@ CHANGED = MintConfig(
     host="train-1",
     fleet=FleetWatch(FleetSource.REGISTRY, heartbeat_s=0.5, stale_s=2.5, forget_s=30),
     tls=TlsFiles("/etc/mint/tls.crt", "/etc/mint/tls.key"),
+    train_address="10.0.0.5",
     train_pool="gpu-train",
     control_pool="ops",
 )
