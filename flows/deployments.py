@@ -4,7 +4,8 @@
 `release`, `import`, `promote`, `rollback`, `canary`, `repair`, `retrain`, `rl` and `approve`
 run from the Prefect UI with a parameter form (a roll-out paused for approval also shows its own
 form on its run); each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>`
-deployment on its cron. `catalog-snapshot` publishes the catalog snapshot workers start from.
+deployment on its cron. `catalog-snapshot` publishes the catalog snapshot workers start from;
+`train-node` is started by a release training on several hosts, one run per other host.
 Served, they need no work pool, but the serving process must keep running: flow runs start as
 its subprocesses, with its environment (MinT's configuration included). Deployed, each goes to
 its `Pool`: the flows that train to the train hosts, the others to the control host.
@@ -28,6 +29,7 @@ from flows.promote import promote, rollback
 from flows.release import SCHEDULED, import_adapter, release, retrain
 from flows.repair import repair
 from flows.rl import rl
+from flows.train_node import train_node
 from mint_core.config import MintConfig
 from mint_core.revisions import check_adapter_name
 from processes import ManagedProcess, responds_ok, start_process
@@ -112,6 +114,11 @@ _SERVED: tuple[tuple[Flow[..., Any], str, str], ...] = (
     (repair, "repair", "Export a revision again from its frozen files and re-admit it."),
     (approve, "approve", "Approve or reject a roll-out paused for approval."),
     (rl, "rl", "GRPO on a LoRA, sampling from the worker serving its rl alias."),
+    (
+        train_node,
+        "train-node",
+        "One more train host's processes of a release trained on several (started by it).",
+    ),
     (catalog_snapshot, "catalog-snapshot", "Publish the catalog snapshot workers start from."),
 )
 """Each flow served, by deployment name, with the description the Prefect UI shows."""
@@ -121,6 +128,7 @@ POOLS: Mapping[str, Pool] = {
     "import": Pool.TRAIN,
     "retrain": Pool.TRAIN,  # and each `retrain-<adapter>` on its schedule
     "rl": Pool.TRAIN,
+    "train-node": Pool.TRAIN,
     "promote": Pool.CONTROL,
     "rollback": Pool.CONTROL,
     "canary": Pool.CONTROL,

@@ -17,6 +17,7 @@ from flows.rollout import StageClock, roll_out
 from flows.ship import ship
 from mint_core.access import EVERYONE
 from mint_core.config import MintConfig
+from mint_core.distributed import DEFAULT_TIMEOUT_S, Launch, World
 from mint_core.errors import ConfigurationError
 from mint_core.model.datasets import DEFAULT_EVAL_FRACTION
 from mint_core.model.training import EVAL_GENERATION_ROWS, TrainingConfig
@@ -61,6 +62,11 @@ def release(
     actor: str = "mint",
     principals: list[str] | None = None,
     base_model: str | None = None,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    rdzv_endpoint: str = "",
+    shard_base: bool = False,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> ReleaseReport:
     """Train a LoRA on the JSONL rows at `data` (a path or an s3:// URI) and release it as the
     next revision of `adapter`.
@@ -96,10 +102,22 @@ def release(
         principals: API-key principals that may use the revision; empty: everyone.
         base_model: Model folder or hub id to train on instead of MINT_BASE_MODEL; the
             workers serving that base take the revision.
+        nproc_per_node: Training processes on each host (torchrun's --nproc-per-node): data
+            parallel over the LoRA, each taking its share of every batch; 1: in the run's own
+            process.
+        nnodes: Train hosts (torchrun's --nnodes): this run's host and nnodes - 1 more from
+            the train pool, each running a `train-node` flow run.
+        rdzv_endpoint: HOST[:PORT] the other hosts reach this one at; empty:
+            MINT_TRAIN_ADDRESS and a free port.
+        shard_base: Shard the frozen base over the processes (FSDP2), for a base larger than
+            one device.
+        dist_timeout_s: torch.distributed's timeout (rendezvous and each collective): a lost
+            process fails the training after at most this long.
     """
     config = on_base(MintConfig.from_env(), base_model)
     check_adapter_name(adapter)
     label_run(adapter)
+    launch = Launch(nproc_per_node, nnodes, rdzv_endpoint, dist_timeout_s, shard_base)
     training = TrainingConfig(
         rank=rank,
         alpha=alpha,
@@ -118,7 +136,7 @@ def release(
         raise ConfigurationError(f"eval_fraction={eval_fraction} must be between 0 and 1")
     timed = StageClock()
     rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, adapter)
-    trained = timed("train", train_adapter, config, adapter, rows, held_out, training)
+    trained = timed("train", train_adapter, config, adapter, rows, held_out, training, launch)
     shipment = Shipment(
         adapter,
         trained,
@@ -131,7 +149,7 @@ def release(
     revision = _release(config, shipment, timed, "release")
     scored = held_out.describe(min(len(held_out.rows), EVAL_GENERATION_ROWS))
     report = ReleaseReport(str(revision), dict(trained.eval_metrics), timed.seconds, scored)
-    _summarize(config, adapter, report, scored)
+    _summarize(config, adapter, report, scored, trained.world)
     return report
 
 
@@ -172,12 +190,21 @@ def import_adapter(
     return report
 
 
-def _summarize(config: MintConfig, adapter: str, report: ReleaseReport, held_out: str) -> None:
+def _summarize(
+    config: MintConfig,
+    adapter: str,
+    report: ReleaseReport,
+    held_out: str,
+    world: World | None = None,
+) -> None:
     """The run's summary artifact: the revision, where production went, the host it was made
-    on, its held-out figures (and on which rows) and each stage's time."""
+    on (and how many processes on which hosts trained it), its held-out figures (and on which
+    rows) and each stage's time."""
     facts: dict[str, object] = {"revision": report.revision}
     facts["production"] = production_move(config, adapter)
     facts["host"] = config.host_name
+    if world is not None and world.size > 1:
+        facts["trained on"] = world.describe()
     facts |= {f"{name} ({held_out})": value for name, value in report.eval_metrics.items()}
     facts["stages"] = ", ".join(f"{k} {v:.1f} s" for k, v in report.stage_seconds.items())
     summarize(adapter, f"released {report.revision}", facts)
@@ -211,7 +238,12 @@ def _allowed(principals: list[str] | None) -> tuple[str, ...]:
 @flow(name="retrain", flow_run_name="retrain {adapter}")
 @ends_on_mint_error
 def retrain(
-    adapter: str, data: str, steps: int | None = None, actor: str = SCHEDULED
+    adapter: str,
+    data: str,
+    steps: int | None = None,
+    actor: str = SCHEDULED,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
 ) -> ReleaseReport:
     """Train `adapter` again on the rows at `data` as they are now (the file is read afresh)
     and release the result as its next revision. The seed is the run's scheduled time: each
@@ -226,8 +258,18 @@ def retrain(
         steps: Optimizer steps; empty: one epoch over `data`.
         actor: Your name: recorded as who retrained it (stage and alias histories); a
             scheduled run records the schedule.
+        nproc_per_node: Training processes on each host, as in `release`.
+        nnodes: Train hosts, as in `release`.
     """
     label_run(check_adapter_name(adapter))
     scheduled = prefect.runtime.flow_run.scheduled_start_time
     seed = int(scheduled.timestamp()) if scheduled else int(time.time())
-    return release(adapter, data, steps=steps, seed=seed, actor=actor)
+    return release(
+        adapter,
+        data,
+        steps=steps,
+        seed=seed,
+        actor=actor,
+        nproc_per_node=nproc_per_node,
+        nnodes=nnodes,
+    )

@@ -33,7 +33,7 @@ from control.credentials import (
 from mint_cli.options import PORT
 from mint_core.config import GATEWAY_PORT, LOOPBACK
 from mint_core.errors import ConfigurationError, ServiceError
-from mint_core.exposure import Service, advertised_url, check_guarded
+from mint_core.exposure import Service, advertised_url, check_guarded, is_loopback, is_wildcard
 
 if TYPE_CHECKING:
     from control.services import Supervisor
@@ -265,6 +265,7 @@ def _up_train(args: argparse.Namespace, config: MintConfig) -> None:
     from trainer.server import start_trainer
 
     api = _prefect_api()
+    config = _with_train_address(config, args)
     build_base(config)  # the flow runs and the trainer load it: once, before either starts
     with _supervised() as supervisor:
         supervisor.start(
@@ -285,6 +286,18 @@ def _up_train(args: argparse.Namespace, config: MintConfig) -> None:
             )  # fmt: skip
             lines.append(f"Tinker API (trainer):    {trainer.url}  (TINKER_BASE_URL)")
         _ready(supervisor, Role.TRAIN, config, lines)
+
+
+def _with_train_address(config: MintConfig, args: argparse.Namespace) -> MintConfig:
+    """`config` with the address other train hosts reach this one at (node 0 of a training
+    on several hosts listens there), from --advertise-url or --host, unless set already or
+    only a wildcard is known."""
+    if config.train_address:
+        return config
+    address = urlsplit(args.advertise_url).hostname if args.advertise_url else args.host
+    if not address or is_wildcard(address) or is_loopback(address):
+        return config
+    return dataclasses.replace(config, train_address=address)
 
 
 def _up_serve(args: argparse.Namespace, config: MintConfig) -> None:

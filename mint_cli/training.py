@@ -148,6 +148,33 @@ def add_commands(commands: Commands) -> None:
         help="longest row in tokens (default: the base's context); longer rows are refused",
     )
     hyper.add("--seed", type=whole("seed", minimum=0))
+    launch = FlowOptions(release, "processes (torchrun's; defaults: one, in the run's process)")
+    launch.add(
+        "--nproc-per-node",
+        type=whole("nproc per node"),
+        help="training processes on each host: data parallel over the LoRA (gloo on CPUs, "
+        "NCCL on GPUs)",
+    )
+    launch.add(
+        "--nnodes",
+        type=whole("nnodes"),
+        help="train hosts: this run's and NNODES - 1 more from the train pool",
+    )
+    launch.add(
+        "--rdzv-endpoint",
+        metavar="HOST[:PORT]",
+        help="where the other hosts reach this one (default: MINT_TRAIN_ADDRESS, a free port)",
+    )
+    launch.add(
+        "--shard-base",
+        action="store_true",
+        help="shard the frozen base over the processes (FSDP2), for a base larger than a device",
+    )
+    launch.add(
+        "--dist-timeout-s",
+        type=real("dist timeout", 0),
+        help="torch.distributed's timeout: a lost process fails the training after this long",
+    )
     actor_option(release)
     principal_option(release)
     base_model_option(release)
@@ -167,6 +194,12 @@ def add_commands(commands: Commands) -> None:
     grpo.add("--reward", help="exact or chars (share of right characters)")
     grpo.add("--seed", type=whole("seed", minimum=0))
     grpo.add("--start", help="start from this revision: ADAPTER:rN or ADAPTER@alias")
+    grpo.add(
+        "--nproc-per-node",
+        type=whole("nproc per node"),
+        help="processes for the policy update, on this host only (the sampler loop is "
+        "interactive); each takes a share of every step's prompts",
+    )
     actor_option(rl)
     base_model_option(rl)
     rl.set_defaults(run=cmd_rl, needs=(REGISTRY, WORKERS), loads_models=True)

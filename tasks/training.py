@@ -14,11 +14,13 @@ from tqdm.auto import tqdm
 
 from mint_core.artifacts.stores import read_data
 from mint_core.config import MintConfig
+from mint_core.distributed import ONE_PROCESS, Launch, World
 from mint_core.model.base import load_base
 from mint_core.model.datasets import Dataset, load_datasets
 from mint_core.model.imports import ImportedAdapter, inspect_import
-from mint_core.model.training import TrainedAdapter, TrainingConfig, train_lora
+from mint_core.model.training import TrainedAdapter, TrainingConfig, TrainJob, train_lora
 from mint_core.registry import DatasetLog, Registry
+from tasks.launch import train_on_ranks
 from tasks.policies import ONCE_PER_RUN, transient
 from tasks.runs import run_log
 
@@ -46,9 +48,11 @@ def train_adapter(
     data: Dataset,
     held_out: Dataset,
     training: TrainingConfig,
+    launch: Launch = ONE_PROCESS,
 ) -> TrainedAdapter:
-    """Train in this process, inside an MLflow run that records the hyperparameters, the
-    dataset, the loss of every step and the evaluation metrics."""
+    """Train inside an MLflow run that records the hyperparameters, how it was launched, the
+    dataset, the loss of every step and the evaluation metrics: in this process, or on the
+    ranks `launch` asks for (`tasks.launch`), rank 0's progress reported here."""
     registry = Registry(config.tracking_uri)
     local = None if data.source.startswith("s3://") else Path(data.source)
     run_facts = {
@@ -68,21 +72,42 @@ def train_adapter(
     logged: list[TrainingConfig] = []
 
     def started(resolved: TrainingConfig) -> None:
-        registry.runs.log_params(run_id, resolved.params())
+        registry.runs.log_params(run_id, resolved.params() | launch.params())
         logged.append(resolved)
 
     out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
     with _TrainingProgress(registry, run_id, run_log()) as progress:
         try:
-            trained = train_lora(
-                config.base, config.home, data, held_out, out_dir, training, progress.step, started
-            )
+            if launch.in_process:
+                trained = train_lora(
+                    config.base,
+                    config.home,
+                    data,
+                    held_out,
+                    out_dir,
+                    training,
+                    progress.step,
+                    started,
+                )
+                trained = replace(trained, world=World(hosts=(config.host_name,)))
+            else:
+                job = TrainJob(
+                    config.base,
+                    config.home,
+                    data,
+                    held_out,
+                    out_dir,
+                    training,
+                    shard_base=launch.shard_base,
+                )
+                trained = train_on_ranks(config, launch, job, progress.step, started)
         except BaseException:
             progress.flush()
             if not logged:
-                registry.runs.log_params(run_id, training.params())
+                registry.runs.log_params(run_id, training.params() | launch.params())
             registry.runs.finish_training(run_id, {}, 0, failed=True)
             raise
+    registry.runs.set_tags(run_id, trained.world.tags())
     registry.runs.finish_training(run_id, trained.eval_metrics, trained.steps)
     return replace(trained, run_id=run_id)
 

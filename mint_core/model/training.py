@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from mint_core.distributed import Rank, World, check_shares
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import (
     BaseModel,
@@ -27,6 +28,7 @@ from mint_core.model.base import (
 from mint_core.model.datasets import IGNORE, Dataset, Row, Tokenized, collate, tokenize
 from mint_core.model.experts import EXPERT_PARAMETERS, expert_lora_targets
 from mint_core.model.generate import greedy_generate, seeded
+from mint_core.model.sharding import gather_adapter, shard_base, staged_source
 
 StepCallback = Callable[[int, int, float], None]
 """Called after each optimizer step with (step, total steps, training loss)."""
@@ -133,6 +135,8 @@ class TrainedAdapter:
     """`eval_loss` and `eval_exact_match` on the held-out rows."""
     run_id: str | None = None
     """The MLflow run that recorded the training, once the pipeline has one."""
+    world: World = field(default_factory=World)
+    """How many processes trained it, on which hosts (one, here, unless launched)."""
 
     def policy_fields(self) -> dict[str, object]:
         """What the policy record says about where this revision came from."""
@@ -147,6 +151,7 @@ class TrainedAdapter:
             "target_modules": self.target_modules,
             "target_parameters": self.target_parameters,
             "eval_metrics": self.eval_metrics,
+            "trained_with": self.world.policy_fields(),
         }
 
 
@@ -163,6 +168,79 @@ def train_lora(
     """Train one LoRA adapter on `data`, score it on `held_out`, save it in PEFT layout.
     Every row of both is tokenized (and so checked) before the first step. The adapter's
     `config` is the one trained: its targets resolved on the base."""
+    setup = _prepare(source, home, data, held_out, config, on_start)
+    losses = _optimize(setup, on_step)
+    return _finish(setup, losses, out_dir, World(), _score(setup))
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """A release's training step for `train_rank`, as the driver hands it to the ranks."""
+
+    source: BaseSource
+    home: Path
+    data: Dataset
+    held_out: Dataset
+    out_dir: Path
+    config: TrainingConfig
+    shard_base: bool = False
+    """Shard the frozen base over the ranks with FSDP2 (`mint_core.model.sharding`)."""
+
+
+def train_rank(job: TrainJob, rank: Rank) -> TrainedAdapter | None:
+    """One rank of a distributed training step (`mint_core.distributed`'s entry): the same
+    steps as `train_lora` on this rank's share of every batch; rank 0 then scores and saves
+    the adapter (the others are done) and sends its progress to the driver as events. With
+    `job.shard_base` every rank also takes part in scoring it: each forward needs them all."""
+    source = replace(job.source, device=rank.device) if rank.device else job.source
+    if job.shard_base:
+        source = staged_source(source, job.home, rank)
+    check_shares(job.config.batch_size, rank.size)
+
+    def started(resolved: TrainingConfig) -> None:
+        rank.emit(started=asdict(resolved))
+
+    def stepped(step: int, total: int, loss: float) -> None:
+        rank.emit(step=step, total=total, loss=loss)
+
+    setup = _prepare(source, job.home, job.data, job.held_out, job.config, started)
+    if job.shard_base:
+        shard_base(setup.model, rank)
+    losses = _optimize(setup, stepped, rank, reduce=not job.shard_base)
+    world = rank.world(sharded_base=job.shard_base)
+    if not (rank.leader or job.shard_base):
+        return None
+    # A sharded model's every forward needs every rank: all score it and gather it.
+    metrics = _score(setup, synced=job.shard_base)
+    adapter = gather_adapter(setup.model) if job.shard_base else None
+    if not rank.leader:
+        return None
+    trained = _finish(setup, losses, job.out_dir, world, metrics, adapter)
+    rank.emit(allreduce_s=rank.allreduce_s)
+    return trained
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """The base with a fresh LoRA on it, the rows tokenized, the configuration resolved."""
+
+    base: BaseModel
+    model: PeftModel
+    rows: list[Tokenized]
+    held_out: Dataset
+    held_rows: list[Tokenized]
+    data: Dataset
+    config: TrainingConfig
+
+
+def _prepare(
+    source: BaseSource,
+    home: Path,
+    data: Dataset,
+    held_out: Dataset,
+    config: TrainingConfig,
+    on_start: StartCallback | None,
+) -> _Setup:
     base = load_base(source, home, training=True)
     max_length = config.max_length or base.context_length
     if max_length > base.context_length:
@@ -199,23 +277,39 @@ def train_lora(
     config = replace(config, target_modules=tuple(targets), expert_targets=experts)
     if on_start is not None:
         on_start(config)
-    total = config.total_steps(len(rows))
-    losses = _optimize(model, base, rows, config, total, on_step)
-    model.eval()
-    metrics = evaluate(model, base, held_out, held_rows)
-    save_peft(model, out_dir, base.name_or_path)
+    return _Setup(base, model, rows, held_out, held_rows, data, config)
+
+
+def _score(setup: _Setup, synced: bool = False) -> dict[str, float]:
+    """The trained adapter's held-out metrics (`synced`: on every rank of a sharded model)."""
+    setup.model.eval()
+    return evaluate(setup.model, setup.base, setup.held_out, setup.held_rows, synced)
+
+
+def _finish(
+    setup: _Setup,
+    losses: list[float],
+    out_dir: Path,
+    world: World,
+    metrics: dict[str, float],
+    adapter: dict[str, torch.Tensor] | None = None,
+) -> TrainedAdapter:
+    """Save the adapter (`adapter`: its tensors gathered whole from a sharded model)."""
+    base, config = setup.base, setup.config
+    save_peft(setup.model, out_dir, base.name_or_path, adapter)
     return TrainedAdapter(
         path=out_dir,
         config=config,
-        target_modules=tuple(targets),
-        target_parameters=experts,
+        target_modules=config.target_modules,
+        target_parameters=config.expert_targets or (),
         base_model_id=base.model_id,
         base_digest=base.digest,
-        dataset=data.source,
-        dataset_digest=data.digest,
-        steps=total,
+        dataset=setup.data.source,
+        dataset_digest=setup.data.digest,
+        steps=len(losses),
         losses=tuple(losses),
         eval_metrics=metrics,
+        world=world,
     )
 
 
@@ -246,13 +340,14 @@ def _expert_targets(base: BaseModel, config: TrainingConfig) -> tuple[str, ...]:
 
 
 def _optimize(
-    model: PeftModel,
-    base: BaseModel,
-    rows: list[Tokenized],
-    config: TrainingConfig,
-    total: int,
-    on_step: StepCallback | None,
+    setup: _Setup, on_step: StepCallback | None, rank: Rank | None = None, reduce: bool = True
 ) -> list[float]:
+    """The optimizer steps. With `rank`, every rank draws the same global batches (one seed)
+    and takes its share of each; its loss is summed over its tokens and divided by the whole
+    batch's, so that the gradients summed over the ranks are one process's on that batch.
+    They are summed here unless not `reduce`: a sharded base's FSDP sums them itself."""
+    model, base, config, rows = setup.model, setup.base, setup.config, setup.rows
+    total = config.total_steps(len(rows))
     model.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=config.learning_rate)
@@ -264,10 +359,19 @@ def _optimize(
     for step in range(1, total + 1):
         step_loss = 0.0
         for _ in range(config.gradient_accumulation):
-            batch = {k: v.to(base.device) for k, v in collate(next(batches), base.codec).items()}
-            loss = model(**batch).loss / config.gradient_accumulation
+            chosen = next(batches)
+            scale = {}
+            if rank is not None:
+                scale = {"num_items_in_batch": sum(_label_count(r) for r in chosen)}
+                chosen = rank.shard(chosen)
+            batch = {k: v.to(base.device) for k, v in collate(chosen, base.codec).items()}
+            loss = model(**batch, **scale).loss / config.gradient_accumulation
             loss.backward()
             step_loss += loss.item()
+        if rank is not None:
+            if reduce:
+                rank.all_reduce_grads(trainable)
+            step_loss = rank.sum(step_loss)
         torch.nn.utils.clip_grad_norm_(trainable, config.max_grad_norm)
         optimizer.step()
         schedule.step()
@@ -276,6 +380,11 @@ def _optimize(
         if on_step is not None:
             on_step(step, total, step_loss)
     return losses
+
+
+def _label_count(row: Tokenized) -> int:
+    """The tokens a row's loss is taken over (the labels the causal shift leaves)."""
+    return sum(label != IGNORE for label in row.labels[1:])
 
 
 def _batches(rows: list[Tokenized], size: int, seed: int) -> Iterator[list[Tokenized]]:
@@ -290,25 +399,34 @@ def _batches(rows: list[Tokenized], size: int, seed: int) -> Iterator[list[Token
 
 @torch.inference_mode()
 def evaluate(
-    model: torch.nn.Module, base: BaseModel, held_out: Dataset, rows: Sequence[Tokenized]
+    model: torch.nn.Module,
+    base: BaseModel,
+    held_out: Dataset,
+    rows: Sequence[Tokenized],
+    synced: bool = False,
 ) -> dict[str, float]:
     """`eval_loss` (mean token loss over every held-out row) and `eval_exact_match` (share of
-    held-out rows, at most EVAL_GENERATION_ROWS, whose greedy answer is exactly theirs)."""
+    held-out rows, at most EVAL_GENERATION_ROWS, whose greedy answer is exactly theirs).
+    `synced`: every rank of a sharded model runs this at once, on the same rows."""
     losses, tokens = 0.0, 0
     for start in range(0, len(rows), 16):
         chunk = rows[start : start + 16]
         batch = {k: v.to(base.device) for k, v in collate(chunk, base.codec).items()}
-        count = sum(sum(label != IGNORE for label in r.labels[1:]) for r in chunk)
+        count = sum(_label_count(r) for r in chunk)
         losses += model(**batch).loss.item() * count
         tokens += count
     return {
         "eval_loss": losses / max(tokens, 1),
-        "eval_exact_match": exact_match(model, base, held_out.rows[:EVAL_GENERATION_ROWS]),
+        "eval_exact_match": exact_match(model, base, held_out.rows[:EVAL_GENERATION_ROWS], synced),
     }
 
 
-def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence[Row]) -> float:
-    """Share of `rows` whose greedy answer (ending by itself) is exactly the expected one."""
+def exact_match(
+    model: torch.nn.Module, base: BaseModel, rows: Sequence[Row], synced: bool = False
+) -> float:
+    """Share of `rows` whose greedy answer (ending by itself) is exactly the expected one.
+    `synced`: ranks of a sharded model generate in step, each forward on all of them, until
+    every rank's rows have ended (`synced_gpus`)."""
     prompts, answers = [], []
     for row in rows:
         asked, answer = row.prompt_and_answer()
@@ -321,7 +439,9 @@ def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence[Row]) ->
         chunk = prompts[start : start + 32]
         longest = max(len(base.codec.encode_answer(a)) for a in answers[start : start + 32])
         room = base.context_length - max(len(p) for p in chunk)
-        generations = greedy_generate(model, base.codec, chunk, max(1, min(longest + 2, room)))
+        generations = greedy_generate(
+            model, base.codec, chunk, max(1, min(longest + 2, room)), synced_gpus=synced
+        )
         hits += sum(
             g.finished and g.text == answer
             for g, answer in zip(generations, answers[start : start + 32], strict=True)
@@ -329,11 +449,17 @@ def exact_match(model: torch.nn.Module, base: BaseModel, rows: Sequence[Row]) ->
     return hits / max(len(rows), 1)
 
 
-def save_peft(model: PeftModel, out_dir: Path, base_name_or_path: str) -> None:
+def save_peft(
+    model: PeftModel,
+    out_dir: Path,
+    base_name_or_path: str,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> None:
     """`model`'s LoRA in PEFT's layout in `out_dir`, naming `base_name_or_path` (a hub id or
     a folder's full path: `BaseText.name_or_path`) as its base, so that PEFT's own loaders
-    (`AutoPeftModelForCausalLM`) find the base."""
+    (`AutoPeftModelForCausalLM`) find the base. `state_dict`: the LoRA's tensors when the
+    model holds only shards of them (`sharding.gather_adapter`)."""
     model.peft_config["default"].base_model_name_or_path = base_name_or_path
     out_dir.mkdir(parents=True, exist_ok=True)
     # Embedding layers are not adapted; saying so stops PEFT from looking the base up on a hub.
-    model.save_pretrained(out_dir, save_embedding_layers=False)
+    model.save_pretrained(out_dir, state_dict=state_dict, save_embedding_layers=False)

@@ -50,9 +50,13 @@ def test_a_control_flow_runs_on_its_pools_worker_and_says_where(
 ) -> None:
     config, deployed = pools
     assert "catalog-snapshot/catalog-snapshot" in deployed.deployments["test-control"]
-    assert {"release/release", "import/import", "retrain/retrain", "rl/rl"} == set(
-        deployed.deployments["test-train"]
-    )
+    assert {
+        "release/release",
+        "import/import",
+        "retrain/retrain",
+        "rl/rl",
+        "train-node/train-node",
+    } == set(deployed.deployments["test-train"])
     with get_client(sync_client=True) as client:
         (automation,) = client.read_automations_by_name(AUTOMATION)
         release = client.read_deployment_by_name("release/release")

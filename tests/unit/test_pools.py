@@ -38,7 +38,7 @@ CONFIG = MintConfig(
     control_pool="cpu-pool",
 )
 
-TRAINING = {"release", "import", "retrain", "retrain-nightly-bot", "rl"}
+TRAINING = {"release", "import", "retrain", "retrain-nightly-bot", "rl", "train-node"}
 """The deployments whose runs train: the ones that need a train host."""
 
 
@@ -178,7 +178,7 @@ def test_deploy_creates_the_missing_pool_and_puts_each_deployment_in_its_pool(
     assert prefect.created_pools == [("gpu-pool", "process")]
     pools = {name: pool for name, pool, _, _ in prefect.applied}
     assert {name for name, pool in pools.items() if pool == "gpu-pool"} == TRAINING
-    assert len(pools) == len(prefect.applied) == len(deployed.deployment_ids) == 11
+    assert len(pools) == len(prefect.applied) == len(deployed.deployment_ids) == 12
     for name, pool, tags, job_variables in prefect.applied:
         assert tags == ["mint", f"pool:{pool}"], name
         assert job_variables == {"env": {
@@ -187,13 +187,13 @@ def test_deploy_creates_the_missing_pool_and_puts_each_deployment_in_its_pool(
         }}  # fmt: skip
     assert set(deployed.deployments["gpu-pool"]) == {
         "release/release", "import/import", "retrain/retrain", "retrain/retrain-nightly-bot",
-        "rl/rl",
+        "rl/rl", "train-node/train-node",
     }  # fmt: skip
     # What an earlier deploy made and this one has not is gone: its schedule would go on.
     assert prefect.asked_tags == ["pool:gpu-pool", "pool:cpu-pool"]
     assert deployed.removed == ("retrain-dropped-bot",)
     assert prefect.stale.id not in prefect.deployments
-    assert len(prefect.deployments) == 11
+    assert len(prefect.deployments) == 12
     # The earlier deploy's automation is replaced, not kept beside the new one.
     (automation,) = prefect.automations.values()
     assert deployed.automation_id in prefect.automations
