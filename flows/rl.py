@@ -7,7 +7,9 @@ and, on an MoE base, routes), takes one GRPO step with the routes replayed and t
 and logs its figures to the run's MLflow run; every `sync_every` steps the LoRA is shipped
 through the release pipeline (freeze, pack, export, register, admit, prewarm) and `rl` moves to
 it. Every sampled batch is thus attributable to an exact revision, and every revision records
-its parent, its training step and `rl:<task>`.
+its parent, its training step and `rl:<task>`. With `nproc_per_node` > 1 the policy update
+runs on that many processes of this host (torchrun, data parallel over each step's prompts);
+the sampler stays the serving worker.
 """
 
 from dataclasses import dataclass, field
@@ -20,12 +22,10 @@ from flows.rollout import StageClock, roll_out
 from flows.ship import ship
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
-from mint_core.model.experts import experts_modules
 from mint_core.model.rl import (
     ICEPOP_HIGH,
     ICEPOP_LOW,
     GrpoConfig,
-    GrpoTrainer,
     Reward,
     task_prompts,
 )
@@ -35,6 +35,7 @@ from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from mint_core.shipping import Shipment
 from tasks.pipeline import Fleet
 from tasks.rl import (
+    PolicyTrainer,
     RlRun,
     WorkerSampler,
     batches,
@@ -42,6 +43,7 @@ from tasks.rl import (
     save_policy,
     start_rl_run,
     start_trainer,
+    stopping,
 )
 from tasks.runs import label_run, run_log, summarize
 
@@ -79,6 +81,7 @@ def rl(
     start: str = "",
     actor: str = "mint",
     base_model: str | None = None,
+    nproc_per_node: int = 1,
 ) -> RlReport:
     """GRPO on `task` (a toy task over words of at most `max_chars` letters) for `steps` steps
     of `prompts` prompts x `group` completions, shipping the LoRA as the next revision of
@@ -86,7 +89,9 @@ def rl(
     (rank and alpha as given) or, with `start` (`adapter:rN` or `adapter@alias`), from that
     revision's adapter, whose rank, alpha and targets then apply; the KL is to the start.
     IcePop drops the gradient of tokens whose ratio π_train/π_sample leaves [icepop_low,
-    icepop_high]. `base_model` as in `release`.
+    icepop_high]. `base_model` as in `release`. With `nproc_per_node` > 1 each step's prompts
+    are shared among that many training processes on this host, which together take the step
+    one process would.
 
     Args:
         adapter: The adapter whose revisions the run ships, e.g. `upper-rl`.
@@ -108,6 +113,8 @@ def rl(
         start: Revision to start from, `adapter:rN` or `adapter@alias`; empty: a zero LoRA.
         actor: Your name: recorded as who shipped each revision.
         base_model: Model folder or hub id to train on instead of MINT_BASE_MODEL.
+        nproc_per_node: Training processes for the policy update, on this host only (the
+            sampler loop is interactive: one node); at most `prompts`. 1: the flow's own.
     """
     config = on_base(MintConfig.from_env(), base_model)
     label_run(check_adapter_name(adapter))
@@ -122,54 +129,65 @@ def rl(
         icepop_high=icepop_high,
         seed=seed,
     )
-    if min(steps, prompts, sync_every) < 1 or group < 2:
+    if min(steps, prompts, sync_every, nproc_per_node) < 1 or group < 2:
         raise ConfigurationError(
-            f"steps={steps}, prompts={prompts} and sync_every={sync_every} must be at least 1, "
-            f"group={group} at least 2 (GRPO compares the completions of one prompt)"
+            f"steps={steps}, prompts={prompts}, sync_every={sync_every} and nproc_per_node="
+            f"{nproc_per_node} must be at least 1, group={group} at least 2 (GRPO compares the "
+            "completions of one prompt)"
+        )
+    if nproc_per_node > prompts:
+        raise ConfigurationError(
+            f"nproc_per_node={nproc_per_node} exceeds prompts={prompts}: each training process "
+            "takes a share of every step's prompts; use more prompts or fewer processes"
         )
     examples = batches(task_prompts(toy_task, seed, max_chars), prompts)
     registry = Registry(config.tracking_uri)
     origin = _start_revision(registry, adapter, start)
     timed = StageClock()
-    trainer = timed("start", start_trainer, config, grpo, origin)
-    run = start_rl_run(config, adapter, grpo, toy_task.value, f"words<={max_chars}", seed)
-    start_id = origin.id if origin else None
-    revision, fleet = _ship_to_rl(config, adapter, trainer, run, {}, actor, timed, start_id, None)
-    shipped = [revision]
-    worker = fleet.workers[0]
-    moe = bool(experts_modules(trainer.base.model))
-    sampler = WorkerSampler(worker, f"{adapter}@{RL_ALIAS}", trainer.base.codec, moe, seed)
-    figures: dict[str, float] = {}
-    try:
-        for _ in range(steps):
-            metrics, revisions = timed("step", rl_step, trainer, sampler, next(examples), group)
-            figures = metrics.metrics()
-            sampled_by = [RevisionRef.parse(r).revision or 0 for r in revisions]
-            figures["sampler_revision"] = float(max(sampled_by))
-            registry.runs.log_metrics(run.run_id, metrics.step, figures)
-            shown = ", ".join(f"{name} {value:.4g}" for name, value in figures.items())
-            run_log().info("rl step %d/%d: %s", metrics.step, steps, shown)
-            if metrics.step % sync_every == 0:
-                revision, _ = _ship_to_rl(
-                    config, adapter, trainer, run, figures, actor, timed, shipped[-1], fleet
-                )
-                shipped.append(revision)
-    except BaseException:
-        registry.runs.finish_training(run.run_id, {}, trainer.steps, failed=True)
-        raise
-    registry.runs.finish_training(run.run_id, {}, trainer.steps)
-    summarize(
-        adapter,
-        f"rl {adapter} on {toy_task.value}: {trainer.steps} steps",
-        {"revisions": ", ".join(map(str, shipped)), "MLflow run": run.run_id} | figures,
-    )
+    trainer = timed("start", start_trainer, config, grpo, origin, nproc_per_node)
+    with stopping(trainer):
+        prompt_stream = f"words<={max_chars}"
+        world = trainer.world
+        run = start_rl_run(config, adapter, grpo, toy_task.value, prompt_stream, seed, world)
+        start_id = origin.id if origin else None
+        revision, fleet = _ship_to_rl(
+            config, adapter, trainer, run, {}, actor, timed, start_id, None
+        )
+        shipped = [revision]
+        worker = fleet.workers[0]
+        codec = trainer.base.codec
+        sampler = WorkerSampler(worker, f"{adapter}@{RL_ALIAS}", codec, trainer.moe, seed)
+        figures: dict[str, float] = {}
+        try:
+            for _ in range(steps):
+                metrics, revisions = timed("step", rl_step, trainer, sampler, next(examples), group)
+                figures = metrics.metrics()
+                sampled_by = [RevisionRef.parse(r).revision or 0 for r in revisions]
+                figures["sampler_revision"] = float(max(sampled_by))
+                registry.runs.log_metrics(run.run_id, metrics.step, figures)
+                shown = ", ".join(f"{name} {value:.4g}" for name, value in figures.items())
+                run_log().info("rl step %d/%d: %s", metrics.step, steps, shown)
+                if metrics.step % sync_every == 0:
+                    revision, _ = _ship_to_rl(
+                        config, adapter, trainer, run, figures, actor, timed, shipped[-1], fleet
+                    )
+                    shipped.append(revision)
+        except BaseException:
+            registry.runs.finish_training(run.run_id, {}, trainer.steps, failed=True)
+            raise
+        registry.runs.finish_training(run.run_id, {}, trainer.steps)
+        summarize(
+            adapter,
+            f"rl {adapter} on {toy_task.value}: {trainer.steps} steps",
+            {"revisions": ", ".join(map(str, shipped)), "MLflow run": run.run_id} | figures,
+        )
     return RlReport(run.run_id, tuple(map(str, shipped)), figures, timed.seconds)
 
 
 def _ship_to_rl(
     config: MintConfig,
     adapter: str,
-    trainer: GrpoTrainer,
+    trainer: PolicyTrainer,
     run: RlRun,
     figures: dict[str, float],
     actor: str,

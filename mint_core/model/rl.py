@@ -17,20 +17,21 @@ uses [0.5, 5.0]), instead of clipping it as PPO would.
 
 import math
 import shutil
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 from pathlib import Path
 from typing import Protocol
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
+from mint_core.distributed import Rank, World
 from mint_core.errors import ConfigurationError
 from mint_core.model.base import BaseModel, default_targets
 from mint_core.model.experts import EXPERT_PARAMETERS, experts_modules
 from mint_core.model.generate import seeded
+from mint_core.model.rewards import Reward, char_reward, exact_reward
 from mint_core.model.routing import flip_rate, moe_gates, recording_routes, replaying_routes
 from mint_core.model.text import TextCodec
 from mint_core.model.toy import (
@@ -91,8 +92,10 @@ def masked_policy_loss(
     completion_mask: torch.Tensor,
     low: float = ICEPOP_LOW,
     high: float = ICEPOP_HIGH,
+    kept_total: int | None = None,
 ) -> PolicyLoss:
-    """-mean(ratio * advantage) over the completion tokens IcePop keeps.
+    """-mean(ratio * advantage) over the completion tokens IcePop keeps: over `kept_total` of
+    them, when this batch is one rank's share of a step (default: the batch's own).
 
     `ratio = exp(train - sample)` with the sampler's log-probabilities constant, so its gradient
     is ratio * advantage * ∇ log π_train: the importance-weighted policy gradient for samples
@@ -105,7 +108,8 @@ def masked_policy_loss(
     # Exponentiate only kept tokens: a dropped token's ratio may be inf, and inf * 0 is NaN.
     log_ratio = torch.where(kept, train_logprobs - sample_logprobs.detach(), 0.0)
     per_token = torch.exp(log_ratio) * advantages * kept
-    loss = -per_token.sum() / kept.sum().clamp(min=1)
+    count = kept.sum() if kept_total is None else torch.tensor(kept_total, device=kept.device)
+    loss = -per_token.sum() / count.clamp(min=1)
     total = int(completion.sum())
     dropped = total - int(kept.sum())
     return PolicyLoss(loss=loss, masked_fraction=dropped / total if total else 0.0)
@@ -130,44 +134,6 @@ def k3_kl(train_logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> tor
     variance than `-r` (Schulman's "Approximating KL divergence")."""
     log_ratio = reference_logprobs - train_logprobs
     return torch.exp(log_ratio) - log_ratio - 1
-
-
-def exact_reward(answer: str, completion: str, finished: bool) -> float:
-    """1.0 when the completion ended by itself and is exactly the answer, else 0.0."""
-    return float(finished and completion == answer)
-
-
-def char_reward(answer: str, completion: str, finished: bool) -> float:
-    """The share of positions where the completion has the answer's character, over the longer
-    of the two (so a right prefix followed by junk, or a missing tail, loses what it should);
-    0.0 for a completion cut off at the length limit."""
-    if not finished:
-        return 0.0
-    longest = max(len(answer), len(completion))
-    if not longest:
-        return 1.0
-    return sum(a == c for a, c in zip(answer, completion, strict=False)) / longest
-
-
-class Reward(StrEnum):
-    """How a completion is scored against its prompt's answer."""
-
-    EXACT = "exact"
-    """`exact_reward`: all or nothing."""
-    CHARS = "chars"
-    """`char_reward`: the share of right characters, a denser signal to start from."""
-
-    @classmethod
-    def parse(cls, name: str) -> "Reward":
-        try:
-            return cls(name)
-        except ValueError:
-            known = ", ".join(reward.value for reward in cls)
-            raise ConfigurationError(f"unknown reward {name!r}; known rewards: {known}") from None
-
-    @property
-    def score(self) -> Callable[[str, str, bool], float]:
-        return exact_reward if self is Reward.EXACT else char_reward
 
 
 @dataclass(frozen=True)
@@ -300,13 +266,22 @@ class GrpoTrainer:
     """A PeftModel on `base`, trained one GRPO step at a time: a fresh (zero) LoRA, or the
     adapter in the PEFT folder `start` (an SFT revision to improve; its own rank, alpha and
     targets then apply, not `config`'s). The KL reference is the start: the LoRA's weights as
-    they were before the first step."""
+    they were before the first step. `world`: the processes its steps run on (one, unless
+    each is one rank's of a launch: `mint_core.model.rl_ranks`)."""
 
-    def __init__(self, base: BaseModel, config: GrpoConfig, start: Path | None = None) -> None:
+    def __init__(
+        self,
+        base: BaseModel,
+        config: GrpoConfig,
+        start: Path | None = None,
+        world: World | None = None,
+    ) -> None:
         self.base = base
         self.config = config
+        self.world = world or World()
         self.steps = 0
-        self._moe = bool(experts_modules(base.model))
+        self.moe = bool(experts_modules(base.model))
+        """Its base has experts: the sampler records routes for the trainer to replay."""
         self._start_dir = start
         if start is not None:
             self.model: PeftModel = PeftModel.from_pretrained(base.model, start, is_trainable=True)
@@ -317,7 +292,7 @@ class GrpoTrainer:
                 lora_alpha=config.alpha,
                 lora_dropout=0.0,  # PEFT refuses dropout on expert parameters
                 target_modules=list(default_targets(base.model)),
-                target_parameters=experts if self._moe and config.expert_lora else None,
+                target_parameters=experts if self.moe and config.expert_lora else None,
                 task_type="CAUSAL_LM",
             )
             with seeded(config.seed):
@@ -340,8 +315,11 @@ class GrpoTrainer:
     def target_parameters(self) -> tuple[str, ...]:
         return tuple(sorted(self.lora.target_parameters or ()))
 
-    def step(self, groups: Sequence[Group]) -> StepMetrics:
-        """Score `groups`, take one policy-gradient step, and report what it saw."""
+    def step(self, groups: Sequence[Group], rank: Rank | None = None) -> StepMetrics:
+        """Score `groups`, take one policy-gradient step, and report what it saw. With `rank`
+        (every rank given every group) it feeds its share of whole groups, whose advantages
+        are their own, and divides by the whole step's token counts, so that the gradients
+        summed over the ranks are one process's on all groups; the figures are all groups'."""
         codec = self.base.codec
         rewards, exact = [], []
         for group in groups:
@@ -360,24 +338,35 @@ class GrpoTrainer:
                 "of completions for every prompt"
             )
         reward_table = torch.tensor(rewards)
-        advantages = group_advantages(reward_table).reshape(-1, 1).to(self.base.device)
+        advantages = group_advantages(reward_table)
+        tokens = sum(len(s.completion_ids) for group in groups for s in group.samples)
+        if rank is not None:
+            if len(groups) < rank.size:
+                raise ConfigurationError(
+                    f"{len(groups)} prompts for {rank.size} training processes: each takes a "
+                    f"share of the prompts; sample at least {rank.size} or use fewer processes"
+                )
+            mine = rank.shard(range(len(groups)))
+            groups, advantages = [groups[i] for i in mine], advantages[mine]
+        advantages = advantages.reshape(-1, 1).to(self.base.device)
         batch = self._batch([s for group in groups for s in group.samples])
         flips = self._flip_rate(batch)
         with torch.no_grad(), self._start_weights():
             reference = self._logprobs(batch)
         train = self._logprobs(batch)
         mask = batch.completion_mask
-        kl = (k3_kl(train, reference) * mask).sum() / mask.sum()
-        policy = masked_policy_loss(
-            train,
-            batch.sample_logprobs,
-            advantages,
-            mask,
-            self.config.icepop_low,
-            self.config.icepop_high,
-        )
+        low, high = self.config.icepop_low, self.config.icepop_high
+        kept = int((icepop_mask(train, batch.sample_logprobs, low, high) & mask).sum())
+        kept = int(_total(rank, kept))
+        kl = (k3_kl(train, reference) * mask).sum() / tokens
+        policy = masked_policy_loss(train, batch.sample_logprobs, advantages, mask, low, high, kept)
         loss = policy.loss + self.config.kl_coef * kl
         loss.backward()
+        if rank is not None:
+            rank.all_reduce_grads(self._trainable)
+            if flips is not None:  # a mean over this rank's (token, layer) pairs
+                pairs = int(mask.sum()) * batch.routes.shape[2]  # type: ignore[union-attr]
+                flips = rank.sum(flips * pairs) / rank.sum(pairs)
         torch.nn.utils.clip_grad_norm_(self._trainable, self.config.max_grad_norm)
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
@@ -386,10 +375,10 @@ class GrpoTrainer:
             step=self.steps,
             reward=reward_table.mean().item(),
             reward_exact=sum(exact) / len(exact),
-            kl=kl.item(),
-            masked_fraction=policy.masked_fraction,
+            kl=_total(rank, kl.item()),
+            masked_fraction=(tokens - kept) / tokens,
             flip_rate=flips,
-            loss=loss.item(),
+            loss=_total(rank, loss.item()),
         )
 
     def save(self, out_dir: Path) -> Path:
@@ -431,7 +420,7 @@ class GrpoTrainer:
         completion = torch.zeros(shape, dtype=torch.bool)
         sample_logprobs = torch.zeros(shape)
         routes = None
-        if with_routes and self._moe:
+        if with_routes and self.moe:
             gate = moe_gates(self.base.model)
             # Padding needs valid, distinct experts; their outputs are masked out.
             routes = torch.arange(gate[0].top_k).expand(*shape, len(gate), -1).clone()
@@ -475,6 +464,11 @@ class GrpoTrainer:
             self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
         mask = batch.completion_mask.cpu()
         return flip_rate(own.indices[mask], batch.routes[mask])
+
+
+def _total(rank: Rank | None, value: float) -> float:
+    """`value` summed over the ranks (one process: itself)."""
+    return value if rank is None else rank.sum(value)
 
 
 def task_prompts(task: Task, seed: int, max_chars: int = 8) -> Iterator[Example]:

@@ -88,11 +88,14 @@ def test_rl_flow_ships_each_sync_and_continues_from_a_revision(
         rl("rl-bot", max_chars=2)
     assert [r.id.number for r in registry.revisions.of("rl-bot")] == [1, 2, 3]
 
-    # From r2, at a rank the start overrides: r4 is r2 again, r5 trained on from it.
+    # From r2, at a rank the start overrides, with the policy update on 2 processes (torchrun,
+    # a prompt's group each): r4 is r2 again, r5 trained on from it.
     again = rl("rl-bot", start="rl-bot:r2", steps=2, prompts=2, group=4, sync_every=2,
-               max_chars=3, rank=2, alpha=2)  # fmt: skip
+               max_chars=3, rank=2, alpha=2, nproc_per_node=2)  # fmt: skip
     assert again.revisions == ("rl-bot:r4", "rl-bot:r5")
     start, first, last = (registry.revisions.get(RevisionId("rl-bot", n)).policy for n in (2, 4, 5))
+    assert (last.trained_with["world_size"], last.trained_with["dist_backend"]) == (2, "gloo")
+    assert client.get_run(again.run_id).data.tags["mint.world_size"] == "2"
     assert first.content_digest == start.content_digest
     assert (first.parent_revision, last.parent_revision) == (2, 4)
     assert (last.lora_rank, last.lora_alpha, last.target_parameters) == (8, 16, EXPERTS)
