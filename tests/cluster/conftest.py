@@ -44,10 +44,12 @@ def small_cluster(namespaces_ok: None, tmp_path: Path) -> Iterator[netns.Cluster
 def mint_cluster(namespaces_ok: None, mint_home: Path, session_dir: Path) -> Iterator[roles.Booted]:
     """Every role of MinT booted in its host (tests/cluster/boot.py, which bench/cluster.py
     shares), once for the lane. The base is built under the session's MINT_HOME first (the
-    integration lane reuses it)."""
+    integration lane reuses it). Once it is down, ctl and the train hosts must have said they
+    stopped what they started (`roles.check_stopped`)."""
     with boot.booted_cluster(mint_home, session_dir) as booted:
         _boot_s.update(booted.boot_s)
         yield booted
+    roles.check_stopped(booted)
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

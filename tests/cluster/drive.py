@@ -54,6 +54,17 @@ def prefect(booted: Booted) -> Iterator[SyncPrefectClient]:
         yield client
 
 
+def crash_watch(client: SyncPrefectClient, booted: Booted, crash_after_s: int) -> None:
+    """Replace the crash automation ctl's `mint flows deploy` installed by one that marks a
+    run Crashed `crash_after_s` after its last heartbeat (`mint flows deploy --crash-after-s`,
+    as an operator tunes it; heartbeats stay every 30 s, Prefect's floor)."""
+    from flows.pools import PREFECT_MIN_HEARTBEAT_S, CrashWatch, install_crash_automation
+    from mint_core.config import MintConfig
+
+    watch = CrashWatch(PREFECT_MIN_HEARTBEAT_S, crash_after_s)
+    install_crash_automation(client, MintConfig.from_env(booted.pipeline_env), watch)
+
+
 def start_release(
     client: SyncPrefectClient,
     parameters: dict[str, object],

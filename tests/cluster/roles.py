@@ -18,6 +18,7 @@ namespaces do not separate). The test process's own settings never change: what 
 """
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -61,6 +62,10 @@ QUIET = {
 }
 """Every host's settings besides its role's: one thread per process (8 hosts share 2 cores),
 no telemetry, Prefect workers polling every second."""
+
+TRAIN_ENV = {"GLOO_SOCKET_IFNAME": "eth0"}
+"""What a person deploying sets on each train host for a training on several hosts: the hosts
+(namespaces) share one hostname, which gloo would otherwise resolve to pick its interface."""
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,7 @@ def boot(cluster: Cluster, base_home: Path, registry_db: str) -> Booted:
         argv = [sys.executable, "-m", "mint_cli", "up", "--role", "train", "--host", address,
                 "--no-trainer"]  # fmt: skip
         starts[role] = _starter(
-            cluster, role, argv, role_env(cluster, role, base_home, envs["train"])
+            cluster, role, argv, role_env(cluster, role, base_home, envs["train"] | TRAIN_ENV)
         )
     gw = cluster.host(GATEWAY).address
     argv = [sys.executable, "-m", "mint_cli", "up", "--role", "gateway", "--host", gw,
@@ -192,6 +197,23 @@ def boot(cluster: Cluster, base_home: Path, registry_db: str) -> Booted:
         services=services,
         boot_s=boot_s,
     )
+
+
+def check_stopped(booted: Booted) -> None:
+    """Once the cluster is down: ctl and each train host that was not killed stopped what it
+    started and said so (the hosts get SIGTERM, which `mint up` takes as Ctrl-C)."""
+    expected = {CONTROL: ("prefect worker (mint-control)", "prefect server", "mlflow server")}
+    expected |= {role: ("prefect worker (mint-train)",) for role in TRAIN}
+    for role, names in expected.items():
+        service = booted.services[role]
+        if service.process.returncode == -signal.SIGKILL:
+            continue  # a scenario killed the host: nothing had a chance to say anything
+        said = [
+            line for line in service.log_path.read_text(errors="replace").splitlines()
+            if line.startswith("stopped: ")
+        ]  # fmt: skip
+        if not said or not all(name in said[-1] for name in names):
+            raise AssertionError(f"host {role} did not say it stopped {names}: {said[-1:]}")
 
 
 def wait_fleet(gateway_url: str, workers: list[str], timeout_s: float) -> None:

@@ -12,6 +12,7 @@ drivers returning frozen figures: the tests assert on them, bench/cluster.py rec
 """
 
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -27,9 +28,14 @@ RUN_TIMEOUT_S = 420.0
 """A release on a busy 2-core machine: the flow process starts, loads torch and the base,
 trains, exports, and both workers admit and prewarm."""
 
-CRASH_TIMEOUT_S = 240.0
-"""The crash automation marks a run Crashed 90 s after its last heartbeat (every 30 s), and
-evaluates its triggers every few seconds."""
+CRASH_AFTER_S = 61
+"""The crash watch for the train-host scenario: a run is marked Crashed 61 s after its last
+heartbeat (every 30 s, Prefect's floor) rather than the default 90 s. The least that allows
+one late heartbeat (CrashWatch wants more than one interval); what the lane waits for."""
+
+CRASH_TIMEOUT_S = 180.0
+"""A heartbeat's interval, the crash window and the automation's evaluation (every few
+seconds), with room for a busy server."""
 
 SEEN_TIMEOUT_S = 60.0
 """How long after the run ended the client may take to see the new revision (the gateway
@@ -78,16 +84,22 @@ def release_parameters(adapter: str, data: str, steps: int) -> dict[str, object]
 
 
 def release_across_hosts(
-    booted: Booted, folder: Path, adapter: str = "xh-bot", steps: int = 20, rows: int = 96
+    booted: Booted,
+    folder: Path,
+    adapter: str = "xh-bot",
+    steps: int = 20,
+    rows: int = 96,
+    launch: Mapping[str, object] | None = None,
 ) -> ReleaseFigures:
     """Release `adapter` (trained `steps` steps on `rows` toy rows seeded into ctl's S3)
-    through ctl's Prefect API, with the client host asking the gateway for it meanwhile."""
+    through ctl's Prefect API, with the client host asking the gateway for it meanwhile;
+    `launch`: the release's distributed parameters (`nnodes`, `nproc_per_node`, ...)."""
     data = drive.seed_data(booted, f"cluster/{adapter}/train.jsonl", rows)
     client = drive.Client(booted, adapter, folder)
     try:
         with drive.prefect(booted) as prefect:
             started = time.time()
-            params = release_parameters(adapter, data, steps)
+            params = release_parameters(adapter, data, steps) | dict(launch or {})
             # Placed on both workers (MINT_REPLICAS, for this run only): both admit and prewarm.
             replicas = {"MINT_REPLICAS": str(len(roles.SERVE))}
             run = drive.start_release(prefect, params, env=replicas)
@@ -115,14 +127,19 @@ def release_across_hosts(
 
 
 def train_host_killed(
-    booted: Booted, adapter: str = "tk-bot", steps: int = 5000, rerun_steps: int = 20
+    booted: Booted,
+    adapter: str = "tk-bot",
+    steps: int = 5000,
+    rerun_steps: int = 20,
+    crash_after_s: int = CRASH_AFTER_S,
 ) -> TrainKilledFigures:
-    """Start a long release (`steps`), SIGKILL every process of the train host it runs on
-    once its train task runs, and at once send a short rerun (`rerun_steps`) to the other
-    train host's own queue; return once both runs have ended."""
+    """With the crash watch at `crash_after_s`, start a long release (`steps`), SIGKILL every
+    process of the train host it runs on once its train task runs, and at once send a short
+    rerun (`rerun_steps`) to the other train host's own queue; return once both have ended."""
     data = drive.seed_data(booted, f"cluster/{adapter}/train.jsonl", 96)
     mlflow = drive.Mlflow.of(booted)
     with drive.prefect(booted) as prefect:
+        drive.crash_watch(prefect, booted, crash_after_s)
         run = drive.start_release(prefect, release_parameters(adapter, data, steps))
         run = drive.wait_run(
             prefect, run.id, lambda r: _training(prefect, r), RUN_TIMEOUT_S, "training"

@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from control.credentials import SECRETS_FILE
 from tests.cluster import netns, roles
 
 DELAY_MS = 40
@@ -108,12 +109,42 @@ def test_roles_boot(mint_cluster: roles.Booted) -> None:
     assert _status(search, basic=login) == 200
     workers = booted.prefect_api + "/work_pools/mint-train/workers/filter"
     assert _status(workers, post=True) == 401  # Prefect asks for its auth string
+    assert _status(workers, basic="guess", post=True) == 401
+    assert _status(booted.prefect_api + "/health") == 200  # but not for its health
     listed = _json(workers, basic=booted.prefect_auth, post=True)
     assert {w["name"] for w in listed} == set(roles.TRAIN)
     queues = _json(booted.prefect_api + "/work_pools/mint-train/queues/filter",
                    basic=booted.prefect_auth, post=True)  # fmt: skip
     # A run can be pinned to a train host (issue 37 pins a companion run to the second one).
     assert {f"host-{role}" for role in roles.TRAIN} <= {q["name"] for q in queues}
+    pools = _json(booted.prefect_api + "/work_pools/filter", basic=booted.prefect_auth, post=True)
+    assert {"mint-control", "mint-train"} <= {pool["name"] for pool in pools}
+    deployments = _json(booted.prefect_api + "/deployments/filter", basic=booted.prefect_auth,
+                        post=True)  # fmt: skip
+    assert {d["work_pool_name"] for d in deployments} == {"mint-control", "mint-train"}
+
+
+def test_the_control_host_hands_each_role_its_settings(mint_cluster: roles.Booted) -> None:
+    """The env files ctl's `mint up --role control` wrote (0600), which the other hosts were
+    started from: each role gets what it needs and no more."""
+    booted = mint_cluster
+    home = roles.home_of(booted.cluster, roles.CONTROL)
+    secrets = json.loads((home / SECRETS_FILE).read_text())
+    assert (home / SECRETS_FILE).stat().st_mode & 0o777 == 0o600
+    envs = booted.host_envs
+    for role, env in envs.items():
+        assert (home / "hosts" / f"{role}.env").stat().st_mode & 0o777 == 0o600, role
+        assert env["MLFLOW_TRACKING_URI"] == booted.tracking_uri, role
+        assert env["MINT_FLEET"] == "registry", role
+        assert env["MINT_WORKER_API_KEY"] == secrets["worker_api_key"], role
+    # Only the train host talks to Prefect, and only it writes the registry.
+    assert envs["train"]["PREFECT_API_URL"] == booted.prefect_api
+    assert envs["train"]["PREFECT_API_AUTH_STRING"] == secrets["prefect_auth"]
+    assert "PREFECT_API_AUTH_STRING" not in envs["serve"] | envs["gateway"]
+    accounts = json.loads((home / "mlflow-accounts.json").read_text())
+    assert envs["train"]["MLFLOW_TRACKING_USERNAME"] == accounts["pipeline"]["username"]
+    assert envs["serve"]["MLFLOW_TRACKING_USERNAME"] == accounts["worker"]["username"]
+    assert envs["serve"]["MINT_API_KEYS"] == f"{secrets['worker_api_key']}=admin"
 
 
 def _request(url: str, basic: str | None, post: bool) -> urllib.request.Request:

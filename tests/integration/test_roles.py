@@ -1,18 +1,14 @@
-"""`mint up --role`: the control host runs MLflow and a Prefect server that refuses requests
-without its auth string, and writes each other role's env file (0600); a train host started
-from train.env alone joins the train pool under its own name; a service told to listen beyond
-loopback with its doors open exits at once, saying what to set.
+"""`mint up --role` and the services beyond loopback: a service told to listen beyond loopback
+with its doors open exits at once, saying what to set; serve_http speaks TLS only.
 
-Beyond loopback itself needs a network of its own (tests/cluster/); here the roles listen on
-127.0.0.2, a loopback address other than the default, and `check_guarded`'s table is
-tests/unit/test_exposure.py's.
+The roles themselves are checked where they run as deployed, each in a host of its own: the
+cluster lane boots `mint up --role control` and the other roles from the env files it writes
+(tests/cluster/test_harness.py: the env files and what is in them, Prefect's and MLflow's auth,
+the pools, the deployments, the train workers by name; tests/cluster/conftest.py: each stops
+what it started). `check_guarded`'s table is tests/unit/test_exposure.py's.
 """
 
-import base64
 import contextlib
-import json
-import os
-import signal
 import ssl
 import subprocess
 import sys
@@ -22,13 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from control.credentials import SECRETS_FILE, read_env_file
-from mint_core.model.base import BaseModel
 from processes import free_port, start_process
-from tests.integration.helpers import MINT, mint_env, start_mint, stop_and_check, wait_for
-
-HOST = "127.0.0.2"
-READY = "Ctrl-C stops everything"
+from tests.integration.helpers import MINT, mint_env
 
 
 @pytest.mark.parametrize(
@@ -52,77 +43,6 @@ def test_a_service_beyond_loopback_without_keys_exits_at_once(
     assert setting in done.stderr
     assert not (tmp_path / "base").exists()  # refused before any base was built or loaded
     assert took < 30, took
-
-
-def _auth(secret: str) -> dict[str, str]:
-    return {"Authorization": "Basic " + base64.b64encode(secret.encode()).decode()}
-
-
-def test_control_and_train_roles(
-    base: BaseModel, started: list[subprocess.Popen[bytes]], tmp_path: Path
-) -> None:
-    home = tmp_path / "control"
-    mlflow_port, prefect_port = free_port(HOST), free_port(HOST)
-    log = tmp_path / "control.log"
-    args = ["up", "--role", "control", "--host", HOST, "--mlflow-port", str(mlflow_port),
-            "--prefect-port", str(prefect_port)]  # fmt: skip
-    control = start_mint(started, args, mint_env(MINT_HOME=str(home), MINT_HOST="ctl"), log)
-    wait_for(lambda: READY in log.read_text(), control, log, timeout_s=180)
-
-    secrets = json.loads((home / SECRETS_FILE).read_text())
-    api = f"http://{HOST}:{prefect_port}/api"
-    envs = {}
-    for role in ("train", "serve", "gateway"):
-        path = home / "hosts" / f"{role}.env"
-        assert path.stat().st_mode & 0o777 == 0o600, role
-        envs[role] = read_env_file(path)
-        assert envs[role]["MLFLOW_TRACKING_URI"] == f"http://{HOST}:{mlflow_port}"
-        assert envs[role]["MINT_FLEET"] == "registry"
-        assert envs[role]["MINT_WORKER_API_KEY"] == secrets["worker_api_key"]
-    assert (home / SECRETS_FILE).stat().st_mode & 0o777 == 0o600
-    # Only the train host talks to Prefect, and only it writes the registry.
-    assert envs["train"]["PREFECT_API_URL"] == api
-    assert envs["train"]["PREFECT_API_AUTH_STRING"] == secrets["prefect_auth"]
-    assert "PREFECT_API_AUTH_STRING" not in envs["serve"] | envs["gateway"]
-    accounts = json.loads((home / "mlflow-accounts.json").read_text())
-    assert envs["train"]["MLFLOW_TRACKING_USERNAME"] == accounts["pipeline"]["username"]
-    assert envs["serve"]["MLFLOW_TRACKING_USERNAME"] == accounts["worker"]["username"]
-    assert envs["serve"]["MINT_API_KEYS"] == f"{secrets['worker_api_key']}=admin"
-
-    # Prefect's server refuses its API without the auth string, but not its health.
-    assert httpx.post(f"{api}/work_pools/filter", json={}).status_code == 401
-    wrong = httpx.post(f"{api}/work_pools/filter", json={}, headers=_auth("guess"))
-    assert wrong.status_code == 401
-    pools = httpx.post(f"{api}/work_pools/filter", json={}, headers=_auth(secrets["prefect_auth"]))
-    assert pools.status_code == 200
-    assert {"mint-control", "mint-train"} <= {pool["name"] for pool in pools.json()}
-    deployments = httpx.post(
-        f"{api}/deployments/filter", json={}, headers=_auth(secrets["prefect_auth"])
-    ).json()
-    in_pools = {d["work_pool_name"] for d in deployments}
-    assert in_pools == {"mint-control", "mint-train"}, in_pools
-    assert httpx.get(f"{api}/health").status_code == 200
-
-    # A train host: its env file and its own name, nothing else.
-    train_home = tmp_path / "train"
-    (train_home / "base").mkdir(parents=True)
-    os.symlink(base.path, train_home / "base" / base.path.name)
-    train_log = tmp_path / "train.log"
-    train_env = mint_env(MINT_HOME=str(train_home), MINT_HOST="train-1") | envs["train"]
-    train = start_mint(started, ["up", "--role", "train", "--no-trainer"], train_env, train_log)
-    wait_for(lambda: READY in train_log.read_text(), train, train_log, timeout_s=180)
-    workers = httpx.post(
-        f"{api}/work_pools/mint-train/workers/filter",
-        json={},
-        headers=_auth(secrets["prefect_auth"]),
-    )
-    assert [w["name"] for w in workers.json()] == ["train-1"]
-
-    stop_and_check(train, signal.SIGINT, [], train_log)
-    assert "stopped: prefect worker (mint-train)" in train_log.read_text()
-    stop_and_check(control, signal.SIGINT, [f"{api}/health"], log)
-    stopped = "stopped: prefect worker (mint-control), prefect server, mlflow server"
-    assert stopped in log.read_text()
 
 
 TLS_APP = """
