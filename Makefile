@@ -98,7 +98,8 @@ test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(COOKBOOK_INSTALLED) $(
 
 # Every benchmark at full size, one at a time (they measure side by side on a quiet machine: never
 # in parallel), each writing its JSON and picture to bench/results/; hours on 2 cores, most of it
-# tiers, rl and recipe. `make bench-sync` runs one.
+# tiers, rl and recipe. `make bench-sync` runs one; cluster and distributed make network
+# namespaces, so they run as root on their own (`sudo make bench-cluster`).
 BENCHMARKS := register packing batching sync rl_sync admission gateway backends catalog tiers \
 	tiers_sim tenants recipe rl
 bench: $(INSTALLED) $(VLLM_INSTALLED)

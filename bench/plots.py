@@ -397,6 +397,42 @@ def cluster(result: Result) -> Figure:
     return fig
 
 
+def distributed(result: Result) -> Figure:
+    fig, (speed, wall, share) = figure("distributed: one training step on 1 and 2 processes", 3, 16)
+    tokens = result.get("tokens_per_s", {})
+    bars_panel(speed, tokens, "label tokens/s, steps 2..N (median)")
+    for i, case in enumerate(tokens):
+        points = [s["tokens_per_s"] for s in result.get("samples", []) if s["case"] == case]
+        speed.plot([i] * len(points), points, "k.", markersize=4)
+    speed.set_title(f"LoRA equal within {result.get('equal_within') or 0:.2g} (1 vs 2 processes)",
+                    fontsize=9)  # fmt: skip
+    parts = {"start (to rank 0's started)": "startup_s", "step 1 (waits for all)": "first_step_s",
+             "steps 2..N": "steady_s", "score and save": "finish_s"}  # fmt: skip
+    colours = plt.get_cmap("tab10").colors
+    for row, case in enumerate(tokens):
+        left = 0.0
+        for i, (name, key) in enumerate(parts.items()):
+            seconds = float(result[key][case])
+            wall.barh(row, seconds, left=left, color=colours[i], label=name if row == 0 else None)
+            left += seconds
+        wall.text(left, row, f" {left:.1f} s", va="center", fontsize=8)
+    wall.set_yticks(range(len(tokens)), list(tokens))
+    wall.invert_yaxis()
+    wall.set_xlabel("seconds (median per part)")
+    wall.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+    wall.set_title("wall time, launch to result (median)", fontsize=9)
+    shares = {
+        f"{c}\nin training": 100 * v
+        for c, v in result.get("allreduce_share_by_case", {}).items()
+        if c != "1"
+    }
+    shares |= {f"{c}\nalone": 100 * v for c, v in result.get("allreduce_alone_share", {}).items()}
+    bars_panel(share, shares, "all-reduce share of the training time (%)")  # fmt: skip
+    share.set_title(f"on {result.get('floor', {}).get('cores', '?')} shared cores: "
+                    "2 ranks share the cores 1 process used", fontsize=9)  # fmt: skip
+    return fig
+
+
 def serve_cut_timeline(ax: Axes, cut: Result) -> None:
     """Each client lane's requests around the cut (x: sent, seconds from the cut), coloured by
     who answered; lines where the gateway saw it, the lanes recovered, the link came back."""
@@ -451,6 +487,7 @@ DRAWINGS: dict[str, Callable[[Result], Figure]] = {
     "tiers": tiers,
     "tiers_sim": tiers_sim,
     "cluster": cluster,
+    "distributed": distributed,
 }
 
 
