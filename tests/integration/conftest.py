@@ -20,6 +20,7 @@ from control.services import start_mlflow, start_s3
 from mint_cli import quiet_libraries
 from mint_core.config import BackendKind, MintConfig
 from mint_core.model.base import BaseModel, load_base
+from mint_core.registry_outages import OUTAGES
 from processes import ManagedProcess, stop_all
 from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
@@ -46,6 +47,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 _reports = pytest.StashKey[dict[str, pytest.TestReport]]()
+
+
+@pytest.fixture(autouse=True)
+def _registry_outages_not_waited_out() -> Iterator[None]:
+    """Each test starts with this process's registry calls failing at once on an outage. A
+    test that runs `mint` in this process (`mint_cli.main`) sets MINT_REGISTRY_RETRY_S's wait
+    for the process, as the command does for its own; left behind, it made a later test's
+    call to a closed port wait 60 s before failing."""
+    OUTAGES.wait_s = 0.0
+    yield
+    OUTAGES.wait_s = 0.0
 
 
 def _held(process: ManagedProcess) -> Iterator[ManagedProcess]:
