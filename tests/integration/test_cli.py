@@ -40,7 +40,6 @@ from tests.integration.helpers import (
     move_alias,
     postgres_database,
     start_mint,
-    start_mint_up,
     still_running,
     stop_and_check,
     toy_data,
@@ -444,16 +443,6 @@ def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
     stop_and_check(registry, signal.SIGTERM, [f"http://127.0.0.1:{port}/health"], log)
 
 
-@pytest.mark.slow
-def test_sigterm_to_mint_up_stops_everything(
-    base: BaseModel, started: list[subprocess.Popen[bytes]], tmp_path: Path
-) -> None:
-    up = start_mint_up(base, started, tmp_path)
-    stop_and_check(up.process, signal.SIGTERM, list(up.health), up.log)
-    stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
-    assert stopped in up.log.read_text()
-
-
 # Refusals come before anything starts: no Prefect server, no model loaded in a flow.
 
 
@@ -588,3 +577,5 @@ def test_mint_up_on_a_fresh_home_builds_the_base_before_starting_any_service(
         f"http://127.0.0.1:{ports[3]}/health",
     ]
     stop_and_check(up, signal.SIGTERM, urls, log)
+    stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
+    assert stopped in log.read_text()

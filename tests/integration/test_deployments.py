@@ -1,20 +1,15 @@
 """The flows as Prefect deployments: `mint flows serve` registers them with a running Prefect
 server (parameters, cron schedule), a rollback run through the Prefect API changes what the
 worker serves, a strict concurrency limit guards each adapter's roll-out, and persisted results
-let a rerun of a flow run skip finished work. Also `mint up`, started and stopped whole."""
+let a rerun of a flow run skip finished work. (`mint up`, which serves them, started and stopped
+whole: tests/integration/test_mint_up.py.)"""
 
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from prefect import flow, get_client
 from prefect.deployments import run_deployment
@@ -22,10 +17,9 @@ from prefect.deployments import run_deployment
 from flows.deployments import start_flow_server
 from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, RolloutBusyError
-from mint_core.model.base import BaseModel
 from mint_core.model.training import TrainingConfig
 from mint_core.retraining import RetrainSchedule
-from processes import ManagedProcess, free_port
+from processes import ManagedProcess
 from tasks.pipeline import load_data, rollout_lock, train_adapter
 from tests.integration.helpers import answer, toy_data
 from tests.integration.helpers import toy_release as release
@@ -171,70 +165,3 @@ def test_flows_serve_needs_a_prefect_server(monkeypatch: pytest.MonkeyPatch) -> 
     with pytest.raises(ConfigurationError, match=re.escape("adapter|data file|<cron")):
         RetrainSchedule.parse_all("nightly-bot|/data/nightly.jsonl|every night")
     assert RetrainSchedule.parse_all(str(SCHEDULE)) == (SCHEDULE,)
-
-
-def test_mint_up_starts_everything_and_ctrl_c_stops_it(base: BaseModel, tmp_path: Path) -> None:
-    home = tmp_path / "home"
-    # The session's pretrained base, so `mint up` does not pretrain it again.
-    shutil.copytree(base.path, home / "base" / base.path.name)
-    env = {key: value for key, value in os.environ.items() if not key.startswith(("MINT_", "ML"))}
-    ports = [str(port) for port in (free_port(), free_port(), free_port(), free_port())]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "mint_cli", "up", "--mlflow-port", ports[0], "--prefect-port",
-         ports[1], "--worker-port", ports[2], "--trainer-port", ports[3]],
-        env=env | {"MINT_HOME": str(home)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
-    try:
-        lines: list[str] = []
-        assert process.stdout is not None
-        for line in process.stdout:
-            lines.append(line)
-            if "Ctrl-C stops everything" in line:
-                break
-        output = "".join(lines)
-        assert process.poll() is None, output
-        services = (
-            "MLflow UI (registry)",
-            "Prefect UI (flows)",
-            "serving API (worker)",
-            "Tinker API (trainer)",
-        )
-        urls = {line.split(":", 1)[0].strip(): line.split(":", 1)[1].strip()
-                for line in lines if line.startswith(services)}  # fmt: skip
-        assert urls.keys() == set(services), output
-        assert urls["MLflow UI (registry)"] == f"http://127.0.0.1:{ports[0]}"
-        assert httpx.get(urls["MLflow UI (registry)"] + "/health").status_code == 200
-        assert httpx.get(urls["Prefect UI (flows)"] + "/api/health").status_code == 200
-        assert httpx.get(urls["serving API (worker)"] + "/health").status_code == 200
-        trainer_url = urls["Tinker API (trainer)"].split()[0]
-        assert httpx.get(trainer_url + "/health").json()["sdk"] == ">=0.38,<0.39"
-        deployment = httpx.get(urls["Prefect UI (flows)"] + "/api/deployments/name/release/release")
-        assert deployment.status_code == 200
-
-        process.send_signal(signal.SIGINT)
-        start = time.monotonic()
-        rest, _ = process.communicate(timeout=120)
-        print(f"mint up stopped in {time.monotonic() - start:.1f} s")
-        stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
-        assert stopped in rest
-        for url in urls.values():
-            with pytest.raises(httpx.ConnectError):
-                httpx.get(url.split()[0], timeout=2)
-    finally:  # whatever failed above, `mint up` and all it started must not outlive the test
-        stop_mint_up(process)
-
-
-def stop_mint_up(process: subprocess.Popen[str]) -> None:
-    """Ctrl-C, as a user would; killed if that does not stop it within two minutes (what it
-    started is then left to the session's process check, which fails the run)."""
-    if process.poll() is not None:
-        return
-    process.send_signal(signal.SIGINT)
-    try:
-        process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()

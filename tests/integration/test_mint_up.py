@@ -1,5 +1,7 @@
-"""`mint up` keeps its services running: one that exits (the trainer, stopped to restart it) is
-started again with a line saying so while the others run on, and Ctrl-C still stops them all."""
+"""`mint up` starts every service and says where each is (the release deployment served among
+them), keeps them running: one that exits (the trainer, stopped to restart it) is started again
+with a line saying so while the others run on, and Ctrl-C stops them all. (SIGTERM, on a fresh
+home that first builds the base: tests/integration/test_cli.py.)"""
 
 import re
 import signal
@@ -24,12 +26,26 @@ def child(up: subprocess.Popen[bytes], command: str) -> psutil.Process:
 
 
 @pytest.mark.slow
-def test_mint_up_restarts_a_child_that_exits_and_ctrl_c_still_stops_all(
+def test_mint_up_starts_everything_restarts_a_child_that_exits_and_ctrl_c_stops_all(
     base: BaseModel, started: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
     up = start_mint_up(base, started, tmp_path)
+    mlflow_url, prefect_url, worker_url, trainer_url = (
+        health.removesuffix("/api/health").removesuffix("/health") for health in up.health
+    )
+    said = up.log.read_text()
+    for service, url in (
+        ("MLflow UI (registry)", mlflow_url),
+        ("Prefect UI (flows)", prefect_url),
+        ("serving API (worker)", worker_url),
+        ("Tinker API (trainer)", trainer_url),
+    ):
+        assert re.search(rf"^{re.escape(service)}: +{re.escape(url)}\b", said, re.M), said
+    assert httpx.get(trainer_url + "/health", timeout=10).json()["sdk"] == ">=0.38,<0.39"
+    deployment = httpx.get(f"{prefect_url}/api/deployments/name/release/release", timeout=10)
+    assert deployment.status_code == 200
+
     worker, trainer = child(up.process, "serve"), child(up.process, "trainer")
-    trainer_url = up.health[3].removesuffix("/health")
 
     trainer.kill()  # as a user stopping it to restart it, or a crash, would
     wait_for(lambda: "trainer started again" in up.log.read_text(), up.process, up.log, 600)
