@@ -78,28 +78,16 @@ def train_adapter(
     out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
     with _TrainingProgress(registry, run_id, run_log()) as progress:
         try:
+            job = TrainJob(
+                config.base, config.home, data, held_out, out_dir, training, launch.shard_base
+            )
             if launch.in_process:
                 trained = train_lora(
-                    config.base,
-                    config.home,
-                    data,
-                    held_out,
-                    out_dir,
-                    training,
-                    progress.step,
-                    started,
-                )
+                    job.source, job.home, job.data, job.held_out, job.out_dir, job.config,
+                    progress.step, started,
+                )  # fmt: skip
                 trained = replace(trained, world=World(hosts=(config.host_name,)))
             else:
-                job = TrainJob(
-                    config.base,
-                    config.home,
-                    data,
-                    held_out,
-                    out_dir,
-                    training,
-                    shard_base=launch.shard_base,
-                )
                 trained = train_on_ranks(config, launch, job, progress.step, started)
         except BaseException:
             progress.flush()
