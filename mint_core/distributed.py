@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
+import torch._dynamo  # before the group is joined: see `main`
 import torch.distributed as dist
 
 from mint_core.errors import ConfigurationError, MintError
@@ -248,6 +249,11 @@ def main(run_dir: Path) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+    # torch._dynamo (which transformers and peft import) is imported above, never after this:
+    # imported once the group exists, it keeps the group's gloo threads running past
+    # destroy_process_group (torch 2.13, measured), and their teardown at interpreter exit
+    # aborted a rank now and then ("terminate called without an active exception") after its
+    # job had succeeded.
     dist.init_process_group(backend, timeout=timeout)
     rank = Rank(run_dir)
     try:

@@ -123,13 +123,15 @@ class Ranks:
         )
 
     def _last_words(self) -> list[str]:
-        """Each of this node's ranks' last line of error output (an exception's message, such
-        as gloo's "Connection reset by peer" where a peer was lost), by local rank."""
+        """Each of this node's ranks' last words, by local rank: its error output's last line
+        (an exception's message, such as gloo's "Connection reset by peer" where a peer was
+        lost), or for a rank that crashed (Python's "Fatal Python error" report) the lines
+        that say why: the C++ exception before the report and the report's innermost frame."""
         words = []
         for path in sorted((self.run_dir / "ranks").glob("*/attempt_*/*/stderr.log")):
             lines = [line.strip() for line in path.read_text(errors="replace").splitlines()]
-            if last := next((line for line in reversed(lines) if line), ""):
-                words.append(f"local rank {path.parent.name}: {last}")
+            said = _crash_report(lines) or [next((line for line in reversed(lines) if line), "")]
+            words += [f"local rank {path.parent.name}: {line}" for line in said if line]
         return words
 
     def __enter__(self) -> "Ranks":
@@ -137,6 +139,22 @@ class Ranks:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _crash_report(lines: list[str]) -> list[str]:
+    """From a rank's error output, the lines of its last crash that say why: Python's
+    "Fatal Python error: ..." (SIGABRT, SIGSEGV), up to two lines before it (a C++
+    exception's `terminate called ...` and `what(): ...`, as gloo's) and the first frame
+    of the crashing thread (the innermost call). Empty if it did not crash."""
+    fatal = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error:")]
+    if not fatal:
+        return []
+    at = fatal[-1]
+    before = [line for line in lines[max(0, at - 2) : at] if line]
+    report = lines[at + 1 :]
+    current = next((i for i, line in enumerate(report) if line.startswith("Current thread")), 0)
+    frame = next((line for line in report[current:] if line.startswith("File ")), "")
+    return [*before, lines[at], frame]
 
 
 def torchrun_argv(

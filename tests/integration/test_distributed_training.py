@@ -12,6 +12,8 @@ so. A real fault (a rank's share lost or counted twice) moves them by about the 
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -161,3 +163,27 @@ def running(pid: int, grace_s: float = 5.0) -> bool:
         if time.monotonic() > deadline:
             return True
         time.sleep(0.1)
+
+
+LEAVES_NO_THREAD = """
+import os, sys
+import mint_core.distributed  # what a rank imports first
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[1]}", rank=0, world_size=1)
+from peft import LoraConfig  # a rank's job imports these (and, through them, torch._dynamo)
+from transformers import PreTrainedModel
+dist.destroy_process_group()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print([name for name in threads if "gloo" in name])
+"""
+
+
+def test_a_rank_leaving_its_group_stops_the_groups_threads() -> None:
+    """A rank's gloo threads end at destroy_process_group, not at interpreter exit, where
+    their teardown aborted a rank whose job had succeeded (CI: 'terminate called without an
+    active exception'). Importing torch._dynamo only after joining kept them running."""
+    ran = subprocess.run(
+        [sys.executable, "-c", LEAVES_NO_THREAD, str(free_port())],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert ran.stdout.strip().splitlines()[-1] == "[]", ran.stdout + ran.stderr

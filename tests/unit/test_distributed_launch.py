@@ -163,10 +163,41 @@ def test_any_other_failure_is_a_failed_step_showing_torchruns_log(tmp_path: Path
     assert "last said:\n  local rank 0: RuntimeError: Connection reset by peer\n" in str(
         raised.value
     )
+    # A rank that crashed: the lines that say why, not the report's list of C modules.
+    stderr.write_text(CRASHED)
+    with pytest.raises(TrainingFailedError) as raised:
+        ranks_in(tmp_path, code=1, log=log).result()
+    said = str(raised.value).split("last said:\n")[1].split("\ntorchrun's log")[0]
+    assert said.splitlines() == [
+        "  local rank 0: terminate called after throwing an instance of 'gloo::IoException'",
+        "  local rank 0: what():  [pair.cc:589] Read error [127.0.0.1]:3977: Connection reset"
+        " by peer",
+        "  local rank 0: Fatal Python error: Aborted",
+        '  local rank 0: File "/mint/mint_core/distributed.py", line 241 in main',
+    ]
     # A MinT error other than the user's (e.g. one MinT does not raise again) is a failed step.
     (tmp_path / FAILURE).write_text(json.dumps({"type": "ServiceError", "message": "gone"}))
     with pytest.raises(TrainingFailedError, match=r"^gone$"):
         ranks_in(tmp_path, code=1).result()
+
+
+CRASHED = """\
+step 3
+terminate called after throwing an instance of 'gloo::IoException'
+  what():  [pair.cc:589] Read error [127.0.0.1]:3977: Connection reset by peer
+Fatal Python error: Aborted
+
+Thread 0x00007f1c534b9700 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 331 in wait
+
+Current thread 0x00007f272c1beb80 (most recent call first):
+  File "/mint/mint_core/distributed.py", line 241 in main
+  File "<frozen runpy>", line 88 in _run_code
+
+Extension modules: numpy._core._multiarray_umath, torch._C (total: 2)
+"""
+"""A rank's stderr after an abort, as Python's faulthandler reports it (its shape: a real
+abort's, with a gloo exception written before it, and a second thread)."""
 
 
 def test_a_batch_smaller_than_the_world_is_refused_before_any_process_starts() -> None:
