@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from mint_core.errors import MintError
+from mint_core.errors import MintError, ServiceError
 
 if TYPE_CHECKING:
     from mint_core.config import MintConfig
+    from mint_core.usage import UsageRow
     from serving.http.client import WorkerClient
 
 
@@ -38,6 +39,36 @@ def fleet_health(config: MintConfig) -> Health:
         except MintError:
             fleet.append((worker, None))
     return fleet
+
+
+def fleet_usage(
+    config: MintConfig, since: float, fleet: Health | None = None
+) -> tuple[list[UsageRow], float, list[str]]:
+    """Every answering worker's usage from `since` on, added up per principal and revision;
+    from when all of them still knew it; and the workers that did not answer (their usage is
+    missing from the rows). ServiceError if none answered."""
+    from mint_core.usage import merge
+
+    rows: list[UsageRow] = []
+    kept_since = since
+    missing = []
+    fleet = fleet if fleet is not None else fleet_health(config)
+    for worker, health in fleet:
+        try:
+            if health is None:
+                raise MintError("no /health")
+            theirs, kept = worker.usage(since)
+        except MintError:
+            missing.append(worker.url)
+            continue
+        rows += theirs
+        kept_since = max(kept_since, kept)
+    if len(missing) == len(fleet):
+        raise ServiceError(
+            f"no worker of the fleet answered ({', '.join(missing) or 'none is known'}); start "
+            "them (`mint serve`), or point MINT_WORKER_URLS at them"
+        )
+    return merge(rows), kept_since, missing
 
 
 def status_rows(config: MintConfig, fleet: Health | None = None) -> list[list[str]]:

@@ -1,14 +1,19 @@
-"""Commands that read what is registered and served: `mint status`, `mint pull` (a revision's
-files, out of MinT) and `mint catalog snapshot` (the catalog workers start from)."""
+"""Commands that read what is registered and served: `mint status`, `mint usage` (each
+principal's use of each revision, over the fleet), `mint pull` (a revision's files, out of
+MinT) and `mint catalog snapshot` (the catalog workers start from)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from control.status import fleet_health, format_table, status_rows, worker_rows
+from control.status import fleet_health, fleet_usage, format_table, status_rows, worker_rows
 from mint_cli.options import REF, REGISTRY
+from mint_core.usage import UsageBy, UsageFormat, report
 
 if TYPE_CHECKING:
     from mint_cli.options import Commands
@@ -20,6 +25,39 @@ def cmd_status(args: argparse.Namespace, config: MintConfig) -> None:
     print(format_table(worker_rows(config, fleet)))
     print()
     print(format_table(status_rows(config, fleet)))
+
+
+def cmd_usage(args: argparse.Namespace, config: MintConfig) -> None:
+    rows, kept_since, missing = fleet_usage(config, args.since)
+    for url in missing:
+        print(f"worker {url} did not answer: its usage is not in this report", file=sys.stderr)
+    if kept_since > args.since:
+        print(
+            f"the fleet knows usage only from {_when(kept_since)} on (workers keep a day of it)",
+            file=sys.stderr,
+        )
+    print(report(rows, args.by, args.format, args.since))
+
+
+_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def since_arg(text: str) -> float:
+    """`--since`: how long ago (`90m`, `24h`, `7d`) or when (ISO 8601, e.g. 2026-12-05T09:00,
+    local time unless it says otherwise), as Unix time."""
+    text = text.strip()
+    if text[-1:] in _UNITS_S and text[:-1].replace(".", "", 1).isdigit():
+        return time.time() - float(text[:-1]) * _UNITS_S[text[-1]]
+    try:
+        return datetime.fromisoformat(text).timestamp()
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time: write how long ago (90m, 24h, 7d) or when (2026-12-05T09:00)"
+        ) from None
+
+
+def _when(at: float) -> str:
+    return datetime.fromtimestamp(at).isoformat(sep=" ", timespec="minutes")
 
 
 def cmd_pull(args: argparse.Namespace, config: MintConfig) -> None:
@@ -78,3 +116,26 @@ def add_commands(commands: Commands) -> None:
 
     status = commands.add_parser("status", help="every revision with aliases, stage, readiness")
     status.set_defaults(run=cmd_status, needs=(REGISTRY,))
+
+    usage = commands.add_parser(
+        "usage",
+        help="each principal's use of each revision (requests, tokens, errors, 429s, time in "
+        "queue), added up over every worker of the fleet",
+    )
+    usage.add_argument(
+        "--since",
+        type=since_arg,
+        default="24h",
+        help="how long ago (90m, 24h, 7d) or when (2026-12-05T09:00); default 24h",
+    )
+    usage.add_argument(
+        "--by", type=UsageBy, choices=list(UsageBy), default=UsageBy.PRINCIPAL, help="group by"
+    )
+    usage.add_argument(
+        "--format",
+        type=UsageFormat,
+        choices=list(UsageFormat),
+        default=UsageFormat.TABLE,
+        help="a table for a terminal, or CSV or JSON for a program",
+    )
+    usage.set_defaults(run=cmd_usage)

@@ -63,6 +63,17 @@ def principal_for(api_keys: Mapping[str, str], key: str | None) -> str:
         raise AuthenticationError("the API key is not known to this worker") from None
 
 
+def principal_of_header(api_keys: Mapping[str, str], authorization: str | None) -> str:
+    """The principal an `Authorization: Bearer <key>` header names; `anonymous` without the
+    header, or where there are no keys (everyone is anonymous, the header ignored)."""
+    if not api_keys or authorization is None:
+        return ANONYMOUS
+    scheme, _, key = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise AuthenticationError("send the API key as 'Authorization: Bearer <key>'")
+    return principal_for(api_keys, key.strip())
+
+
 def allows(policy: PolicyRecord, principal: str) -> bool:
     return EVERYONE in policy.principals or principal in policy.principals
 

@@ -154,6 +154,19 @@ class MintConfig:
             )
         },
     )
+    tenancy_file: str = setting(
+        "MINT_TENANCY_FILE",
+        "",
+        "Each principal's weight and quota on a shared fleet, a JSON file (README, \"Teams "
+        'sharing a fleet"), read again when it changes. Unset: equal weights, no quotas.',
+    )
+    tenancy_shares: int = setting(
+        "MINT_TENANCY_SHARES",
+        1,
+        "Services enforcing each quota side by side (gateways behind a balancer), each 1/N.",
+        parse=whole,
+        blank_is_default=True,
+    )
     device_slots: int = setting(
         "MINT_DEVICE_SLOTS",
         64,
@@ -423,18 +436,10 @@ class MintConfig:
                 "adapters"
             )
         for name in (
-            "device_slots",
-            "host_cache_mb",
-            "host_adapters",
-            "max_batch",
-            "admission_k",
-            "catalog_snapshots",
-            "replicas",
-            "trainer_max_rank",
-            "trainer_models",
-            "trainer_queue",
-            "trainer_batch_tokens",
-        ):
+            "device_slots", "host_cache_mb", "host_adapters", "max_batch", "admission_k",
+            "catalog_snapshots", "replicas", "trainer_max_rank", "trainer_models",
+            "trainer_queue", "trainer_batch_tokens", "tenancy_shares",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name}={getattr(self, name)} must be at least 1")
         if not 0 <= self.registry_retry_s < float("inf"):

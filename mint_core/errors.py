@@ -53,7 +53,12 @@ class ServiceError(MintError):
     """A process MinT starts (MLflow server, worker) failed to start or answer."""
 
 
-class EngineUnavailableError(ServiceError):
+class UnavailableError(ServiceError):
+    """Nothing can take the request right now, through no fault of the request or its
+    revision: try again shortly (503 with Retry-After)."""
+
+
+class EngineUnavailableError(UnavailableError):
     """The serving engine is down (a vLLM process died and is being restarted): not the
     request's or the revision's fault; try again shortly."""
 
@@ -64,6 +69,16 @@ class AuthenticationError(MintError, PermissionError):
 
 class AccessDeniedError(MintError, PermissionError):
     """A principal asked for a revision its policy record does not allow it to use."""
+
+
+class RateLimitedError(MintError):
+    """A principal is over a quota of its tenancy terms (`mint_core.tenancy`): the request
+    was not started; `retry_after_s` says when the limit lets the next one in (429)."""
+
+    def __init__(self, message: str, limit: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
 
 
 class RolloutBusyError(MintError):

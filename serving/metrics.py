@@ -108,9 +108,10 @@ class WorkerMetrics:
         )
         r.register(_TierCollector(residency))
 
-    def first_token(self, submitted: float) -> None:
-        """A request submitted at `submitted` (perf_counter) got its first token now."""
-        self.time_to_first_token.observe(time.perf_counter() - submitted)
+    def first_token(self, request: "Generating") -> None:
+        """`request` got its first token now."""
+        request.first_token_at = time.perf_counter()
+        self.time_to_first_token.observe(request.first_token_at - request.submitted)
 
     def finished(self, request: "Generating") -> None:
         """`request` ended (EOS, stop string or length)."""

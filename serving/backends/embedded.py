@@ -8,6 +8,7 @@ copies the pairs into a slot), so `load` has nothing left to do.
 
 from collections.abc import Callable, Sequence
 
+from mint_core.access import ANONYMOUS
 from mint_core.artifacts.packing import PackedAdapter
 from mint_core.config import BackendKind
 from mint_core.planning.residency import Residency
@@ -28,14 +29,16 @@ class EmbeddedBackend:
         host_cache_bytes: int,
         max_batch: int = DEFAULT_MAX_BATCH,
         host_adapters: int | None = None,
+        weight: Callable[[str], float] = lambda _: 1.0,
     ) -> None:
+        """`weight`: each principal's fair share of a busy batch (`mint_core.tenancy`)."""
         self.engine = engine
         self.text = engine.base.text
         self.residency: Residency[AdapterWeights] = Residency(
             host_cache_bytes, engine.slots, host_adapters
         )
         self.metrics = WorkerMetrics(self.residency)
-        self.scheduler = Scheduler(engine, self.residency, self.metrics, max_batch)
+        self.scheduler = Scheduler(engine, self.residency, self.metrics, max_batch, weight)
 
     def stage(self, key: str, adapter: PackedAdapter) -> list[str]:
         weights = self.engine.prepare(key, adapter.index.adapter_config, adapter.peft_state_dict())
@@ -57,9 +60,10 @@ class EmbeddedBackend:
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
+        principal: str = ANONYMOUS,
     ) -> Generating:
         # Tokens come one step at a time whether or not anyone reads them as they come.
-        return self.scheduler.submit(list(prompt_ids), key, params, warm_up)
+        return self.scheduler.submit(list(prompt_ids), key, params, warm_up, principal)
 
     def problem(self) -> str | None:
         return None  # it runs in the worker's own process: if it is down, so is the worker

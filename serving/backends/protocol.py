@@ -14,6 +14,7 @@ Keys are revision ids (`name:rN`) or `BASE`.
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from mint_core.access import ANONYMOUS
 from mint_core.artifacts.packing import PackedAdapter
 from mint_core.model.base import BaseText
 from mint_core.planning.residency import Residency
@@ -55,10 +56,12 @@ class Backend(Protocol):
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
+        principal: str = ANONYMOUS,
     ) -> Generating:
         """Start a generation for a staged and loaded `key` (or BASE); iterate the request for
         its tokens. `warm_up` marks prewarm's own generation; `streamed` False says nobody
-        reads the tokens before the last (a backend may then deliver them all at once)."""
+        reads the tokens before the last (a backend may then deliver them all at once);
+        `principal`: who asked, whose fair share of a busy engine it takes."""
         ...
 
     def problem(self) -> str | None:

@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 import orjson
 
+from mint_core.access import ANONYMOUS
 from mint_core.artifacts.folders import publish_folder
 from mint_core.artifacts.packing import PackedAdapter, write_peft
 from mint_core.config import LOOPBACK, BackendKind, MintConfig
@@ -36,6 +37,7 @@ from mint_core.errors import (
 )
 from mint_core.model.base import BaseText
 from mint_core.planning.residency import Residency
+from mint_core.tenancy import FairQueue
 from processes import ManagedProcess, free_port, responds_ok, start_process
 from serving.backends.vllm_calls import Calls, choice_of, error_message, events, generation_error
 from serving.engine.engine import BASE
@@ -132,6 +134,8 @@ class VllmServer:
             "--max-cpu-loras", str(max(s.host_adapters, s.device_slots)),
             "--max-lora-rank", str(s.max_lora_rank),
             "--max-num-seqs", str(s.max_batch),
+            # Requests wait in the order of the priority MinT gives them: its fair share.
+            "--scheduling-policy", "priority",
             # The model's sampling defaults would change requests that leave a knob unset:
             # MinT's requests mean the same on either backend.
             "--generation-config", "vllm",
@@ -194,7 +198,14 @@ def refuse_expert_lora(key: str, adapter: PackedAdapter) -> None:
 class VllmBackend:
     kind = BackendKind.VLLM.value
 
-    def __init__(self, text: BaseText, settings: VllmSettings, host_cache_bytes: int) -> None:
+    def __init__(
+        self,
+        text: BaseText,
+        settings: VllmSettings,
+        host_cache_bytes: int,
+        weight: Callable[[str], float] = lambda _: 1.0,
+    ) -> None:
+        """`weight`: each principal's fair share of a busy vLLM (`mint_core.tenancy`)."""
         self.text = text
         self.residency: Residency[Path] = Residency(
             host_cache_bytes, settings.device_slots, settings.host_adapters
@@ -213,6 +224,11 @@ class VllmBackend:
         self._lost: list[Callable[[int], None]] = []
         self._running = 0
         """Generations talking to vLLM (only the loop thread of `_calls` writes it)."""
+        self._fair: FairQueue[Generating] = FairQueue(weight)
+        """Generations sent to vLLM that have no token yet, tagged in fair-share order: vLLM
+        takes each tag as its request's priority, so its waiting requests start in that order.
+        A generation leaves at its first token (vLLM started it) or its end."""
+        self._fair_lock = threading.Lock()
         self._closed = threading.Event()
         self._calls = Calls(self._server.url, self._server.api_key)
         self.generation = 0
@@ -277,6 +293,7 @@ class VllmBackend:
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
+        principal: str = ANONYMOUS,
     ) -> Generating:
         if params.return_routes:
             raise ConfigurationError(
@@ -286,17 +303,22 @@ class VllmBackend:
         check_prompt(self.text, prompt_ids, params)
         if (problem := self._problem) is not None:
             raise EngineUnavailableError(problem)
-        request = Generating(list(prompt_ids), key, params, self.text.codec, warm_up)
+        request = Generating(list(prompt_ids), key, params, self.text.codec, warm_up, principal)
+        with self._fair_lock:
+            start = self._fair.push(request, principal, len(prompt_ids) + params.max_new_tokens)
         # vLLM's server writes an event per token, which costs it more than the token: ask for
         # the whole answer at once when nobody reads the tokens as they come, unless a stop
         # string may end the generation early (vLLM is not told MinT's stop strings: the
         # stream is closed where MinT's rules end it).
         stream = streamed or bool(params.stop)
         closed = EngineUnavailableError("the worker is closing; send the request again")
-        self._calls.start(lambda: self._run(request, stream), lambda: request.fail(closed))
+        priority = int(start)  # vLLM's priorities are whole numbers; ties go in arrival order
+        self._calls.start(
+            lambda: self._run(request, stream, priority), lambda: request.fail(closed)
+        )
         return request
 
-    def _payload(self, request: Generating, stream: bool) -> dict[str, object]:
+    def _payload(self, request: Generating, stream: bool, priority: int) -> dict[str, object]:
         params = request.params
         payload: dict[str, object] = {
             "model": self.text.model_id if request.key == BASE else request.key,
@@ -308,6 +330,7 @@ class VllmBackend:
             "logprobs": 0,
             "return_token_ids": True,
             "stream": stream,
+            "priority": priority,
         }
         if not params.greedy:
             payload["seed"] = request.sampler.seed
@@ -317,7 +340,7 @@ class VllmBackend:
                 payload["top_k"] = params.top_k
         return payload
 
-    async def _run(self, request: Generating, stream: bool) -> None:
+    async def _run(self, request: Generating, stream: bool, priority: int) -> None:
         """Generate `request` through vLLM into its events (on the loop of `_calls`)."""
         self._running += 1
         held = False
@@ -326,7 +349,7 @@ class VllmBackend:
                 self.residency.hold(request.key, use=not request.warm_up)
                 held = True
             if not request.done:  # else cancelled while it waited: vLLM never hears of it
-                await self._generate(request, stream)
+                await self._generate(request, stream, priority)
         except (aiohttp.ClientError, TimeoutError) as e:
             request.fail(EngineUnavailableError(f"vLLM stopped answering: {e}"))
         except asyncio.CancelledError:  # the worker closes
@@ -339,14 +362,15 @@ class VllmBackend:
             request.fail(ServiceError(f"generation through vLLM failed: {type(e).__name__}: {e}"))
         finally:
             self._running -= 1
+            with self._fair_lock:
+                self._fair.drop(request)
             if held and self.residency.unhold(request.key):
                 # It was asked to leave while this ran: unloading blocks, the loop must not.
                 await asyncio.to_thread(self._unload, request.key)
 
-    async def _generate(self, request: Generating, stream: bool) -> None:
-        async with await self._calls.post("/v1/completions", self._payload(request, stream)) as (
-            response
-        ):
+    async def _generate(self, request: Generating, stream: bool, priority: int) -> None:
+        payload = self._payload(request, stream, priority)
+        async with await self._calls.post("/v1/completions", payload) as (response):
             if response.status != 200:
                 body = await response.read()
                 if response.status >= 500:
@@ -370,7 +394,9 @@ class VllmBackend:
         """Push a choice's tokens into `request`; True once it needs no more."""
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
         if not request.token_ids and logprobs:
-            self.metrics.first_token(request.submitted)
+            self.metrics.first_token(request)
+            with self._fair_lock:
+                self._fair.take(request)  # vLLM started it: the fair line moves on
         took = 0  # counted once per choice: a Prometheus counter takes a lock per call
         try:
             for token, logprob in zip(choice["token_ids"], logprobs, strict=True):

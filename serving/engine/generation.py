@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from mint_core.access import ANONYMOUS
 from mint_core.errors import ConfigurationError, MintError, ServiceError
 from mint_core.model.base import BaseText
 from mint_core.model.generate import FinishReason, Generation, Route
@@ -42,6 +43,7 @@ class Generating:
         params: SamplingParams,
         codec: TextCodec,
         warm_up: bool = False,
+        principal: str = ANONYMOUS,
     ) -> None:
         self.prompt_ids = prompt_ids
         self.key = key
@@ -49,6 +51,8 @@ class Generating:
         self.params = params
         self.warm_up = warm_up
         """A worker's own warm-up generation during prewarm, not a user's request."""
+        self.principal = principal
+        """Who asked: its place in the line is fair among principals."""
         self.sampler = RowSampler(params)
         self.eos_ids = (
             codec.eos_ids if params.stop_token_ids is None else frozenset(params.stop_token_ids)
@@ -62,6 +66,9 @@ class Generating:
         """With `return_routes`: the prompt's routes but the last position's, which the backend
         sets at prefill (see `Generation.prompt_routes`)."""
         self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        """perf_counter() at its first token: it waited in the queue (and prefilled) until
+        then."""
         self.finish_reason: FinishReason | None = None
         self.failed = False
         self.joined_step: int | None = None

@@ -2,7 +2,8 @@
 batch at any step and leave it as soon as they finish.
 
 Each step retires the rows that finished, failed or lost their client, lets waiting requests
-join while the batch has room (each with its adapter pinned in a device slot, at most one copy
+join while the batch has room (in fair-share order among principals, each within its share of
+the rows: `mint_core.tenancy`; each with its adapter pinned in a device slot, at most one copy
 from the host per step), and decodes one token for every running row in one forward pass. Rows
 never mix: each computes what it would alone, and a failure fails its own request, or a step's
 requests, never the loop. The steps, the key/value cache and text: the README, "Running the
@@ -12,11 +13,13 @@ pieces".
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from mint_core.access import ANONYMOUS
 from mint_core.config import MintConfig
 from mint_core.errors import (
     ConfigurationError,
@@ -27,6 +30,7 @@ from mint_core.errors import (
 )
 from mint_core.model.generate import Route, pad_left
 from mint_core.planning.residency import Residency, SlotGrant
+from mint_core.tenancy import RETURNING_S, FairQueue, batch_shares
 from serving.engine.engine import BASE, AdapterWeights, TorchEngine
 from serving.engine.generation import Generating, check_prompt
 from serving.engine.sampling import SamplingParams
@@ -47,6 +51,7 @@ class Scheduler:
         residency: Residency[AdapterWeights],
         metrics: WorkerMetrics,
         max_batch: int = DEFAULT_MAX_BATCH,
+        weight: Callable[[str], float] = lambda _: 1.0,
     ) -> None:
         if max_batch < 1:
             raise ConfigurationError(f"max_batch={max_batch} must be at least 1")
@@ -55,9 +60,14 @@ class Scheduler:
         """The tiers; its host cache holds the weights a slot copy reads."""
         self.metrics = metrics
         self.max_batch = max_batch
-        self._waiting: deque[Generating] = deque()
+        self._weight = weight
+        self._waiting: FairQueue[Generating] = FairQueue(weight)
+        """Requests waiting to join, in fair-share order among principals (`weight`: each
+        one's share; `mint_core.tenancy`)."""
         self._wake = threading.Condition()
         self._running: list[Generating] = []
+        self._ended: dict[str, float] = {}
+        """Principals whose request ended within RETURNING_S, and when (their next is due)."""
         self._joining: list[Generating] = []
         """Requests taken from the queue for the next prefill (each pinning its slot)."""
         self._cache: KVCache | None = None
@@ -72,18 +82,24 @@ class Scheduler:
         self._thread.start()
 
     def submit(
-        self, prompt_ids: list[int], key: str, params: SamplingParams, warm_up: bool = False
+        self,
+        prompt_ids: list[int],
+        key: str,
+        params: SamplingParams,
+        warm_up: bool = False,
+        principal: str = ANONYMOUS,
     ) -> Generating:
-        """Queue a generation; its adapter must be in the host cache (ready) or BASE. `warm_up`
-        marks a worker's own prewarm generation."""
+        """Queue a generation of `principal`'s; its adapter must be in the host cache (ready)
+        or BASE. `warm_up` marks a worker's own prewarm generation. Its place in the line is
+        fair among principals, costing its prompt and `max_new_tokens`."""
         check_prompt(self.engine.base.text, prompt_ids, params)
         if params.return_routes:
             self.engine.check_routes()
-        request = Generating(prompt_ids, key, params, self.engine.codec, warm_up)
+        request = Generating(prompt_ids, key, params, self.engine.codec, warm_up, principal)
         with self._wake:
             if self._stopped:
                 raise ServiceError("the scheduler is stopped")
-            self._waiting.append(request)
+            self._waiting.push(request, principal, len(prompt_ids) + params.max_new_tokens)
             self.metrics.queue_depth.set(len(self._waiting))
             self._wake.notify()
         return request
@@ -122,7 +138,7 @@ class Scheduler:
             except Exception as e:  # the loop must outlive any one bad step
                 log.exception("scheduler step failed; failing its requests")
                 self._fail_step(ServiceError(f"the engine failed a step: {type(e).__name__}: {e}"))
-        for request in [*self._running, *self._joining, *self._waiting]:
+        for request in [*self._running, *self._joining, *self._waiting.ordered()]:
             request.fail(ServiceError("the worker is shutting down"))
 
     def _fail_step(self, error: MintError) -> None:
@@ -144,6 +160,7 @@ class Scheduler:
             if not request.done:
                 continue
             request.left_step = self.steps
+            self._ended[request.principal] = time.monotonic()
             if request.key != BASE and self.residency.release(request.key):
                 self.engine.unload(request.key)  # unloaded while it ran: gone now
             if request.finish_reason is not None:
@@ -167,13 +184,17 @@ class Scheduler:
         joining = self._joining
         copied = False
         with self._wake:
-            candidates = list(self._waiting)
+            candidates = self._waiting.ordered()
+        shares = self._shares(candidates) if candidates else {}
+        holding = Counter(r.principal for r in [*self._running, *joining])
         for request in candidates:
             if len(self._running) + len(joining) >= self.max_batch:
                 break
             if request.done:
-                self._unqueue(request)
+                self._unqueue(request, joined=False)
                 continue
+            if holding[request.principal] >= shares[request.principal]:
+                continue  # its share of the rows is full while others want theirs
             grant: SlotGrant | None = None
             if request.key != BASE:
                 if copied and self.residency.slot_of(request.key) is None:
@@ -181,12 +202,13 @@ class Scheduler:
                 try:
                     grant = self.residency.acquire(request.key, use=not request.warm_up)
                 except NotReadyError as e:  # evicted from the host cache since it was routed
-                    self._unqueue(request)
+                    self._unqueue(request, joined=False)
                     request.fail(e)
                     continue
                 if grant is None:
                     continue  # every slot pinned: wait for one to be released
-            self._unqueue(request)
+            self._unqueue(request, joined=True)
+            holding[request.principal] += 1
             joining.append(request)  # from here a failed step answers it and unpins its slot
             if grant is not None and grant.load:
                 try:
@@ -211,7 +233,7 @@ class Scheduler:
         self.steps += 1
         for row, request in enumerate(joining):
             request.joined_step = self.steps
-            self.metrics.first_token(request.submitted)
+            self.metrics.first_token(request)
             if routes is not None and request.params.return_routes:
                 # Left padding: the row's prompt is its last len(prompt_ids) positions, and the
                 # last of them produced the first token (its route goes with that token).
@@ -221,9 +243,26 @@ class Scheduler:
         self._merge(joining, cache, mask)
         self._joining = []
 
-    def _unqueue(self, request: Generating) -> None:
+    def _shares(self, candidates: list[Generating]) -> dict[str, int]:
+        """Each principal's rows of the batch (`batch_shares`): by what it runs and waits for,
+        and a row for each whose request just ended (its next one is on its way)."""
+        now = time.monotonic()
+        wants = Counter(r.principal for r in [*self._running, *self._joining, *candidates])
+        for principal, ended in list(self._ended.items()):
+            if now - ended > RETURNING_S:
+                del self._ended[principal]
+            elif principal not in wants:
+                wants[principal] = 1
+        return batch_shares(wants, self._weight, self.max_batch)
+
+    def _unqueue(self, request: Generating, joined: bool) -> None:
+        """`request` leaves the line: it `joined` the batch (its principal's turn is taken), or
+        ended without (cancelled, its adapter gone)."""
         with self._wake:
-            self._waiting.remove(request)
+            if joined:
+                self._waiting.take(request)
+            else:
+                self._waiting.drop(request)
             self.metrics.queue_depth.set(len(self._waiting))
 
     def _merge(self, joining: list[Generating], cache: KVCache, mask: torch.Tensor) -> None:

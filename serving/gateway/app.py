@@ -10,10 +10,12 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mint_core.access import principal_of_header
 from mint_core.artifacts.stores import open_store
 from mint_core.catalog.catalog import Catalog
 from mint_core.config import GATEWAY_PORT, LOOPBACK, MintConfig
@@ -23,6 +25,7 @@ from mint_core.planning.placement import Demand
 from mint_core.registry import RegisteredRevision, Registry
 from mint_core.registry_outages import notice_registry_outages_quickly
 from mint_core.revisions import RevisionId, RevisionRef
+from mint_core.tenancy import Limiter, TenancyFile
 from processes import ManagedProcess, start_mint
 from serving.gateway.fleet import Fleet, WorkerView
 from serving.gateway.forward import forward_to, json_answer, whole_answer
@@ -54,9 +57,12 @@ class Gateway:
         replicas: int = MintConfig.replicas,
         hot_rate: float = MintConfig.hot_rate,
         roster: Roster | None = None,
+        api_keys: Mapping[str, str] | None = None,
+        tenancy: TenancyFile | None = None,
     ) -> None:
         """`roster`: where the fleet is read as it changes (MINT_FLEET=registry); without one
-        it is `worker_urls`, fixed."""
+        it is `worker_urls`, fixed. `api_keys` and `tenancy`: who calls, and the principals'
+        quotas this gateway enforces (its share of them)."""
         self.fleet = Fleet([WorkerView(url.rstrip("/")) for url in worker_urls])
         self.catalog = catalog
         self.replicas = replicas
@@ -73,6 +79,10 @@ class Gateway:
             {"Authorization": f"Bearer {worker_api_key}"} if worker_api_key else {}
         )
         self.roster = roster
+        self.api_keys = api_keys or {}
+        self.limiter = Limiter((tenancy or TenancyFile(None)).current)
+        """Requests per second and at once; the tokens are the workers' to count (a gateway
+        tokenizes nothing), so a token quota is enforced where the request is served."""
         self.links = Links()
         self._closed = threading.Event()
         self._document: dict[str, object] | None = None
@@ -241,6 +251,19 @@ class Gateway:
         return any(w.base_model == model for w in self.fleet.workers)
 
     async def forward(self, request: Request, body: bytes, model: str | None) -> Response:
+        """Forward a generation request once its principal's quota lets it in (429 if not);
+        its place in the quota is given back when its answer has been sent, a stream's too."""
+        principal = principal_of_header(self.api_keys, request.headers.get("authorization"))
+        admitted = self.limiter.admit(principal, prompt_tokens=0)
+        try:
+            response = await self._forward(request, body, model)
+        except BaseException:
+            admitted.finished(0)
+            raise
+        response.background = BackgroundTask(admitted.finished, 0)
+        return response
+
+    async def _forward(self, request: Request, body: bytes, model: str | None) -> Response:
         workers, revision = await self.route(model)
         if revision is None:
             return await forward_to(self.links, request, body, model, workers, None)
@@ -395,6 +418,8 @@ def build_gateway(config: MintConfig) -> Gateway:
         replicas=config.replicas,
         hot_rate=config.hot_rate,
         roster=None if static else open_roster(config, registry),
+        api_keys=config.api_keys,
+        tenancy=TenancyFile(config.tenancy_file, config.tenancy_shares),
     )
 
 

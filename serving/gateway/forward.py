@@ -9,7 +9,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from mint_core.errors import ServiceError
+from mint_core.errors import UnavailableError
 from serving.gateway.fleet import WorkerView
 from serving.gateway.links import CONNECT_TIMEOUT_S, Link, Links
 from serving.http.common import REQUEST_ID_HEADER, REVISION_HEADER, sse
@@ -78,7 +78,7 @@ async def forward_to(
     if last_busy is not None:
         return last_busy
     log.warning("no worker took %s: %s", model, "; ".join(f"{w.url}: {w.problem}" for w in workers))
-    raise ServiceError(
+    raise UnavailableError(
         f"every worker for {model or 'the base'} refused the connection or did not take it in "
         f"{CONNECT_TIMEOUT_S:g} s; send the request again shortly"
     )

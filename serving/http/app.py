@@ -17,6 +17,7 @@ import anyio
 from fastapi import FastAPI
 
 from mint_core.access import ADMIN
+from mint_core.tenancy import Limiter, TenancyFile
 from serving.http import admin, openai, outcomes, status, tgi
 from serving.http.common import MintJSONResponse
 from serving.http.context import Access, WorkerAPI
@@ -35,6 +36,7 @@ def create_app(
     api_keys: Mapping[str, str] | None = None,
     admin_principals: Collection[str] = (ADMIN,),
     max_request_bytes: int = MAX_REQUEST_BYTES,
+    tenancy: TenancyFile | None = None,
 ) -> FastAPI:
     """The worker's API. With `api_keys`, `Authorization: Bearer <key>` names the principal
     (no header: anonymous); without, every request is anonymous and the header is ignored.
@@ -43,7 +45,8 @@ def create_app(
     `/v1/adapters/{name}` shows a caller the revisions its policy records let it use (admins:
     all of them, as the pipeline reads readiness with its admin key); admins may also generate
     with every revision (the evaluation gate scores each team's). Without keys there is no
-    telling callers apart: both are open to all, as before keys existed."""
+    telling callers apart: both are open to all, as before keys existed. `tenancy`: each
+    principal's quota, enforced on every generation route (none: no quotas)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -56,6 +59,7 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     app.state.worker = worker
     app.state.access = Access(dict(api_keys or {}), frozenset(admin_principals))
+    app.state.limiter = Limiter((tenancy or TenancyFile(None)).current)
     app.state.tgi_special_ids = special_ids(worker.codec)
     install_error_handlers(app, "worker")
     for router in (

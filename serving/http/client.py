@@ -17,6 +17,7 @@ from mint_core.errors import ConfigurationError, NotReadyError, ServiceError
 from mint_core.planning.canary_judge import RevisionOutcomes
 from mint_core.revisions import RevisionId
 from mint_core.states import Readiness
+from mint_core.usage import UsageRow
 from serving.http.wire import (
     AdapterStatus,
     AdmitPriority,
@@ -109,6 +110,12 @@ class WorkerClient:
             name: RevisionOutcomes.from_json(values)
             for name, values in payload["revisions"].items()
         }
+
+    def usage(self, since: float = 0.0) -> tuple[list[UsageRow], float]:
+        """Each principal's usage of each revision on this worker from the minute of `since`
+        (Unix time) on, and from when the worker still knows it (`GET /admin/usage`)."""
+        payload = self._call("GET", "/admin/usage", _ADMIN_KEY_HINT, params={"since": since}).json()
+        return [UsageRow.from_json(row) for row in payload["rows"]], payload["kept_since"]
 
     def feedback(self, request_id: str, score: float) -> str:
         """Score the answer `request_id` (its X-Mint-Request-Id) from 0 to 1; the revision that

@@ -10,24 +10,25 @@ import logging
 import time
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Protocol
 
 from fastapi import Depends, Header, Request
 from fastapi.responses import StreamingResponse
 
-from mint_core.access import ANONYMOUS, check_admin, principal_for
+from mint_core.access import ANONYMOUS, check_admin, principal_of_header
 from mint_core.alias_intents import HeldMove
-from mint_core.errors import AuthenticationError, MintError
+from mint_core.errors import AuthenticationError, MintError, RateLimitedError
 from mint_core.model.base import BaseText
 from mint_core.model.text import TextCodec
 from mint_core.planning.admission import Priority
 from mint_core.revisions import RevisionId, RevisionRef
+from mint_core.tenancy import Admitted, Limiter
 from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.http.common import BASE_NAMES, REQUEST_ID_HEADER, REVISION_HEADER, sse
 from serving.http.errors import error_response
-from serving.worker.outcomes import Outcomes
+from serving.worker.outcomes import Outcomes, Usage
 from serving.worker.readiness import AliasEvent, ReadinessEntry, Residence
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,13 @@ class WorkerAPI(Protocol):
         self, ref: RevisionRef | None, principal: str, admin: bool
     ) -> tuple[RevisionId | None, str]: ...
     def generate(
-        self, prompt_ids: list[int], key: str, params: SamplingParams, *, streamed: bool
+        self,
+        prompt_ids: list[int],
+        key: str,
+        params: SamplingParams,
+        *,
+        streamed: bool,
+        principal: str,
     ) -> Generating: ...
     def ready_revisions(self, principal: str) -> list[RevisionId]: ...
     def adapter_status(
@@ -84,12 +91,7 @@ class Access:
     admins: Collection[str]
 
     def principal(self, authorization: str | None) -> str:
-        if not self.keys or authorization is None:
-            return ANONYMOUS
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise AuthenticationError("send the API key as 'Authorization: Bearer <key>'")
-        return principal_for(self.keys, key.strip())
+        return principal_of_header(self.keys, authorization)
 
     def is_admin(self, principal: str) -> bool:
         """Whether `principal` sees and uses every revision: an admin of a worker with keys.
@@ -106,6 +108,8 @@ class Caller:
     admin: bool
     open_worker: bool
     """The worker has no API keys: every endpoint is open to all, as before keys existed."""
+    limiter: Limiter
+    """The principals' quotas on this worker."""
 
 
 def worker_of(request: Request) -> WorkerAPI:
@@ -123,7 +127,8 @@ async def current_caller(
 ) -> Caller:
     access = access_of(request)
     who = access.principal(authorization)
-    return Caller(worker_of(request), who, access.is_admin(who), not access.keys)
+    limiter = request.app.state.limiter
+    return Caller(worker_of(request), who, access.is_admin(who), not access.keys, limiter)
 
 
 async def _worker(request: Request) -> WorkerAPI:
@@ -147,9 +152,10 @@ async def admin_only(request: Request, caller: CurrentCaller) -> None:
     check_admin(caller.principal, access_of(request).admins)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Routed:
-    """A generation request once routed: what serves it, for its whole life."""
+    """A generation request once routed and let in by its principal's quota: what serves it,
+    for its whole life."""
 
     worker: WorkerAPI
     served: str
@@ -157,18 +163,46 @@ class Routed:
     key: str
     """Its engine key."""
     request_id: str
+    principal: str
+    prompt_tokens: int
+    admitted: Admitted
+    """What its principal's quota let in; it pays the generated tokens when it ends."""
     at: float
     """perf_counter() when it was routed: its latency counts from here."""
+    started: list[Generating] = field(default_factory=list)
+    """Its generations (a completion of several prompts has one each)."""
 
     @property
     def headers(self) -> dict[str, str]:
         return {REVISION_HEADER: self.served, REQUEST_ID_HEADER: self.request_id}
 
+    def generate(self, prompt_ids: list[int], params: SamplingParams, streamed: bool) -> Generating:
+        """Start one of its generations on the worker, in its principal's fair share."""
+        generating = self.worker.generate(
+            prompt_ids, self.key, params, streamed=streamed, principal=self.principal
+        )
+        self.started.append(generating)
+        return generating
+
     def finished(self, error: Exception | None) -> None:
-        """Record the response's outcome: its latency, and whether it failed on the worker's
-        side (a refusal of the request itself, 4xx, is the caller's)."""
+        """Record the response's outcome and usage (its latency, tokens, time in queue, and
+        whether it failed on the worker's side: a refusal of the request itself, 4xx, is the
+        caller's), and pay its generated tokens to its principal's quota."""
         failed = error is not None and error_response(error).status >= 500
-        self.worker.outcomes.finished(self.served, time.perf_counter() - self.at, failed)
+        generated = sum(len(g.token_ids) for g in self.started)
+        queued = [g.first_token_at - g.submitted for g in self.started if g.first_token_at]
+        self.admitted.finished(generated)
+        self.worker.outcomes.finished(
+            self.served,
+            time.perf_counter() - self.at,
+            failed,
+            Usage(
+                prompt_tokens=self.prompt_tokens,
+                generated_tokens=generated,
+                queue_s=max(queued, default=0.0),
+            ),
+            self.principal,
+        )
 
     @contextmanager
     def recorded(self, streaming: bool = False) -> Iterator[None]:
@@ -203,14 +237,29 @@ class Routed:
         return StreamingResponse(body(), media_type="text/event-stream", headers=self.headers)
 
 
-def route(caller: Caller, model: str | None, kind: str) -> Routed:
+def route(caller: Caller, model: str | None, kind: str, prompt_tokens: int) -> Routed:
     """Route `model` (a revision reference, or none/the base id for the base) through the
-    readiness gate, once for the whole request, and give the response its request id
-    (`<kind>-<hex>`)."""
+    readiness gate, once for the whole request, let it in by its principal's quota
+    (RateLimitedError if over it), and give the response its request id (`<kind>-<hex>`).
+    `prompt_tokens`: all its prompts' tokens, which the quota counts at once."""
     worker = caller.worker
     base_names = (*BASE_NAMES, worker.base.model_id)
     ref = None if model in base_names else RevisionRef.parse(str(model))
     revision, key = worker.route(ref, caller.principal, admin=caller.admin)
     served = str(revision) if revision else worker.base.model_id
+    try:
+        admitted = caller.limiter.admit(caller.principal, prompt_tokens)
+    except RateLimitedError:
+        worker.outcomes.refused(served, caller.principal)
+        raise
     request_id = worker.outcomes.started(served, caller.principal, kind)
-    return Routed(worker, served, key, request_id, time.perf_counter())
+    return Routed(
+        worker,
+        served,
+        key,
+        request_id,
+        caller.principal,
+        prompt_tokens,
+        admitted,
+        time.perf_counter(),
+    )

@@ -3,9 +3,9 @@
 Errors, whatever raised them (MinT, request validation, routing, a limit, a bug), have one
 shape, TGI's: `error` and `error_type`, plus the names that explain them (`ErrorResponse`).
 `error_response` is the table: unknown key 401, not allowed 403, unknown adapter or route 404,
-a revision of another base 409, body over the size limit 413, malformed request 422, not ready
-503 with Retry-After, anything unexpected 500 (details in the log only, of the service that the
-500 names). Inside a stream, an error is one last event of that shape.
+a revision of another base 409, body over the size limit 413, malformed request 422, over a
+quota 429 and not ready 503 with Retry-After, anything unexpected 500 (details in the log only,
+of the service that the 500 names). Inside a stream, an error is one last event of that shape.
 
 `install_error_handlers` puts the table in front of an app, the worker's and the gateway's
 alike (and the trainer's, with its own cases first): every error, an unknown route (404) or
@@ -38,10 +38,11 @@ from mint_core.errors import (
     AuthenticationError,
     BaseMismatchError,
     ConfigurationError,
-    EngineUnavailableError,
     MintError,
     NotFoundError,
+    RateLimitedError,
     RegistryError,
+    UnavailableError,
     clip,
 )
 from serving.http.common import MintJSONResponse
@@ -159,12 +160,15 @@ def error_response(e: Exception, request: Request | None = None) -> ErrorRespons
                 RevisionReadiness.of(e.entry).model_dump(mode="json"),
                 retry_after(e.retry_after_s),
             )
+        case RateLimitedError():
+            names = {"limit": e.limit, "retry_after_s": round(e.retry_after_s, 3)}
+            return ErrorResponse(429, "rate_limited", str(e), names, retry_after(e.retry_after_s))
         case ConfigurationError():
             return ErrorResponse(422, "validation", str(e))
         case RegistryError():
             return ErrorResponse(503, "registry_unavailable", str(e), headers=_RETRY)
-        case EngineUnavailableError():
-            return ErrorResponse(503, "engine_unavailable", str(e), headers=_RETRY)
+        case UnavailableError():  # engine_unavailable, or unavailable: no worker took it
+            return ErrorResponse(503, _error_type(e), str(e), headers=_RETRY)
         case MintError():
             return ErrorResponse(503, _error_type(e), str(e))
         case RequestValidationError():

@@ -28,11 +28,11 @@ def completions(body: openai.CompletionRequest, caller: CurrentCaller) -> Respon
     worker = caller.worker
     params = body.sampling(worker.base.context_length)
     encoded = [worker.codec.encode(prompt) for prompt in body.prompts()]
-    routed = route(caller, body.model, "cmpl")
+    routed = route(caller, body.model, "cmpl", sum(map(len, encoded)))
     head = openai.Head.new(routed.request_id, routed.served)
     if body.stream:
         with routed.recorded(streaming=True):
-            generating = worker.generate(encoded[0], routed.key, params, streamed=True)
+            generating = routed.generate(encoded[0], params, streamed=True)
         events = openai.completion_stream(generating.events(), head, params.stop)
         return routed.stream(events, generating)
     # Every prompt joins the batch before any result is awaited; if one is refused or
@@ -41,7 +41,7 @@ def completions(body: openai.CompletionRequest, caller: CurrentCaller) -> Respon
     with routed.recorded():
         try:
             for prompt_ids in encoded:
-                started.append(worker.generate(prompt_ids, routed.key, params, streamed=False))
+                started.append(routed.generate(prompt_ids, params, streamed=False))
             generations = [generating.result() for generating in started]
         finally:
             for generating in started:
@@ -56,15 +56,15 @@ def chat_completions(body: openai.ChatRequest, caller: CurrentCaller) -> Respons
     params = body.sampling(worker.base.context_length)
     # ConfigurationError (422) naming the base when it has no chat template.
     prompt_ids = worker.codec.encode_chat(body.conversation())
-    routed = route(caller, body.model, "chatcmpl")
+    routed = route(caller, body.model, "chatcmpl", len(prompt_ids))
     head = openai.Head.new(routed.request_id, routed.served)
     if body.stream:
         with routed.recorded(streaming=True):
-            generating = worker.generate(prompt_ids, routed.key, params, streamed=True)
+            generating = routed.generate(prompt_ids, params, streamed=True)
         events = openai.chat_stream(generating.events(), head, params.stop)
         return routed.stream(events, generating)
     with routed.recorded():
-        generation = worker.generate(prompt_ids, routed.key, params, streamed=False).result()
+        generation = routed.generate(prompt_ids, params, streamed=False).result()
     payload = openai.chat_completion(
         head, prompt_ids, generation, params.stop, body.return_token_ids
     )

@@ -1,5 +1,6 @@
 """What happened to the generations a worker answered (`serving.worker.outcomes`): clients score
-them (`POST /v1/feedback`), and a canary is watched by the summary (`GET /admin/outcomes`)."""
+them (`POST /v1/feedback`), a canary is watched by the summary (`GET /admin/outcomes`), and
+each principal's usage of each revision is `GET /admin/usage` (what `mint usage` adds up)."""
 
 from typing import Annotated
 
@@ -37,3 +38,13 @@ def outcomes(
     canary is watched by."""
     summary = worker.outcomes.summary(since)
     return {"since": since, "revisions": {name: o.to_json() for name, o in summary.items()}}
+
+
+@admin_router.get("/usage")
+def usage(worker: CurrentWorker, since: Annotated[float, Query(ge=0)] = 0.0) -> dict[str, object]:
+    """Each principal's usage of each revision from the minute of `since` (Unix time) on:
+    requests, errors, refusals over a quota, prompt and generated tokens, seconds in queue.
+    `kept_since`: from when this worker still knows it (later than `since` if it let older
+    minutes go)."""
+    rows, kept_since = worker.outcomes.usage(since)
+    return {"since": since, "kept_since": kept_since, "rows": [row.to_json() for row in rows]}

@@ -31,9 +31,9 @@ def _generated(
     worker = caller.worker
     params = body.parameters.sampling(worker.base.context_length)
     prompt_ids = worker.codec.encode(body.inputs)
-    routed = route(caller, body.parameters.adapter_id, "gen")
+    routed = route(caller, body.parameters.adapter_id, "gen", len(prompt_ids))
     with routed.recorded():
-        generating = worker.generate(prompt_ids, routed.key, params, streamed=False)
+        generating = routed.generate(prompt_ids, params, streamed=False)
         return tgi.generated(generating.events(), body, special), routed
 
 
@@ -43,9 +43,9 @@ def _streamed(
     worker = caller.worker
     params = body.parameters.sampling(worker.base.context_length)
     prompt_ids = worker.codec.encode(body.inputs)
-    routed = route(caller, body.parameters.adapter_id, "gen")
+    routed = route(caller, body.parameters.adapter_id, "gen", len(prompt_ids))
     with routed.recorded(streaming=True):
-        generating = worker.generate(prompt_ids, routed.key, params, streamed=True)
+        generating = routed.generate(prompt_ids, params, streamed=True)
     events = tgi.stream(generating.events(), body, special)
     return routed.stream(events, generating)
 

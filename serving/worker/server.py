@@ -13,6 +13,7 @@ from mint_core.membership import open_roster
 from mint_core.model.base import load_base, load_text
 from mint_core.registry import Registry
 from mint_core.registry_outages import notice_registry_outages_quickly
+from mint_core.tenancy import TenancyFile
 from processes import ManagedProcess, start_mint
 from serving.backends.embedded import EmbeddedBackend
 from serving.backends.protocol import Backend
@@ -26,23 +27,26 @@ from serving.worker.worker import Worker
 log = logging.getLogger(__name__)
 
 
-def build_backend(config: MintConfig) -> Backend:
-    """The engine `config.backend` names, serving `config.base`."""
+def build_backend(config: MintConfig, tenancy: TenancyFile | None = None) -> Backend:
+    """The engine `config.backend` names, serving `config.base`, sharing a busy batch among
+    principals by `tenancy`'s weights (none: equally)."""
     host_cache_bytes = config.host_cache_mb << 20
+    weight = (tenancy or TenancyFile(None)).weight
     if config.backend is BackendKind.VLLM:
         from serving.backends.vllm import VllmBackend, VllmSettings
 
         text = load_text(config.base, config.home)
-        return VllmBackend(text, VllmSettings.from_config(config), host_cache_bytes)
+        return VllmBackend(text, VllmSettings.from_config(config), host_cache_bytes, weight)
     engine = TorchEngine(load_base(config.base, config.home), slots=config.device_slots)
-    return EmbeddedBackend(engine, host_cache_bytes, config.max_batch, config.host_adapters)
+    return EmbeddedBackend(engine, host_cache_bytes, config.max_batch, config.host_adapters, weight)
 
 
-def build_worker(config: MintConfig, me: str = "") -> Worker:
+def build_worker(config: MintConfig, me: str = "", tenancy: TenancyFile | None = None) -> Worker:
     """A worker that starts from the catalog snapshot in the artifact store, if there is one,
     and syncs with the registry at once (admitting what is placed on it). `me`: its URL as
-    MINT_WORKER_URLS names it (MINT_WORKER_URL, else the address it serves on)."""
-    backend = build_backend(config)
+    MINT_WORKER_URLS names it (MINT_WORKER_URL, else the address it serves on); `tenancy`:
+    the principals' weights in its batch."""
+    backend = build_backend(config, tenancy)
     me = config.worker_url or me
     peers = Peers(me, open_roster(config), backend.text.digest, config.worker_api_key)
     store = open_store(config)
@@ -75,8 +79,9 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> 
     # Its name in placement: the URL every other host reaches it at (MINT_WORKER_URL, needed on
     # a wildcard bind), so that all of them place revisions alike.
     me = advertised_url(host, port, config.worker_url, config.tls.enabled)
-    worker = build_worker(config, me)
-    app = create_app(worker, config.api_keys, config.admin_principals)
+    tenancy = TenancyFile(config.tenancy_file, config.tenancy_shares)
+    worker = build_worker(config, me, tenancy)
+    app = create_app(worker, config.api_keys, config.admin_principals, tenancy=tenancy)
     try:
         serve_http(app, host, port, config.http_bounds, config.tls)
     finally:

@@ -423,11 +423,13 @@ class Worker:
         params: SamplingParams,
         warm_up: bool = False,
         streamed: bool = True,
+        principal: str = ANONYMOUS,
     ) -> Generating:
         """Queue a generation of prompt token ids (the caller encodes: plain or with the chat
         template) for a routed engine key; iterate the request for its tokens. `warm_up` marks
-        prewarm's own generation; `streamed` False, an answer nobody reads before its end."""
-        return self.backend.submit(prompt_ids, key, params, warm_up, streamed)
+        prewarm's own generation; `streamed` False, an answer nobody reads before its end;
+        `principal`: who asked, for its fair share."""
+        return self.backend.submit(prompt_ids, key, params, warm_up, streamed, principal)
 
     def tiers(self) -> dict[str, dict[str, int | None]]:
         """Each residency tier's occupancy, bound and counters since start (`/health`,

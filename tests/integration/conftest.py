@@ -34,7 +34,12 @@ if TYPE_CHECKING:
 
 quiet_libraries()
 
-API_KEYS = {"key-team-a": "team-a", "key-team-b": "team-b", "key-admin": "admin"}
+API_KEYS = {
+    "key-team-a": "team-a",
+    "key-team-b": "team-b",
+    "key-team-q": "team-q",
+    "key-admin": "admin",
+}
 """The session worker's API keys (tests only; a deployment reads them from its environment)."""
 
 
@@ -81,11 +86,14 @@ def mlflow_server(mint_home: Path) -> Iterator[ManagedProcess]:
 
 @pytest.fixture(scope="session")
 def config(mint_home: Path, mlflow_server: ManagedProcess, base: BaseModel) -> MintConfig:
+    tenancy = mint_home / "tenancy.json"
+    tenancy.write_text("{}")  # no quotas: tests/integration/test_tenancy.py sets some
     return MintConfig(
         home=mint_home,
         tracking_uri=mlflow_server.url,
         api_keys=API_KEYS,
         worker_api_key="key-admin",
+        tenancy_file=str(tenancy),
     )
 
 

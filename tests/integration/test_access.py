@@ -103,6 +103,7 @@ ADMIN_ROUTES = [
     ("GET", "/admin/events", None, 200),
     ("GET", "/admin/routing", None, 200),
     ("GET", "/admin/outcomes", None, 200),
+    ("GET", "/admin/usage", None, 200),
 ]
 """Every admin route, what it is sent and how it answers an admin."""
 

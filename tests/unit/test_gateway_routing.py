@@ -231,6 +231,24 @@ def test_a_connect_timeout_moves_on_to_the_next_worker(catalog: Catalog) -> None
 
 
 @pytest.mark.usefixtures("quick")
+def test_when_no_worker_takes_the_connection_the_client_is_told_when_to_ask_again(
+    catalog: Catalog,
+) -> None:
+    async def run() -> None:
+        with unconnectable() as silent:
+            gw = Gateway([silent], catalog)
+            up(gw)
+            async with client(gw) as http:
+                answer = await generate(http)
+            await gw.links.close()
+        assert answer.status_code == 503 and answer.json()["error_type"] == "unavailable"
+        assert "refused the connection or did not take it" in answer.json()["error"]
+        assert answer.headers["Retry-After"] == "1"  # a client honouring it asks again
+
+    asyncio.run(run())
+
+
+@pytest.mark.usefixtures("quick")
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 def test_a_worker_found_unreachable_has_its_requests_ended_with_a_502(
     catalog: Catalog, stream: bool

@@ -304,3 +304,29 @@ def test_a_slot_copy_for_a_users_request_counts_as_a_request_path_load(
             answer = submit(scheduler, PROMPTS[0], key, max_new_tokens=3).result(timeout_s=60)
             assert answer.token_ids == alone(reference, PROMPTS[0], key, 3)
             assert scheduler.request_path_loads == loads, key
+
+
+def test_waiting_requests_join_in_fair_share_order_not_arrival_order(
+    adapters: dict[str, AdapterWeights], home: Path
+) -> None:
+    engine = TorchEngine(tiny_base(SPEC, home), slots=1)
+    residency: Residency[AdapterWeights] = Residency(1 << 30, device_slots=1)
+    scheduler = Scheduler(engine, residency, WorkerMetrics(residency), max_batch=1)
+    try:
+        # Never ends at an end id: each runs its max_new_tokens, one at a time (max_batch 1).
+        params = SamplingParams(max_new_tokens=8, stop_token_ids=[])
+        ids = engine.codec.encode(PROMPTS[0])
+        blocker = scheduler.submit(ids, BASE, SamplingParams(max_new_tokens=100, stop_token_ids=[]))
+        while blocker.joined_step is None:
+            time.sleep(0.001)
+        sent = {}
+        for name, principal in [("a1", "loud"), ("a2", "loud"), ("a3", "loud"), ("a4", "loud"),
+                                ("b1", "quiet"), ("b2", "quiet")]:  # fmt: skip
+            sent[name] = scheduler.submit(ids, BASE, params, principal=principal)
+        assert blocker.joined_step is not None and blocker.left_step is None, "queued too late"
+        for request in sent.values():
+            request.result()
+        order = sorted(sent, key=lambda name: sent[name].joined_step or 0)
+        assert order == ["a1", "b1", "a2", "b2", "a3", "a4"]  # tenancy's table, on the engine
+    finally:
+        scheduler.stop()
