@@ -8,8 +8,12 @@ number and sending it) is skipped, so the model is not stuck forever.
 """
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+
+from mint_core.tenancy import batch_shares
+from trainer.wire import ForwardBackward
 
 GAP_S = 30.0
 
@@ -72,3 +76,34 @@ class Sequencer:
         ops = sorted(self._waiting.values(), key=lambda op: op.seq_id)
         self._waiting.clear()
         return ops
+
+
+def round_share(
+    runs: Mapping[str, tuple[str, list[Op]]], weight: Callable[[str], float], pass_tokens: int
+) -> dict[str, list[Op]]:
+    """Of each model's ready forward/backward requests (model id -> its principal and them),
+    those that go through the base this round: all of them, unless more than one principal
+    wants more than a pass (`pass_tokens`) in all; then each principal's weighted max-min share
+    of a pass (the tenancy file's weights, as in a serving batch), its first request whatever
+    its size. The rest wait for the next round, so a tenant that sends many requests at once
+    makes its own rounds longer, not everyone's."""
+    wants: dict[str, int] = {}
+    for principal, run in runs.values():
+        wants[principal] = wants.get(principal, 0) + sum(_tokens(op) for op in run)
+    if len(wants) < 2 or sum(wants.values()) <= pass_tokens:
+        return {model_id: run for model_id, (_, run) in runs.items()}
+    left = batch_shares(wants, weight, pass_tokens)
+    shared = {}
+    for model_id, (principal, run) in runs.items():
+        shared[model_id] = []
+        for op in run:
+            if left[principal] <= 0:
+                break
+            left[principal] -= _tokens(op)
+            shared[model_id].append(op)
+    return shared
+
+
+def _tokens(op: Op) -> int:
+    assert isinstance(op.payload, ForwardBackward)
+    return op.payload.tokens

@@ -4,8 +4,9 @@ The service keeps sessions (one per SDK `ServiceClient`), training models (a ten
 its AdamW state) and sampling sessions. Every call that does work is queued on its model in
 `seq_id` order (`trainer.sequencing`) and answered by a future (`trainer.futures`). One thread
 runs the work: each round, the forward/backward requests every model may run now go through
-the base together (`trainer.compute`), then each model's next other request (optimizer step,
-save, load). Sampling runs on MinT's serving engine in this process (`trainer.sampling`),
+the base together (`trainer.compute`; when tenants want more than a pass, each its weighted
+share of one, by the tenancy file's weights), then each model's next other request (optimizer
+step, save, load). Sampling runs on MinT's serving engine in this process (`trainer.sampling`),
 over the same base weights.
 
 A tenant's error fails that request's future alone (category `user` for a bad request); a
@@ -19,6 +20,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import takewhile
 
 import torch
 
@@ -27,6 +29,7 @@ from mint_core.config import MintConfig
 from mint_core.errors import ConfigurationError, NotFoundError
 from mint_core.model.base import BaseModel
 from mint_core.revisions import check_adapter_name
+from mint_core.tenancy import TenancyFile
 from serving.backends.embedded import EmbeddedBackend
 from serving.engine.engine import TorchEngine
 from trainer import checkpoints
@@ -37,7 +40,7 @@ from trainer.futures import Category, Futures
 from trainer.lora import ALPHA, Layers, Router, Targets, TenantLora, wrap
 from trainer.records import AdamParams, SamplerSave, Session, TrainingModel
 from trainer.sampling import Samplers
-from trainer.sequencing import Op, OpKind
+from trainer.sequencing import Op, OpKind, round_share
 from trainer.wire import ForwardBackward, forward_backward_output
 
 log = logging.getLogger(__name__)
@@ -58,6 +61,8 @@ class Trainer:
         self.base = base
         self.futures = futures
         self.store = open_store(config)
+        self.tenancy = TenancyFile(config.tenancy_file)
+        """Each principal's weight in a round that cannot take every tenant's requests."""
         # Read the layers before the engine wraps them; the trainer's wrappers go on top.
         self.layers = Layers.of(base.model)
         self.engine = TorchEngine(base, config.device_slots)
@@ -241,20 +246,23 @@ class Trainer:
         }
 
     def _take(self, forward: bool) -> list[tuple[TrainingModel, Op]]:
-        """With `forward`, the forward/backward requests at the head of each model's queue (all
-        of them, up to its first other request); else each model's head request if it is
-        another kind."""
-        taken = []
+        """With `forward`, the forward/backward requests at the head of each model's queue (up
+        to its first other request), within its principal's share of the round (`round_share`);
+        else each model's head request if it is another kind."""
+        runs: dict[str, tuple[str, list[Op]]] = {}
         for model_id, ops in self._ready().items():
-            model = self.models[model_id]
             if forward:
-                run = []
-                for op in ops:
-                    if op.kind is not OpKind.FORWARD:
-                        break
-                    run.append(op)
+                run = list(takewhile(lambda op: op.kind is OpKind.FORWARD, ops))
             else:
                 run = ops[:1] if ops[0].kind is not OpKind.FORWARD else []
+            runs[model_id] = (self.models[model_id].session.principal, run)
+        if forward:
+            shared = round_share(runs, self.tenancy.weight, self.config.trainer_batch_tokens)
+        else:
+            shared = {model_id: run for model_id, (_, run) in runs.items()}
+        taken = []
+        for model_id, run in shared.items():
+            model = self.models[model_id]
             model.queue.take(run)
             taken.extend((model, op) for op in run)
         return taken

@@ -1,6 +1,7 @@
-"""`mint trainer`'s parts without a process: request ordering, the losses' formulas, the SDK's
-protobuf messages both ways, and the tenants' LoRAs: what PEFT computes with the same weights,
-and each tenant's loss and gradient in a shared pass equal to what it gets alone."""
+"""`mint trainer`'s parts without a process: request ordering, a round's share of a pass by
+weight, the losses' formulas, the SDK's protobuf messages both ways, and the tenants' LoRAs:
+what PEFT computes with the same weights, and each tenant's loss and gradient in a shared pass
+equal to what it gets alone."""
 
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from trainer.checkpoints import (
 from trainer.compute import Work, check_request, plan_passes, run_pass
 from trainer.lora import ALPHA, Layers, Router, Segment, Targets, TenantLora, wrap
 from trainer.losses import loss_named, token_logprobs
-from trainer.sequencing import GAP_S, Op, OpKind, Sequencer
+from trainer.sequencing import GAP_S, Op, OpKind, Sequencer, round_share
 from trainer.wire import forward_backward_output, read_forward_backward
 
 
@@ -260,3 +261,34 @@ def test_a_state_saved_before_owners_were_recorded_loads_with_no_owner(tmp_path:
     assert state.owner is None and state.steps == 3
     with pytest.raises(AccessDeniedError, match="only an admin"):
         check_loader(state, path, "team-a", ("admin",), keyed=True)
+
+
+def forward_ops(model_id: str, count: int, tokens: int) -> list[Op]:
+    made = []
+    for seq in range(1, count + 1):
+        request = read_forward_backward(fb(model_id, [datum(list(range(1, tokens + 1)))]), None)
+        made.append(Op(seq, OpKind.FORWARD, f"{model_id}-{seq}", request))
+    return made
+
+
+@pytest.mark.parametrize(
+    ("loud_weight", "taken"),
+    [(1.0, {"loud-model": 3, "quiet-model": 3}), (3.0, {"loud-model": 4, "quiet-model": 2})],
+)
+def test_a_round_shares_one_pass_by_weight_when_tenants_want_more(
+    loud_weight: float, taken: dict[str, int]
+) -> None:
+    # 8 and 4 requests of 20 tokens against a pass of 100: weighted max-min shares of 100
+    # tokens (50/50, or 75/25), each principal's requests taken while any of it is left.
+    runs = {
+        "loud-model": ("loud", forward_ops("loud-model", 8, 20)),
+        "quiet-model": ("quiet", forward_ops("quiet-model", 4, 20)),
+    }
+    weight = {"loud": loud_weight, "quiet": 1.0}.__getitem__
+    shared = round_share(runs, weight, pass_tokens=100)
+    assert {model: len(ops) for model, ops in shared.items()} == taken
+    assert [op.seq_id for op in shared["loud-model"]] == list(range(1, taken["loud-model"] + 1))
+    # A tenant alone, or everyone within a pass: every ready request goes.
+    alone = round_share({"loud-model": runs["loud-model"]}, weight, pass_tokens=100)
+    assert len(alone["loud-model"]) == 8
+    assert round_share(runs, weight, pass_tokens=240) == {m: ops for m, (_, ops) in runs.items()}
