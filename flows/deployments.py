@@ -5,6 +5,8 @@
 run from the Prefect UI with a parameter form (a roll-out paused for approval also shows its own
 form on its run); each configured retrain schedule (`MINT_RETRAIN`) adds a `retrain-<adapter>`
 deployment on its cron. `catalog-snapshot` publishes the catalog snapshot workers start from;
+`usage-report` each revision's use over the last day as the Artifacts page's `usage` table
+(give it a schedule in the UI: hourly, say);
 `train-node` is started by a release training on several hosts, one run per other host.
 Served, they need no work pool, but the serving process must keep running: flow runs start as
 its subprocesses, with its environment (MinT's configuration included). Deployed, each goes to
@@ -30,6 +32,7 @@ from flows.release import SCHEDULED, import_adapter, release, retrain
 from flows.repair import repair
 from flows.rl import rl
 from flows.train_node import train_node
+from flows.usage import usage_report
 from mint_core.config import MintConfig
 from mint_core.revisions import check_adapter_name
 from processes import ManagedProcess, responds_ok, start_process
@@ -120,6 +123,13 @@ _SERVED: tuple[tuple[Flow[..., Any], str, str], ...] = (
         "One more train host's processes of a release trained on several (started by it).",
     ),
     (catalog_snapshot, "catalog-snapshot", "Publish the catalog snapshot workers start from."),
+    (
+        usage_report,
+        "usage-report",
+        "Publish each revision's use over the last day (requests, tokens, errors, 429s, who "
+        "used it) as the Artifacts page's `usage` table. Give it a schedule (hourly, say) to "
+        "keep the table current.",
+    ),
 )
 """Each flow served, by deployment name, with the description the Prefect UI shows."""
 
@@ -135,6 +145,7 @@ POOLS: Mapping[str, Pool] = {
     "repair": Pool.CONTROL,
     "approve": Pool.CONTROL,
     "catalog-snapshot": Pool.CONTROL,
+    "usage-report": Pool.CONTROL,
 }
 """Each served flow's pool, by flow name. Why repair is a control flow: it exports frozen
 files again and admits them, which needs no accelerator; an approval waits in the run of the

@@ -1,6 +1,7 @@
 """What a release manager sees in Prefect's UI: a gated roll-out paused for approval, opened in
 headless Chromium from a real `prefect server start` (API and UI, as `mint up` runs it); its
-resume form shows the evaluation table (candidate against production, and the threshold)."""
+resume form shows the evaluation table (candidate against production, and the threshold); the
+Artifacts page shows each revision's usage of the last day."""
 
 import time
 from collections.abc import Callable, Iterator
@@ -12,11 +13,15 @@ from uuid import UUID
 import httpx
 import pytest
 from playwright.sync_api import Locator
+from prefect import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+from prefect.client.schemas.sorting import ArtifactSort
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from control.services import start_prefect
 from flows.approval import Verdict, answer_approval
 from flows.promote import promote
+from flows.usage import USAGE_KEY, usage_report
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, RejectedError
 from mint_core.gates import Gates
@@ -150,3 +155,57 @@ def test_the_paused_roll_out_shows_its_evaluation_in_the_form(
             rejecting.result(timeout=120)
         with pytest.raises(RejectedError):
             promoting.result(timeout=300)
+
+
+def latest_artifact(key: str) -> UUID:
+    with get_client(sync_client=True) as client:
+        (latest, *_) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])),
+            sort=ArtifactSort.CREATED_DESC,
+            limit=1,
+        )
+    return latest.id
+
+
+def test_the_artifacts_page_shows_each_revisions_usage_of_the_last_day(
+    prefect_ui: ManagedProcess,
+    worker: ManagedProcess,
+    fleet_config: MintConfig,
+    base: BaseModel,
+    ui: UiPage,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The usage-report deployment's table, as a release manager opens it: the Artifacts
+    page's `usage` key, one row per revision, with who used it."""
+    answered = httpx.post(
+        worker.url + "/generate",
+        json={"inputs": "usage", "parameters": {"max_new_tokens": 2}},
+        headers={"Authorization": "Bearer key-team-b"},
+        timeout=60,
+    )
+    assert answered.status_code == 200, answered.text
+    for name, value in fleet_config.to_env().items():
+        monkeypatch.setenv(name, value)
+    with ThreadPoolExecutor(max_workers=1) as background:  # away from Playwright's event loop
+        assert background.submit(in_prefect, prefect_ui, usage_report).result(timeout=120)
+        latest = background.submit(in_prefect, prefect_ui, latest_artifact, USAGE_KEY).result()
+
+    # The Artifacts page lists the key's versions, newest first; each opens as its table.
+    page = ui.open(f"{prefect_ui.url}/artifacts/key/{USAGE_KEY}")
+    page.get_by_text("over the last 24 h").first.wait_for()
+    page.get_by_text(str(latest)[:8]).first.click()
+    table = page.locator("table").first
+    table.wait_for()
+    header = " ".join(table.locator("th").all_inner_texts()).lower()
+    for column in ("revision", "used by", "requests", "tokens out", "429s", "queue ms"):
+        assert column in header, header
+    row = table.locator("tr", has_text=base.model_id).first
+    row.wait_for()
+    assert "team-b" in row.inner_text()
+    # Every column in sight, none behind a horizontal scroll, from 1600 px (at 1440 px the last
+    # column was 20 px behind it in CI's Chromium: the base's long model id is the widest cell).
+    for width in (1600, 1920):
+        page.set_viewport_size({"width": width, "height": 900})
+        assert_figures_inside(table, table, width)
+    screenshot(page, "usage-artifact")  # for a person to look at; ignored by git
+    assert not ui.server_errors

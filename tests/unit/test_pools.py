@@ -50,7 +50,7 @@ def test_every_served_flow_is_in_exactly_one_pool() -> None:
     assert POOLS.keys() == {d.flow_name for d in build_deployments(CONFIG)}
     assert {d.name for d in pooled[Pool.TRAIN]} == TRAINING
     assert {d.name for d in pooled[Pool.CONTROL]} == {
-        "promote", "rollback", "canary", "repair", "approve", "catalog-snapshot"
+        "promote", "rollback", "canary", "repair", "approve", "catalog-snapshot", "usage-report"
     }  # fmt: skip
 
 
@@ -178,7 +178,7 @@ def test_deploy_creates_the_missing_pool_and_puts_each_deployment_in_its_pool(
     assert prefect.created_pools == [("gpu-pool", "process")]
     pools = {name: pool for name, pool, _, _ in prefect.applied}
     assert {name for name, pool in pools.items() if pool == "gpu-pool"} == TRAINING
-    assert len(pools) == len(prefect.applied) == len(deployed.deployment_ids) == 12
+    assert len(pools) == len(prefect.applied) == len(deployed.deployment_ids) == 13
     for name, pool, tags, job_variables in prefect.applied:
         assert tags == ["mint", f"pool:{pool}"], name
         assert job_variables == {"env": {
@@ -193,7 +193,7 @@ def test_deploy_creates_the_missing_pool_and_puts_each_deployment_in_its_pool(
     assert prefect.asked_tags == ["pool:gpu-pool", "pool:cpu-pool"]
     assert deployed.removed == ("retrain-dropped-bot",)
     assert prefect.stale.id not in prefect.deployments
-    assert len(prefect.deployments) == 12
+    assert len(prefect.deployments) == 13
     # The earlier deploy's automation is replaced, not kept beside the new one.
     (automation,) = prefect.automations.values()
     assert deployed.automation_id in prefect.automations
