@@ -101,7 +101,7 @@ test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(COOKBOOK_INSTALLED) $(
 # tiers, rl and recipe. `make bench-sync` runs one; cluster and distributed make network
 # namespaces, so they run as root on their own (`sudo make bench-cluster`).
 BENCHMARKS := register packing batching sync rl_sync admission gateway backends catalog tiers \
-	tiers_sim tenants recipe rl
+	tiers_sim tenants recipe rl noisy
 bench: $(INSTALLED) $(VLLM_INSTALLED)
 	for name in $(BENCHMARKS); do $(VENV)/bin/python bench/$$name.py || exit 1; done
 

@@ -471,6 +471,26 @@ def serve_cut_timeline(ax: Axes, cut: Result) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
+def noisy(result: Result) -> Figure:
+    fig, (quiet, aims) = figure("noisy: a loud principal (10x) beside three quiet ones", 2)
+    bars_panel(quiet, result.get("quiet_p95_ratio", {}), "worst quiet p95 / its p95 alone")
+    quota_error = result.get("quota_error")
+    aims_panel(
+        aims,
+        {
+            **result,
+            "quiet_p95_fair": result.get("quiet_p95_ratio", {}).get("fair"),
+            "quota_error_abs": None if quota_error is None else abs(quota_error),
+        },
+        [
+            Aim("quiet p95 / alone, fair share", "quiet_p95_fair", 1.3, "x"),
+            Aim("throughput fair / today", "throughput_ratio_fair", 0.95, "x", True),
+            Aim("loud tokens/min off its quota", "quota_error_abs", 5, "%", scale=100),
+        ],
+    )
+    return fig
+
+
 DRAWINGS: dict[str, Callable[[Result], Figure]] = {
     "register": register,
     "admission": admission,
@@ -488,6 +508,7 @@ DRAWINGS: dict[str, Callable[[Result], Figure]] = {
     "tiers_sim": tiers_sim,
     "cluster": cluster,
     "distributed": distributed,
+    "noisy": noisy,
 }
 
 
