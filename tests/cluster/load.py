@@ -56,6 +56,16 @@ def retry_after(headers: Mapping[str, str]) -> float | None:
     return None
 
 
+def _said(content: bytes) -> str:
+    """An error answer's `error_type` and the start of its message (MinT's error shape), or
+    the start of its body."""
+    try:
+        body = json.loads(content)
+        return f"{body['error_type']}: {str(body.get('error', ''))[:160]}"
+    except (ValueError, TypeError, KeyError):
+        return content[:160].decode(errors="replace")
+
+
 async def _lane(
     lane: int, session: aiohttp.ClientSession, args: argparse.Namespace, state: dict[str, int],
     out: IO[str],
@@ -80,8 +90,10 @@ async def _lane(
                 async with session.request(
                     args.method, args.url, data=args.json, headers=args.headers
                 ) as response:
-                    await response.read()
+                    content = await response.read()
                     record.update(status=response.status, error=None)
+                    if response.status != 200:  # what the failure said, for the figures' notes
+                        record["said"] = _said(content)
                     kept = {h: response.headers[h] for h in args.keep if h in response.headers}
                     record["headers"] = kept
                     if response.status == 503 and attempts <= args.retries:

@@ -218,7 +218,7 @@ def serve_cut(booted: Booted, folder: Path, cut_host: str = roles.SERVE[1]) -> S
     settled = {a: [x["headers"].get("X-Mint-Worker") for x in lanes[a].answers()
                    if x["t_start"] >= settled_at and x["status"] == 200]
                for a in adapters}  # fmt: skip
-    answers = [a for c in lanes.values() for a in c.answers()]
+    answers = [a | {"adapter": name} for name, c in lanes.items() for a in c.answers()]
     failed = [a for a in answers if a["status"] != 200]
     in_flight = [a for c in clients for a in c.answers()
                  if a["t_start"] < down_at and a["t_end"] > cut_at]  # fmt: skip
@@ -239,9 +239,20 @@ def serve_cut(booted: Booted, folder: Path, cut_host: str = roles.SERVE[1]) -> S
                 sum(1 for a in adapters for w in settled[a] if w != before[a])
             ),
             "gateway_saw_it_up_after_rejoin": f"{sum(flaps)}/{len(flaps)}",
-            "failed_errors": ",".join(sorted({str(a["error"]) for a in failed if a["error"]})),
+            "failed": "; ".join(_failure_note(a, cut_at, down_at, rejoined_at) for a in failed),
         },
     )
+
+
+def _failure_note(answer: dict, cut_at: float, down_at: float, rejoined_at: float) -> str:
+    """A failed request's adapter, status, what it said and when it was sent, against the
+    cut (+s from it), the gateway marking the host down, and the link's return."""
+    sent = answer["t_start"]
+    phase = ("before the cut" if sent < cut_at else "before down" if sent < down_at
+             else "while down" if sent < rejoined_at else "after the rejoin")  # fmt: skip
+    said = answer.get("said") or answer["error"]
+    return (f"{answer['adapter']} {answer['status']} ({said}) sent {phase}, "
+            f"{sent - cut_at:+.2f} s, took {answer['t_end'] - sent:.2f} s")  # fmt: skip
 
 
 class RetryingClient(drive.Client):
