@@ -173,3 +173,25 @@ def test_a_prewarm_thread_outlives_an_error_in_its_own_error_handling(
         assert "ended in an error of its own handling" in caplog.text
     finally:
         worker.close()
+
+
+def test_a_late_prewarm_suggests_ever_longer_waits() -> None:
+    """A revision still fetching past the prewarm estimate: each "not ready" answer suggests
+    half the time it has taken so far, so a client honouring them spreads a fixed number of
+    retries over a slow fetch rather than spending them at the floor."""
+    table = ReadinessTable(admission_k=4)
+    each = readiness.FIRST_PREWARM_S
+
+    def suggested(elapsed: float) -> float:
+        entry = readiness.ReadinessEntry(R1, Readiness.FETCHING, time.time() - elapsed)
+        wait = table.wait_estimate(entry)
+        assert wait is not None
+        return wait
+
+    assert suggested(0.1) == pytest.approx(each - 0.1, abs=0.01)  # on time: what is left
+    assert suggested(4.0) == pytest.approx(2.0, abs=0.01)
+    elapsed, retries = each, 0
+    while elapsed < 60:  # a client honouring each answer, from the moment it is late
+        elapsed += suggested(elapsed)
+        retries += 1
+    assert retries <= 12  # the floor's 0.05 s would have taken over a thousand
