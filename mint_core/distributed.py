@@ -10,11 +10,13 @@ Prefect and no rank does. Only the LoRA's gradients travel: one flat all-reduce 
 """
 
 import json
+import logging
 import os
 import pickle
 import socket
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -23,7 +25,6 @@ from pathlib import Path
 from typing import TypeVar
 
 import torch
-import torch._dynamo  # before the group is joined: see `main`
 import torch.distributed as dist
 
 from mint_core.errors import ConfigurationError, MintError
@@ -249,11 +250,6 @@ def main(run_dir: Path) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
-    # torch._dynamo (which transformers and peft import) is imported above, never after this:
-    # imported once the group exists, it keeps the group's gloo threads running past
-    # destroy_process_group (torch 2.13, measured), and their teardown at interpreter exit
-    # aborted a rank now and then ("terminate called without an active exception") after its
-    # job had succeeded.
     dist.init_process_group(backend, timeout=timeout)
     rank = Rank(run_dir)
     try:
@@ -271,10 +267,30 @@ def main(run_dir: Path) -> None:
         dist.destroy_process_group()
 
 
+def end(run: Callable[[], None]) -> None:
+    """Run a rank's `run`, then end its process at once, with the status it earned: the
+    interpreter's teardown is skipped. A process group's gloo threads outlive
+    destroy_process_group wherever something still holds the group (FSDP2's device mesh does;
+    so does torch._dynamo imported after joining), and their teardown racing the
+    interpreter's crashed ranks whose job had succeeded, now and then (CI: SIGABRT
+    "terminate called without an active exception", SIGBUS)."""
+    code = 1
+    try:
+        run()
+        code = 0
+    except BaseException:  # every failure is this process's exit status
+        traceback.print_exc()
+    finally:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 if __name__ == "__main__":
     from torch.distributed.elastic.multiprocessing.errors import record
 
     from mint_core import distributed  # not __main__'s copy: what ranks return must unpickle
 
     # record: a rank's traceback reaches torchrun's failure summary, which the driver shows.
-    record(distributed.main)(Path(sys.argv[1]))
+    end(lambda: record(distributed.main)(Path(sys.argv[1])))
