@@ -92,9 +92,10 @@ export MINT_CLUSTER_TESTS ?= required
 endif
 
 # ruff and the fast lane come first: a failure there stops here, before the other environments
-# are installed and the integration lane (every other folder of tests/) runs.
+# are installed and the integration lane (every other folder of tests/) runs. Its 40 slowest
+# steps (set-up, call, teardown) close the log: where the suite's minutes go.
 test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(COOKBOOK_INSTALLED) $(CHROMIUM)
-	$(VENV)/bin/pytest --ignore=tests/unit
+	$(VENV)/bin/pytest --ignore=tests/unit --durations=40 --durations-min=5
 
 # Every benchmark at full size, one at a time (they measure side by side on a quiet machine: never
 # in parallel), each writing its JSON and picture to bench/results/; hours on 2 cores, most of it
