@@ -160,8 +160,8 @@ def test_tiers_benchmark_serves_more_adapters_than_its_host_tiers_hold(
     tmp_path: Path, mint_home: Path
 ) -> None:
     result = run_bench(
-        "tiers.py", "--adapters", "300", "--host-adapters", "20", "--warmup-s", "5",
-        "--measure-s", "15", "--baseline-s", "5", "--home", str(mint_home),
+        "tiers.py", "--adapters", "300", "--host-adapters", "20", "--warmup-s", "2",
+        "--measure-s", "6", "--baseline-s", "2", "--home", str(mint_home),
         out=tmp_path / "tiers.json",
     )  # fmt: skip
     samples = result["samples"]

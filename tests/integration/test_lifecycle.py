@@ -26,7 +26,13 @@ from tests.integration.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
 
+# Each test runs where what it checks can differ: over both artifact stores where it writes or
+# reads artifacts, over both MLflow databases where it writes alias and stage history.
+REGISTRY_DBS = pytest.mark.parametrize("fleet", ["local", "postgres"], indirect=True)
+STORES = pytest.mark.parametrize("fleet", ["local", "s3"], indirect=True)
 
+
+@REGISTRY_DBS
 def test_rollback_brings_back_r1_without_training(fleet: Fleet) -> None:
     name, worker, config = fleet.adapter("roll-bot"), fleet.worker, fleet.config
     release(name, "reverse", steps=40, seed=1)
@@ -83,6 +89,7 @@ def test_rollback_brings_back_r1_without_training(fleet: Fleet) -> None:
     assert answer(worker, name) == r1
 
 
+@pytest.mark.parametrize("fleet", ["local"], indirect=True)
 def test_rollback_without_an_earlier_revision_is_refused(fleet: Fleet) -> None:
     name = fleet.adapter("solo-bot")
     release(name, "upper", steps=10)
@@ -92,6 +99,7 @@ def test_rollback_without_an_earlier_revision_is_refused(fleet: Fleet) -> None:
         rollback("ghost-bot")
 
 
+@STORES
 def test_corrupt_shard_in_the_store_is_caught_and_the_worker_keeps_serving(fleet: Fleet) -> None:
     steady = fleet.adapter("steady-bot")
     release(steady, "upper", steps=20)
@@ -120,7 +128,11 @@ def test_corrupt_shard_in_the_store_is_caught_and_the_worker_keeps_serving(fleet
     assert answer(fleet.worker, steady) == before
 
 
-@pytest.mark.parametrize("point", ["export", "register"])
+@pytest.mark.parametrize(
+    ("fleet", "point"),
+    [("local", "export"), ("s3", "export"), ("local", "register"), ("postgres", "register")],
+    indirect=["fleet"],
+)
 def test_release_killed_mid_step_leaves_nothing_that_looks_complete(
     fleet: Fleet, point: str, prefect_api: str, tmp_path: Path
 ) -> None:

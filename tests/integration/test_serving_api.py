@@ -28,7 +28,7 @@ ADAPTERS = [f"load-bot-{n:02d}" for n in range(16)]
 PROMPTS = [prompt_for(word) for word in held_out_words()[:12]]
 NEW_TOKENS = 12
 LOAD_CLIENTS = 32
-LOAD_SECONDS = float(os.environ.get("MINT_LOAD_TEST_SECONDS", "60"))
+LOAD_SECONDS = float(os.environ.get("MINT_LOAD_TEST_SECONDS", "30"))
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_adapter_residency_and_metrics(
         assert name in metrics, name
 
 
-def test_32_clients_over_16_adapters_for_60_s_get_their_single_request_answers(
+def test_32_clients_over_16_adapters_for_30_s_get_their_single_request_answers(
     worker: ManagedProcess, served: dict[tuple[str, str], str]
 ) -> None:
     deadline = time.monotonic() + LOAD_SECONDS
