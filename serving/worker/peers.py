@@ -47,6 +47,8 @@ class Peers:
         self._fleet: tuple[str, ...] = (self.me,)
         self._members: tuple[str, ...] = (self.me,)
         self._asked: dict[tuple[str, RevisionId], float] = {}
+        self._unanswered: set[str] = set()
+        """Peers that failed the last admit asked of them, until they answer a health check."""
         self._pool = ThreadPoolExecutor(8, "peers")  # threads start as needed
         self._follow_roster()
 
@@ -97,6 +99,8 @@ class Peers:
             for url, answered in zip(clients, answers, strict=True):
                 if url in self._misses:
                     self._misses[url] = 0 if answered else self._misses[url] + 1
+                if answered:
+                    self._unanswered.discard(url)
             live = [url for url, misses in self._misses.items() if misses < MISSES_TO_LEAVE]
             members = tuple(sorted({self.me, *live}))
             if members != self._members:
@@ -124,14 +128,24 @@ class Peers:
         with self._lock:
             client = self._clients.get(url)
         if client is not None:
-            self._pool.submit(self._admit, client, revision)
+            self._pool.submit(self._admit, url, client, revision)
 
-    @staticmethod
-    def _admit(client: WorkerClient, revision: RevisionId) -> None:
+    def answering(self, url: str) -> bool:
+        """Whether peer `url` took the last admit asked of it (or has answered a health
+        check since it failed one)."""
+        with self._lock:
+            return url not in self._unanswered
+
+    def _admit(self, url: str, client: WorkerClient, revision: RevisionId) -> None:
         try:
             client.admit(revision, "demand")
         except MintError as e:
-            log.warning("could not ask %s to admit %s: %s", client.url, revision, e)
+            log.warning("could not ask %s to admit %s: %s", url, revision, e)
+            with self._lock:
+                self._unanswered.add(url)
+        else:
+            with self._lock:
+                self._unanswered.discard(url)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -373,7 +373,10 @@ class Worker:
         """A request wants `revision`, admitted nowhere here: admit it by demand where it is
         placed (here, or by asking the placed worker); its entry here now."""
         placed = self.placement(revision)
-        if self.peers.me in placed:
+        # A placed worker that failed the last ask (cut off, down) still counts as live until
+        # it misses MISSES_TO_LEAVE health checks: meanwhile this worker, which the gateway sent
+        # the request to, admits it rather than answer "not ready" for seconds more.
+        if self.peers.me in placed or not self.peers.answering(placed[0]):
             self.metrics.demand_admissions.inc()
             return self.admit(revision, Priority.DEMAND)
         self.peers.ask_admit(placed[0], revision)

@@ -5,6 +5,7 @@ announcer beats, survives a registry outage, and marks itself gone."""
 
 import dataclasses
 import logging
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -27,6 +28,7 @@ from mint_core.planning.roster import Beat, Member
 from mint_core.registry._mlflow import MlflowStore
 from mint_core.registry.members import SEQ_TAG, URL_TAG, Members
 from mint_core.registry_accounts import FLEET
+from mint_core.revisions import RevisionId
 from serving.worker.announce import Announcer
 from serving.worker.peers import Peers
 
@@ -236,6 +238,28 @@ def test_a_worker_outside_a_static_fleet_has_no_peers() -> None:
     peers = Peers("http://me:8000", StaticRoster(("http://a:8000",)), "sha256:x")
     try:
         assert peers.fleet == ("http://me:8000",)
+    finally:
+        peers.close()
+
+
+def test_a_peer_that_failed_an_ask_is_not_answering_until_it_answers_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A placed peer that cannot take an admit (cut off: here, a closed loopback port) stops
+    counting as answering at once, though it stays a member for MISSES_TO_LEAVE health checks;
+    the worker then admits what requests want itself (`Worker._demand`)."""
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    me = "http://me:8000"
+    peers = Peers(me, StaticRoster((me, gone)), "sha256:x")
+    try:
+        assert peers.answering(gone)
+        peers.ask_admit(gone, RevisionId("support-bot", 1))
+        _wait_for(lambda: not peers.answering(gone))
+        monkeypatch.setattr(Peers, "_serves_base", lambda self, client: True)  # back
+        peers.refresh()
+        assert peers.answering(gone)
     finally:
         peers.close()
 
