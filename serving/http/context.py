@@ -152,7 +152,7 @@ async def admin_only(request: Request, caller: CurrentCaller) -> None:
     check_admin(caller.principal, access_of(request).admins)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Routed:
     """A generation request once routed and let in by its principal's quota: what serves it,
     for its whole life."""
