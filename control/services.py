@@ -37,7 +37,7 @@ from mint_core.registry_accounts import (
     RegistryAccounts,
     auth_config,
 )
-from processes import ManagedProcess, free_port, start_process, stop_all
+from processes import ManagedProcess, free_port, start_process, start_together, stop_all
 from processes.managed import basic_auth
 
 if TYPE_CHECKING:
@@ -346,9 +346,16 @@ class Supervisor:
     def start(self, start: Callable[[], ManagedProcess]) -> ManagedProcess:
         """Start a service with `start` (which returns once it is healthy) and keep it
         running with it."""
-        service = start()
-        self._services.append(_Supervised(start, service, time.monotonic()))
+        (service,) = self.start_together(start)
         return service
+
+    def start_together(self, *starts: Callable[[], ManagedProcess]) -> list[ManagedProcess]:
+        """Start services that wait on none of each other at once (`processes.start_together`)
+        and keep them running; their services in the order of `starts`."""
+        services = start_together(starts) if len(starts) > 1 else [starts[0]()]
+        now = time.monotonic()
+        self._services += [_Supervised(*pair, now) for pair in zip(starts, services, strict=True)]
+        return services
 
     @property
     def services(self) -> list[ManagedProcess]:

@@ -193,17 +193,15 @@ def _up_control(args: argparse.Namespace, config: MintConfig) -> None:
             )
             _create_bucket(s3_url, config.s3_bucket)
         registry_db = args.backend_store_uri or config.registry_db
-        mlflow = supervisor.start(
+        mlflow, prefect = supervisor.start_together(
             partial(
                 start_mlflow, home, args.mlflow_port, registry_db, accounts, store=config,
                 host=host, advertise=at(args.mlflow_port),
-            )
-        )  # fmt: skip
-        prefect = supervisor.start(
+            ),
             partial(
                 start_prefect, home, args.prefect_port, host, at(args.prefect_port),
                 secrets.prefect_auth,
-            )
+            ),
         )  # fmt: skip
         api = prefect.url + "/api"
         config = dataclasses.replace(config, tracking_uri=mlflow.url)
@@ -267,24 +265,20 @@ def _up_train(args: argparse.Namespace, config: MintConfig) -> None:
     api = _prefect_api()
     config = _with_train_address(config, args)
     build_base(config)  # the flow runs and the trainer load it: once, before either starts
+    pool_worker = partial(
+        start_prefect_worker, config, config.train_pool, api,
+        os.environ.get(PREFECT_CLIENT_AUTH, ""), None, 1,
+        # Its own queue besides the pool's: a run can be sent to this host.
+        queues=("default", host_queue(config)),
+    )  # fmt: skip
+    trainer = partial(
+        start_trainer, config, args.trainer_port, host=args.host, advertise=args.advertise_url
+    )
     with _supervised() as supervisor:
-        supervisor.start(
-            partial(
-                start_prefect_worker, config, config.train_pool, api,
-                os.environ.get(PREFECT_CLIENT_AUTH, ""), None, 1,
-                # Its own queue besides the pool's: a run can be sent to this host.
-                queues=("default", host_queue(config)),
-            )
-        )  # fmt: skip
+        started = supervisor.start_together(pool_worker, *([] if args.no_trainer else [trainer]))
         lines = [f"train pool worker:       {config.host_name} in {config.train_pool} at {api}"]
         if not args.no_trainer:
-            trainer = supervisor.start(
-                partial(
-                    start_trainer, config, args.trainer_port, host=args.host,
-                    advertise=args.advertise_url,
-                )
-            )  # fmt: skip
-            lines.append(f"Tinker API (trainer):    {trainer.url}  (TINKER_BASE_URL)")
+            lines.append(f"Tinker API (trainer):    {started[1].url}  (TINKER_BASE_URL)")
         _ready(supervisor, Role.TRAIN, config, lines)
 
 

@@ -125,22 +125,24 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
     registry_db = args.backend_store_uri or config.registry_db
     try:
         # Each start is bound to its arguments now: it is called again the same way.
-        mlflow = supervisor.start(
+        # Those that wait on none of each other start together: a start is mostly a Python
+        # process importing its libraries, and there are two cores at least.
+        mlflow, prefect_server = supervisor.start_together(
             partial(
                 start_mlflow, config.home, args.mlflow_port, registry_db, accounts, store=config
-            )
+            ),
+            partial(start_prefect, config.home, args.prefect_port),
         )
-        prefect_server = supervisor.start(partial(start_prefect, config.home, args.prefect_port))
         config = dataclasses.replace(config, tracking_uri=mlflow.url)
         os.environ.update(accounts.pipeline.env())  # the flow server's runs write
         worker = supervisor.start(
             partial(start_worker, config, args.worker_port, env=accounts.worker.env())
         )
         config = dataclasses.replace(config, worker_urls=(worker.url,))
-        supervisor.start(partial(start_flow_server, config, prefect_server.url + "/api"))
-        # The trainer registers its tenants' sampler weights: it writes as the pipeline does.
-        trainer = supervisor.start(
-            partial(start_trainer, config, args.trainer_port, env=accounts.pipeline.env())
+        _, trainer = supervisor.start_together(
+            partial(start_flow_server, config, prefect_server.url + "/api"),
+            # The trainer registers its tenants' sampler weights: it writes as the pipeline does.
+            partial(start_trainer, config, args.trainer_port, env=accounts.pipeline.env()),
         )
         print(f"MLflow UI (registry):    {mlflow.url}")
         print(f"Prefect UI (flows):      {prefect_server.url}")

@@ -8,6 +8,7 @@ from processes.managed import (
     group_running,
     responds_ok,
     start_process,
+    start_together,
     stop_all,
 )
 from processes.mint import start_mint
@@ -19,5 +20,6 @@ __all__ = [
     "responds_ok",
     "start_mint",
     "start_process",
+    "start_together",
     "stop_all",
 ]

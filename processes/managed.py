@@ -12,11 +12,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -186,6 +187,41 @@ os.execvp(sys.argv[2], sys.argv[2:])
 it ends, then execs the service (the request survives exec)."""
 
 
+_starting = threading.local()
+"""In a thread of `start_together`: `called_off`, the event set when its starts are called off."""
+
+
+def start_together(starts: Sequence[Callable[[], ManagedProcess]]) -> list[ManagedProcess]:
+    """Call `starts` at once, each in a thread of its own (each returns once its service is
+    healthy), and return their services in order once all are: services that wait on nothing
+    but their own start-up (MLflow and Prefect) start in the time of the slowest, not the sum.
+    If one fails, or this thread is interrupted (Ctrl-C), the others' waits are called off and
+    every service that did start is stopped before the error is raised: nothing is left running.
+    Not for a start with `die_with_parent`: its thread ends here, and its process with it."""
+    called_off = threading.Event()
+
+    def start_in_thread(start: Callable[[], ManagedProcess]) -> ManagedProcess:
+        _starting.called_off = called_off
+        return start()
+
+    pool = ThreadPoolExecutor(len(starts), thread_name_prefix="start")
+    futures = [pool.submit(start_in_thread, start) for start in starts]
+    try:
+        wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [future.exception() for future in futures if future.done()]
+        first = next((error for error in failed if error is not None), None)
+        if first is not None:
+            raise first
+        return [future.result() for future in futures]
+    except BaseException:
+        called_off.set()
+        pool.shutdown(wait=True)
+        stop_all([future.result() for future in futures if future.exception() is None])
+        raise
+    finally:
+        pool.shutdown(wait=True)
+
+
 def term_with_parent(argv: Sequence[str]) -> list[str]:
     """`argv` behind a small Python that gets it SIGTERM when the thread that started it
     ends, asked for in the child itself: not through Popen's `preexec_fn`, which runs Python
@@ -200,7 +236,10 @@ def term_with_parent(argv: Sequence[str]) -> list[str]:
 def wait_healthy(service: ManagedProcess, healthy: Callable[[], bool], timeout_s: float) -> None:
     """Return once `healthy()`; ServiceError naming its log if it exits or times out first."""
     deadline = time.monotonic() + timeout_s
+    called_off = getattr(_starting, "called_off", None)
     while time.monotonic() < deadline:
+        if called_off is not None and called_off.is_set():
+            raise ServiceError(f"{service.name}: its start was called off")
         if service.process.poll() is not None:
             raise ServiceError(
                 f"{service.name} exited with code {service.process.returncode} while starting; "

@@ -7,12 +7,13 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from mint_core.errors import ServiceError
-from processes import ManagedProcess, group_running, start_process
+from processes import ManagedProcess, group_running, start_process, start_together, stop_all
 
 
 def started(tmp_path: Path, script: str) -> tuple[ManagedProcess, int]:
@@ -86,6 +87,46 @@ def test_a_service_that_fails_to_start_leaves_nothing_running(tmp_path: Path) ->
             timeout_s=30,
         )
     assert not running(int(pid_file.read_text()))
+
+
+def test_services_started_together_are_up_together_in_the_order_asked(tmp_path: Path) -> None:
+    # Each takes two seconds to be healthy: together, about two seconds, not four.
+    def slow(name: str) -> Callable[[], ManagedProcess]:
+        def start() -> ManagedProcess:
+            (tmp_path / name).mkdir()
+            return started(tmp_path / name, "sleep 2; sleep 300 & echo $! > PID_FILE; wait")[0]
+
+        return start
+
+    started_at = time.monotonic()
+    services = start_together([slow("a"), slow("b")])
+    took_s = time.monotonic() - started_at
+    try:
+        assert [service.log_path.parent.name for service in services] == ["a", "b"]
+        assert all(service.process.poll() is None for service in services)
+        assert took_s < 3.5, f"two two-second starts together took {took_s:.2f} s"
+    finally:
+        stop_all(services)
+
+
+def test_a_failed_start_calls_the_others_off_and_stops_what_started(tmp_path: Path) -> None:
+    pid_files = [tmp_path / f"{name}.pid" for name in ("up", "waiting")]
+
+    def start(name: str, script: str, healthy: Callable[[], bool]) -> Callable[[], ManagedProcess]:
+        return lambda: start_process(
+            name, ["bash", "-c", script], "http://127.0.0.1:9", healthy, tmp_path / f"{name}.log"
+        )
+
+    up = start("up", f"sleep 300 & echo $! > {pid_files[0]}; wait", pid_files[0].exists)
+    # Never healthy: without being called off, it would wait the full 120 s.
+    waiting = start("waiting", f"sleep 300 & echo $! > {pid_files[1]}; wait", lambda: False)
+    failing = start("failing", "sleep 1; exit 3", lambda: False)
+
+    started_at = time.monotonic()
+    with pytest.raises(ServiceError, match="failing exited with code 3"):
+        start_together([up, waiting, failing])
+    assert time.monotonic() - started_at < 30.0
+    assert not any(running(int(pid_file.read_text())) for pid_file in pid_files)
 
 
 def test_vllm_dies_with_a_worker_killed_outright_and_no_preexec_fn_started_it(
