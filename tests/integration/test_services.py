@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -109,22 +110,53 @@ def test_services_started_together_are_up_together_in_the_order_asked(tmp_path: 
         stop_all(services)
 
 
+def starter(
+    folder: Path, name: str, script: str, healthy: Callable[[], bool]
+) -> Callable[[], ManagedProcess]:
+    """A start for `start_together`: `bash -c script`, healthy once `healthy()`."""
+    return lambda: start_process(
+        name, ["bash", "-c", script], "http://127.0.0.1:9", healthy, folder / f"{name}.log"
+    )
+
+
+def up_and_waiting(folder: Path) -> tuple[list[Callable[[], ManagedProcess]], list[Path]]:
+    """Two starts of a `sleep` child that writes its pid to a file: one healthy once it has,
+    one never (without being called off, it would wait the full 120 s); and the pid files."""
+    pid_files = [folder / f"{name}.pid" for name in ("up", "waiting")]
+    script = "sleep 300 & echo $! > {}; wait"
+    up = starter(folder, "up", script.format(pid_files[0]), pid_files[0].exists)
+    waiting = starter(folder, "waiting", script.format(pid_files[1]), lambda: False)
+    return [up, waiting], pid_files
+
+
 def test_a_failed_start_calls_the_others_off_and_stops_what_started(tmp_path: Path) -> None:
-    pid_files = [tmp_path / f"{name}.pid" for name in ("up", "waiting")]
-
-    def start(name: str, script: str, healthy: Callable[[], bool]) -> Callable[[], ManagedProcess]:
-        return lambda: start_process(
-            name, ["bash", "-c", script], "http://127.0.0.1:9", healthy, tmp_path / f"{name}.log"
-        )
-
-    up = start("up", f"sleep 300 & echo $! > {pid_files[0]}; wait", pid_files[0].exists)
-    # Never healthy: without being called off, it would wait the full 120 s.
-    waiting = start("waiting", f"sleep 300 & echo $! > {pid_files[1]}; wait", lambda: False)
-    failing = start("failing", "sleep 1; exit 3", lambda: False)
+    starts, pid_files = up_and_waiting(tmp_path)
+    failing = starter(tmp_path, "failing", "sleep 1; exit 3", lambda: False)
 
     started_at = time.monotonic()
     with pytest.raises(ServiceError, match="failing exited with code 3"):
-        start_together([up, waiting, failing])
+        start_together([*starts, failing])
+    assert time.monotonic() - started_at < 30.0
+    assert not any(running(int(pid_file.read_text())) for pid_file in pid_files)
+
+
+def test_an_interrupted_start_together_stops_what_started(tmp_path: Path) -> None:
+    # As Ctrl-C does in `mint up`: its handler raises KeyboardInterrupt in the main thread.
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    starts, pid_files = up_and_waiting(tmp_path)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    started_at = time.monotonic()
+    try:
+        with pytest.raises(Interrupted):
+            start_together(starts)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
     assert time.monotonic() - started_at < 30.0
     assert not any(running(int(pid_file.read_text())) for pid_file in pid_files)
 
