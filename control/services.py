@@ -352,7 +352,7 @@ class Supervisor:
     def start_together(self, *starts: Callable[[], ManagedProcess]) -> list[ManagedProcess]:
         """Start services that wait on none of each other at once (`processes.start_together`)
         and keep them running; their services in the order of `starts`."""
-        services = start_together(starts) if len(starts) > 1 else [starts[0]()]
+        services = start_together(starts)
         now = time.monotonic()
         self._services += [_Supervised(*pair, now) for pair in zip(starts, services, strict=True)]
         return services

@@ -274,8 +274,9 @@ def _up_train(args: argparse.Namespace, config: MintConfig) -> None:
     trainer = partial(
         start_trainer, config, args.trainer_port, host=args.host, advertise=args.advertise_url
     )
+    starts = [pool_worker] if args.no_trainer else [pool_worker, trainer]
     with _supervised() as supervisor:
-        started = supervisor.start_together(pool_worker, *([] if args.no_trainer else [trainer]))
+        started = supervisor.start_together(*starts)
         lines = [f"train pool worker:       {config.host_name} in {config.train_pool} at {api}"]
         if not args.no_trainer:
             lines.append(f"Tinker API (trainer):    {started[1].url}  (TINKER_BASE_URL)")

@@ -197,7 +197,10 @@ def start_together(starts: Sequence[Callable[[], ManagedProcess]]) -> list[Manag
     but their own start-up (MLflow and Prefect) start in the time of the slowest, not the sum.
     If one fails, or this thread is interrupted (Ctrl-C), the others' waits are called off and
     every service that did start is stopped before the error is raised: nothing is left running.
-    Not for a start with `die_with_parent`: its thread ends here, and its process with it."""
+    Not for a start with `die_with_parent`: its thread ends here, and its process with it.
+    A single start runs in this thread, as it would without `start_together`."""
+    if len(starts) == 1:
+        return [starts[0]()]
     called_off = threading.Event()
 
     def start_in_thread(start: Callable[[], ManagedProcess]) -> ManagedProcess:
