@@ -2,7 +2,7 @@
 the tests start it): MLflow's own app, guarded by MLflow's basic-auth app when AUTH_VARIABLE is
 set, whose UI opens on model training and shows description tables with room in their cells.
 
-Guarded, it differs from MLflow's basic-auth app in four ways:
+Guarded, it differs from MLflow's basic-auth app in six ways:
 
 - The auth store's reads of accounts and grants, repeated several times for every request,
   are answered from memory for up to two seconds and forgotten on any change made through
@@ -15,6 +15,12 @@ Guarded, it differs from MLflow's basic-auth app in four ways:
   are created before the server answers anything, `/health` included.
 - A refusal (403) is MLflow's JSON error (`PERMISSION_DENIED` and a message), which MLflow's
   client and UI read, not a bare "Permission denied" the UI shows as INTERNAL_ERROR.
+- Only the pipeline's account and admins create registered models and experiments. MLflow lets
+  any signed-in account create one and gives its creator MANAGE on it: the workers' account
+  (on every serve and gateway host) could create `support-bot` before its first release and
+  move its aliases once the pipeline had registered into it (`_only_the_pipeline_creates`).
+- `GRANTS_PATH` lists who may write a registered model, so the pipeline can refuse to register
+  into one that others may change (`mint_core.registry.grants`).
 
 MLflow 3.17's UI does not read an experiment's kind tag to choose between its GenAI and its
 model-training views: it takes the choice the browser remembers (localStorage
@@ -25,6 +31,7 @@ browser that has made no choice yet; a person's own toggle is kept and wins.
 
 import json
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from flask import Flask, Response, g, request
@@ -35,6 +42,7 @@ from mint_core.registry_accounts import (
     ACCOUNTS_VARIABLE,
     AUTH_VARIABLE,
     FLEET,
+    GRANTS_PATH,
     RecentAccessReads,
     RegistryAccounts,
     VerifiedCredentials,
@@ -176,6 +184,54 @@ def _open_fleet(accounts: RegistryAccounts) -> None:
             raise
 
 
+def _only_the_pipeline_creates(pipeline: str) -> None:
+    """MLflow's checks on creating a registered model or an experiment (every path and version
+    of each), with the sender required to be `pipeline` or an admin first. Experiments too: an
+    account that created `mint-releases` first would manage the runs policy records are kept in.
+    The fleet's experiment is created by the server itself (`_open_fleet`)."""
+    from mlflow.server import auth
+
+    creating = (auth.validate_can_create_registered_model, auth.validate_can_create_experiment)
+
+    def by_the_pipeline(check: Callable[[], bool]) -> Callable[[], bool]:
+        def validate() -> bool:
+            username = auth.authenticate_request().username
+            return (username == pipeline or auth.store.get_user(username).is_admin) and check()
+
+        return validate
+
+    validators = auth.BEFORE_REQUEST_VALIDATORS
+    for route, check in list(validators.items()):
+        if check in creating:
+            validators[route] = by_the_pipeline(check)
+
+
+def _grants() -> Response:
+    """Every account that may write registered model `name` (EDIT or MANAGE), as MLflow's own
+    checks resolve it: a grant on the model, on every model, through a role, or as an admin."""
+    from mlflow.server import auth
+
+    name = request.args.get("name", "")
+    writers = []
+    for user in auth.store.list_users():
+        permission = auth._resolve_user_permission_for_resource(
+            user.username, "registered_model", name
+        )
+        if permission.can_update:
+            writers.append(
+                {"account": user.username, "permission": permission.name, "admin": user.is_admin}
+            )
+    return Response(json.dumps({"grants": writers}), mimetype="application/json")
+
+
+def _serve_grants(app: Flask) -> None:
+    """`GRANTS_PATH`, for accounts that may manage the model it names (MLflow's own check)."""
+    from mlflow.server import auth
+
+    app.add_url_rule(GRANTS_PATH, "mint_grants", _grants, methods=["GET"])
+    auth.BEFORE_REQUEST_VALIDATORS[(GRANTS_PATH, "GET")] = auth.validate_can_manage_registered_model
+
+
 def _guarded(app: Flask) -> "FastAPI":
     """`app` behind MLflow's basic-auth app, as the module's docstring says."""
     from mlflow.server import auth
@@ -186,9 +242,12 @@ def _guarded(app: Flask) -> "FastAPI":
     served = auth.create_app(app)
     # Its checks look the store up as a module global on each call.
     auth.store = RecentAccessReads(auth.store)
+    _serve_grants(app)
     accounts = os.environ.get(ACCOUNTS_VARIABLE)
     if accounts:
-        _create_accounts(RegistryAccounts.from_json(accounts))
+        mint_accounts = RegistryAccounts.from_json(accounts)
+        _create_accounts(mint_accounts)
+        _only_the_pipeline_creates(mint_accounts.pipeline.username)
     return served
 
 

@@ -122,6 +122,28 @@ def cmd_history(args: argparse.Namespace, config: MintConfig) -> None:
     print(format_table(rows))
 
 
+def cmd_grants(args: argparse.Namespace, config: MintConfig) -> None:
+    from mint_core.registry import Registry
+
+    grants = Registry(config.tracking_uri).grants
+    for account in args.revoke or ():
+        grants.revoke(args.adapter, account)
+        print(f"revoked {account}'s grant on {args.adapter}")
+    writers = grants.writers(args.adapter)
+    if writers is None:
+        print(f"{args.adapter}: the registry has no authentication; every client may write it")
+        return
+    rows = [["account", "permission", "admin"]]
+    rows += [[g.account, g.permission, "yes" if g.admin else "-"] for g in writers]
+    print(format_table(rows))
+    left = [g.account for g in writers if g.account in (args.revoke or ())]
+    if left:
+        print(
+            f"{', '.join(left)} may still write {args.adapter}: through a grant on every "
+            "registered model or a role; an admin removes it in MLflow's account pages"
+        )
+
+
 def _fleet_command(
     commands: Commands,
     name: str,
@@ -167,6 +189,17 @@ def add_commands(commands: Commands) -> None:
         cmd_repair,
         revision_option,
     )
+
+    grants = commands.add_parser(
+        "grants",
+        help="who may write an adapter in the registry (move its aliases); --revoke removes an "
+        "account's grant (MinT registers only into adapters the pipeline and admins alone write)",
+    )
+    adapter_argument(grants)
+    grants.add_argument(
+        "--revoke", action="append", metavar="ACCOUNT", help="remove ACCOUNT's grant (repeat)"
+    )
+    grants.set_defaults(run=cmd_grants, needs=(REGISTRY,))
 
     history = commands.add_parser("history", help="every alias move of an adapter")
     adapter_argument(history)

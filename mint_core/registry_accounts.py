@@ -270,6 +270,9 @@ def _hashable(argument: object) -> object:
 AUTHORIZATION_FUNCTION = "mint_mlflow:authenticate_request"
 """MinT's authorization function for MLflow's basic-auth app (its `authorization_function`
 setting): MLflow's check, with `VerifiedCredentials` in front of the slow hash."""
+GRANTS_PATH = "/api/2.0/mint/registered-models/grants"
+"""MinT's MLflow app: every account that may write a registered model (EDIT or MANAGE, however
+granted), for callers that may manage it (`mint_core.registry.grants`)."""
 ACCOUNTS_VARIABLE = "MINT_MLFLOW_ACCOUNTS"
 """Set in an MLflow server's environment: the JSON of the `RegistryAccounts` its auth app
 creates before it answers its first request (`mint_mlflow`)."""

@@ -9,6 +9,7 @@ from mint_core.registry.aliases import Aliases
 from mint_core.registry.canary import Canaries
 from mint_core.registry.changes import Changes
 from mint_core.registry.gates import AdapterGates
+from mint_core.registry.grants import Grants
 from mint_core.registry.members import Members
 from mint_core.registry.revisions import Revisions
 from mint_core.registry.runs import Runs
@@ -22,6 +23,8 @@ class Registry:
     store: MlflowStore
     """The client (read by every part at every call) and its lookups."""
     runs: Runs
+    grants: Grants
+    """Who may write each adapter's registered model."""
     revisions: Revisions
     stages: Stages
     aliases: Aliases
@@ -34,7 +37,8 @@ class Registry:
     def __init__(self, tracking_uri: str) -> None:
         self.store = MlflowStore(tracking_uri)
         self.runs = Runs(self.store)
-        self.revisions = Revisions(self.store, self.runs)
+        self.grants = Grants(self.store)
+        self.revisions = Revisions(self.store, self.runs, self.grants)
         self.stages = Stages(self.store, self.revisions)
         self.aliases = Aliases(self.store, self.revisions, self.stages)
         self.canary = Canaries(self.store, self.aliases)

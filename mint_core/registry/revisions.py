@@ -22,6 +22,7 @@ from mint_core.registry._mlflow import (
     MlflowStore,
     missing,
 )
+from mint_core.registry.grants import Grants
 from mint_core.registry.runs import Runs
 from mint_core.registry.stage_log import StageMark, first_history
 from mint_core.revisions import PRODUCTION, TAG_PREFIX, PolicyRecord, RevisionId, RevisionRef
@@ -100,6 +101,8 @@ class Revisions:
     store: MlflowStore
     runs: Runs
     """Where a revision's policy record is kept (`register`)."""
+    grants: Grants
+    """Who else may write an existing adapter (`register` refuses one others may change)."""
 
     def register(
         self,
@@ -115,15 +118,20 @@ class Revisions:
         policy record. Its stage history starts with the pipeline's steps `reached` before
         (trained, frozen, packed, exported, with their times), then `registered`, all as
         `policy.created_by`'s, written with the version. Nothing is written unless the
-        policy's base matches the serving base and, if the adapter exists, the adapter's base.
+        policy's base matches the serving base and, if the adapter exists, the adapter's base
+        and only the pipeline and admins may write it (`Grants.check_only_pipeline_writes`).
+        An adapter whose registered model was made outside MinT (MLflow's UI, another client)
+        becomes MinT's: its kind and base tags are written before the version, so the fleet's
+        syncs follow it (`changes`).
 
         The model version is created whole, every tag with it, in one request: it is the step
         that makes the revision exist, so a registration that fails or is killed leaves either
         no revision or a complete one. MLflow requests: 4 for a trained adapter (look up the
         adapter, write the policy artifact, create the version, name the run), 6 for an
-        imported one (create its run, end it), one more for a new adapter, and one more for the
-        first import in a process (the experiment's id); a training run whose artifact location
-        this process does not know yet costs MLflow's client one read of it."""
+        imported one (create its run, end it), one more for a new adapter or for reading who may
+        write an existing one (two, the first time an adapter made outside MinT is tagged), and
+        one more for the first import in a process (the experiment's id); a training run whose
+        artifact location this process does not know yet costs MLflow's client one read of it."""
         if policy.base_digest != serving_base_digest:
             raise BaseMismatchError(
                 f"adapter {policy.adapter!r} was trained on base {policy.base_digest} but the "
@@ -137,6 +145,7 @@ class Revisions:
                     f"adapter {policy.adapter!r} is registered on base {adapter_base}; this "
                     f"revision was trained on {policy.base_digest}"
                 )
+            self.grants.check_only_pipeline_writes(policy.adapter)
         history = first_history(reached, policy.created_by)
         tags = {**(tags or {}), STAGE_HISTORY_TAG: json.dumps(history)}
         imported = run_id is None
@@ -163,15 +172,21 @@ class Revisions:
     ) -> ModelVersion:
         """The model version of a new revision (and its registered model, for a new adapter),
         its history table written from the stage history in `tags`."""
+        # MLflow keeps registered-model tag values in String(5000), which PostgreSQL enforces:
+        # MinT's are a word and the serving base's sha256 digest, and history goes to
+        # model-version tags (Text).
+        adapter_tags = {KIND_TAG: ADAPTER_KIND, BASE_DIGEST_TAG: policy.base_digest}
         if existing is None:
-            # MLflow keeps registered-model tag values in String(5000), which PostgreSQL
-            # enforces: MinT's are a word and the serving base's sha256 digest, and history
-            # goes to model-version tags (Text).
             self.store.client.create_registered_model(
                 policy.adapter,
-                tags={KIND_TAG: ADAPTER_KIND, BASE_DIGEST_TAG: policy.base_digest},
+                tags=adapter_tags,
                 description=f"MinT adapter over base {policy.base_model_id}",
             )
+        else:
+            # Made outside MinT: untagged, the fleet's change feed would skip it for good.
+            for key, value in adapter_tags.items():
+                if existing.tags.get(key) != value:
+                    self.store.client.set_registered_model_tag(policy.adapter, key, value)
         return self.store.client.create_model_version(
             policy.adapter,
             source=artifact_uri,

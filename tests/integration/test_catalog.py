@@ -232,7 +232,9 @@ class CountingRegistry(Registry):
     def __init__(self, tracking_uri: str) -> None:
         super().__init__(tracking_uri)
         self.changes = self.counted_changes = CountingChanges(self.store)
-        self.revisions = self.counted_revisions = CountingRevisions(self.store, self.runs)
+        self.revisions = self.counted_revisions = CountingRevisions(
+            self.store, self.runs, self.grants
+        )
 
     @property
     def since(self) -> list[int]:

@@ -20,14 +20,22 @@ from mlflow.server.auth.routes import CREATE_USER, DELETE_USER, UPDATE_USER_PASS
 from mlflow.tracking import MlflowClient
 
 from control.services import start_mlflow
-from mint_core.errors import RegistryError
-from mint_core.registry import Registry
+from mint_core.errors import AccessDeniedError, RegistryError
+from mint_core.registry import KIND_TAG, Registry
+from mint_core.registry._mlflow import ADAPTER_KIND, BASE_DIGEST_TAG
 from mint_core.registry_accounts import ACCOUNTS_FILE, Account, RegistryAccounts
 from mint_core.revisions import PRODUCTION, RevisionId, RevisionRef
 from processes import ManagedProcess, free_port
 from tests.helpers import make_policy
 from tests.integration.browser import TIMEOUT_MS
-from tests.integration.helpers import mint_env, move_alias, start_mint, stop_and_check, wait_for
+from tests.integration.helpers import (
+    MINT,
+    mint_env,
+    move_alias,
+    start_mint,
+    stop_and_check,
+    wait_for,
+)
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser
@@ -281,3 +289,77 @@ def test_mint_registry_accepts_its_accounts_as_soon_as_health_says_ok(
     for account in (accounts.worker, accounts.pipeline, accounts.auditors[0]):
         assert reads(url, account.username, account.password) == 200, account.username
     stop_and_check(registry_process, signal.SIGTERM, [f"{url}/health"], log)
+
+
+@pytest.mark.slow
+def test_only_the_pipeline_and_admins_create_models_and_experiments(
+    guarded: tuple[ManagedProcess, RegistryAccounts],
+) -> None:
+    """MLflow makes the creator of a registered model its manager: an account on every serve
+    host that could create `support-bot` before its first release could move its aliases
+    later. Refused on the REST and the UI's paths; the pipeline and the admin still create."""
+    server, accounts = guarded
+    creates = ("registered-models/create", "experiments/create")
+    for reader in (accounts.worker, accounts.auditors[0]):
+        for api in ("/api/2.0/mlflow/", "/ajax-api/2.0/mlflow/"):
+            for path in creates:
+                answer = httpx.post(
+                    server.url + api + path,
+                    json={"name": f"taken-by-{reader.username}"},
+                    auth=(reader.username, reader.password),
+                )
+                assert answer.status_code == 403, (reader.username, api + path, answer.text)
+                assert f"Permission denied: {reader.username} may not" in answer.text
+    for writer in (accounts.pipeline, accounts.admin):
+        for path in creates:
+            answer = httpx.post(
+                server.url + "/api/2.0/mlflow/" + path,
+                json={"name": f"made-by-{writer.username}"},
+                auth=(writer.username, writer.password),
+            )
+            assert answer.status_code == 200, (writer.username, path, answer.text)
+
+
+@pytest.mark.slow
+def test_a_release_into_a_model_others_may_write_is_refused_until_the_grant_goes(
+    guarded: tuple[ManagedProcess, RegistryAccounts], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An adapter made outside MinT (here by the admin, in MLflow's own API, untagged) with
+    a grant to the workers' account: registering into it is refused, naming the account, its
+    grant and `mint grants`' fix; once `mint grants --revoke` removed it, the release goes in
+    and makes the model MinT's (kind and base tags), so the fleet's change feed follows it."""
+    server, accounts = guarded
+    adapter = "made-elsewhere-bot"
+    as_admin(server.url, accounts, "POST", "/api/2.0/mlflow/registered-models/create",
+             {"name": adapter})  # fmt: skip
+    grant = {"username": accounts.worker.username, "resource_type": "registered_model",
+             "resource_id": adapter, "permission": "EDIT"}  # fmt: skip
+    as_admin(server.url, accounts, "POST", "/api/3.0/mlflow/users/permissions/grant", grant)
+
+    acting_as(monkeypatch, accounts.pipeline)
+    registry = Registry(server.url)
+    policy = make_policy(adapter=adapter)
+    uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+    with pytest.raises(AccessDeniedError) as refused_release:
+        registry.revisions.register(policy, uri, policy.base_digest)
+    message = str(refused_release.value)
+    assert f"{accounts.worker.username} (EDIT)" in message
+    assert f"mint grants {adapter} --revoke {accounts.worker.username}" in message
+    assert registry.revisions.of(adapter) == []
+
+    env = mint_env(MLFLOW_TRACKING_URI=server.url, **accounts.pipeline.env())
+    fixed = subprocess.run(
+        [MINT, "grants", adapter, "--revoke", accounts.worker.username],
+        env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert f"revoked {accounts.worker.username}'s grant on {adapter}" in fixed.stdout
+    assert accounts.worker.username not in fixed.stdout.split("revoked", 1)[1].split("\n", 1)[1]
+
+    before_ms = int(time.time() * 1000)
+    r1 = registry.revisions.register(policy, uri, policy.base_digest).id
+    assert r1 == RevisionId(adapter, 1)
+    tags = registry.store.client.get_registered_model(adapter).tags
+    assert tags[KIND_TAG] == ADAPTER_KIND and tags[BASE_DIGEST_TAG] == policy.base_digest
+    followed = {a.adapter: a for a in registry.changes.since(before_ms)}
+    assert followed[adapter].base_digest == policy.base_digest
