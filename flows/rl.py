@@ -158,13 +158,16 @@ def rl(
         codec = trainer.base.codec
         sampler = WorkerSampler(worker, f"{adapter}@{RL_ALIAS}", codec, trainer.moe, seed)
         figures: dict[str, float] = {}
+        # Each step's figures are handed to a sender, which MLflow being away never makes the
+        # loop wait for; shipping waits for the registry, as registration must.
+        sender = registry.runs.sender(run.run_id)
         try:
             for _ in range(steps):
                 metrics, revisions = timed("step", rl_step, trainer, sampler, next(examples), group)
                 figures = metrics.metrics()
                 sampled_by = [RevisionRef.parse(r).revision or 0 for r in revisions]
                 figures["sampler_revision"] = float(max(sampled_by))
-                registry.runs.log_metrics(run.run_id, metrics.step, figures)
+                sender.log_metrics(metrics.step, figures)
                 shown = ", ".join(f"{name} {value:.4g}" for name, value in figures.items())
                 run_log().info("rl step %d/%d: %s", metrics.step, steps, shown)
                 if metrics.step % sync_every == 0:
@@ -172,7 +175,14 @@ def rl(
                         config, adapter, trainer, run, figures, actor, timed, shipped[-1], fleet
                     )
                     shipped.append(revision)
+            sender.close()
         except BaseException:
+            try:
+                sender.close()
+            except Exception as e:  # the step's own failure is the one to raise
+                run_log().warning(
+                    "rl %s: the last steps' metrics were not all logged: %s", adapter, e
+                )
             registry.runs.finish_training(run.run_id, {}, trainer.steps, failed=True)
             raise
         registry.runs.finish_training(run.run_id, {}, trainer.steps)

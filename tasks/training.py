@@ -20,6 +20,7 @@ from mint_core.model.datasets import Dataset, load_datasets
 from mint_core.model.imports import ImportedAdapter, inspect_import
 from mint_core.model.training import TrainedAdapter, TrainingConfig, TrainJob, train_lora
 from mint_core.registry import DatasetLog, Registry
+from mint_core.registry.run_metrics import Point, RunMetrics
 from tasks.launch import train_on_ranks
 from tasks.policies import ONCE_PER_RUN, transient
 from tasks.runs import run_log
@@ -68,65 +69,72 @@ def train_adapter(
         config.host_name,
     )
     # The hyperparameters are logged once the base is loaded, with the targets as trained (its
-    # family's default resolved); as asked, if training fails before.
+    # family's default resolved); as asked, if training fails before. Like the losses they go
+    # through `sender`, which training hands them to without waiting on MLflow.
     logged: list[TrainingConfig] = []
+    sender = registry.runs.sender(run_id)
 
     def started(resolved: TrainingConfig) -> None:
-        registry.runs.log_params(run_id, resolved.params() | launch.params())
+        sender.log_params(resolved.params() | launch.params())
         logged.append(resolved)
 
     out_dir = config.work_root / "train" / f"{adapter}-{uuid.uuid4().hex[:12]}"
-    with _TrainingProgress(registry, run_id, run_log()) as progress:
-        try:
-            job = TrainJob(
-                config.base, config.home, data, held_out, out_dir, training, launch.shard_base
-            )
-            if launch.in_process:
-                trained = train_lora(
-                    job.source, job.home, job.data, job.held_out, job.out_dir, job.config,
-                    progress.step, started,
-                )  # fmt: skip
-                trained = replace(trained, world=World(hosts=(config.host_name,)))
-            else:
-                trained = train_on_ranks(config, launch, job, progress.step, started)
-        except BaseException:
-            progress.flush()
-            if not logged:
-                registry.runs.log_params(run_id, training.params() | launch.params())
-            registry.runs.finish_training(run_id, {}, 0, failed=True)
-            raise
+    progress = _TrainingProgress(sender, run_log())
+    try:
+        job = TrainJob(
+            config.base, config.home, data, held_out, out_dir, training, launch.shard_base
+        )
+        if launch.in_process:
+            trained = train_lora(
+                job.source, job.home, job.data, job.held_out, job.out_dir, job.config,
+                progress.step, started,
+            )  # fmt: skip
+            trained = replace(trained, world=World(hosts=(config.host_name,)))
+        else:
+            trained = train_on_ranks(config, launch, job, progress.step, started)
+        # Every loss sent before the run ends and the revision is registered: an MLflow that
+        # never answered fails the release here, with the registry's error.
+        progress.close()
+    except BaseException:
+        progress.close(failed=True)
+        if not logged:
+            registry.runs.log_params(run_id, training.params() | launch.params())
+        registry.runs.finish_training(run_id, {}, 0, failed=True)
+        raise
     registry.runs.set_tags(run_id, trained.world.tags())
     registry.runs.finish_training(run_id, trained.eval_metrics, trained.steps)
     return replace(trained, run_id=run_id)
 
 
 class _TrainingProgress:
-    """Each step's loss to the MLflow run (a few steps per request), to a progress bar on a
-    terminal, and (step, loss, ETA) to the run's log about ten times per training."""
+    """Each step's loss to the MLflow run (handed to its sender a few steps at a time, stamped
+    when the step was taken), to a progress bar on a terminal, and (step, loss, ETA) to the
+    run's log about ten times per training."""
 
     LOG_EVERY = 20
     LOG_LINES = 10
 
     def __init__(
-        self,
-        registry: Registry,
-        run_id: str,
-        log: logging.Logger | logging.LoggerAdapter[logging.Logger],
+        self, sender: RunMetrics, log: logging.Logger | logging.LoggerAdapter[logging.Logger]
     ) -> None:
-        self._registry = registry
-        self._run_id = run_id
+        self._sender = sender
         self._log = log
-        self._pending: list[tuple[int, float]] = []
+        self._pending: list[Point] = []
         self._bar: tqdm | None = None
         self._started = time.monotonic()
 
-    def __enter__(self) -> "_TrainingProgress":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.flush()
+    def close(self, failed: bool = False) -> None:
+        """Hand over the last losses and wait until all were sent. `failed`: training failed
+        already; what stopped the sender, if anything, is logged, not raised over that."""
         if self._bar is not None:
             self._bar.close()
+        try:
+            self.flush()
+            self._sender.close()
+        except Exception as e:
+            if not failed:
+                raise
+            self._log.warning("the training's last losses were not all logged: %s", e)
 
     def step(self, step: int, total: int, loss: float) -> None:
         if self._bar is None:
@@ -134,7 +142,7 @@ class _TrainingProgress:
             self._bar = tqdm(total=total, desc="train", unit="step", disable=None)
         self._bar.update(1)
         self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        self._pending.append((step, loss))
+        self._pending.append(Point(step, loss))
         if len(self._pending) >= self.LOG_EVERY or step == total:
             self.flush()
         if step % max(1, total // self.LOG_LINES) == 0 or step == total:
@@ -150,9 +158,10 @@ class _TrainingProgress:
             )
 
     def flush(self) -> None:
+        """Hand the losses not handed over yet to the sender (which does not wait)."""
         if self._pending:
-            self._registry.runs.log_losses(self._run_id, "train_loss", self._pending)
-            self._pending = []
+            pending, self._pending = self._pending, []
+            self._sender.log_series("train_loss", pending)
 
 
 @task(name="check-import", cache_policy=NO_CACHE)

@@ -3,7 +3,7 @@ evaluation metrics), and the run a revision's policy record is kept in."""
 
 import json
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -21,6 +21,7 @@ from mint_core.registry._mlflow import (
     MlflowStore,
     missing,
 )
+from mint_core.registry.run_metrics import RunMetrics
 from mint_core.revisions import POLICY_FILE, TAG_PREFIX, PolicyRecord
 
 EXPERIMENT = "mint-releases"
@@ -108,7 +109,8 @@ class Runs:
     ) -> str:
         """An MLflow run for training a revision of `adapter` (on `host`, when named): its
         hyperparameters as params, its dataset as the run's input (with the file as an artifact
-        when it is local). The loss curve follows (`log_losses`), then `finish_training`."""
+        when it is local). The params resolved once the base is loaded and the loss curve
+        follow (`sender`), then `finish_training`."""
         with self.store.failing(f"start a training run for {adapter!r}"):
             tags = {TAG_PREFIX + "adapter": adapter} | ({HOST_RUN_TAG: host} if host else {})
             run_id = self._create_run(f"{adapter}-train", tags).info.run_id
@@ -118,6 +120,12 @@ class Runs:
                 self.store.client.log_artifact(run_id, str(dataset.local_path), "dataset")
         return run_id
 
+    def sender(self, run_id: str) -> RunMetrics:
+        """What training logs to run `run_id` while it trains (its params, each step's
+        metrics), sent in the background: handing a batch over never waits on MLflow, and
+        `close()` waits until all were sent (`run_metrics`)."""
+        return RunMetrics(self.store.client, run_id)
+
     def log_params(self, run_id: str, params: Mapping[str, str]) -> None:
         """Every param in `params`, in one request (a param, once logged, never changes)."""
         self.store.client.log_batch(run_id, params=_params(params))
@@ -125,12 +133,6 @@ class Runs:
     def set_tags(self, run_id: str, tags: Mapping[str, str]) -> None:
         """Every tag in `tags`, in one request."""
         self.store.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-
-    def log_losses(self, run_id: str, name: str, losses: Sequence[tuple[int, float]]) -> None:
-        """Metric `name` at each (step, value), in one request."""
-        now = _now_ms()
-        metrics = [Metric(name, value, now, step) for step, value in losses]
-        self.store.client.log_batch(run_id, metrics=metrics)
 
     def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, float]) -> None:
         """Every metric in `metrics` at `step`, in one request."""
