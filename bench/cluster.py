@@ -15,6 +15,9 @@ client), so it needs root. The scenarios are the cluster tests' drivers
                catch-up once it is back, a promotion;
 - latency      20 ms between the gateway and the serve hosts: the gateway's added p50 and a
                promotion's activation, against no delay;
+- leave        serve-2's `mint up` sent SIGTERM under client load with 110-token generations
+               in flight, through its relay and then advertising its own URL: failed
+               requests, in-flight generations completed; it is started again as booted;
 - train_killed last (the killed host stays dead): the crashed run, nothing registered, the
                rerun on the other train host.
 
@@ -28,13 +31,11 @@ means). Several minutes on 2 cores.
 
 import json
 import os
-import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -42,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import harness
 
-SCENARIOS = ("release", "serve_cut", "control_cut", "latency", "train_killed")
+SCENARIOS = ("release", "serve_cut", "control_cut", "latency", "leave", "train_killed")
 """The order they run in: a killed train host last, since it stays dead."""
 
 REQUIRED = {
@@ -51,6 +52,7 @@ REQUIRED = {
     "control_cut": ("served_while_cut", "catch_up_s"),
     "train_killed": ("registered", "rerun_ok"),
     "latency": ("added_p50_ms_no_delay", "added_p50_ms_20ms"),
+    "leave": ("failed_requests", "in_flight_completed"),
 }
 """The figures every cluster.json carries (issue 36's closing note quotes them)."""
 
@@ -181,21 +183,6 @@ def report(result: Mapping[str, Any]) -> None:
         print("missing figures:", ", ".join(result["missing"]))
 
 
-@contextmanager
-def stopped_by_signals() -> Iterator[None]:
-    """SIGTERM and SIGHUP stop the run as Ctrl-C does, so the cluster is taken down."""
-
-    def stop(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-
-
 def main() -> None:
     parser = harness.command_line(__doc__, "cluster")
     parser.add_argument("--only", nargs="+", choices=SCENARIOS, default=list(SCENARIOS),
@@ -213,7 +200,9 @@ def main() -> None:
     home = args.home.absolute()
     home.mkdir(parents=True, exist_ok=True)
     load_at_start = os.getloadavg()[0]
-    with stopped_by_signals(), harness.scratch("cluster", parent=home) as (work, _):
+    # SIGTERM and SIGHUP stop the run as Ctrl-C does (`harness.scratch`): the cluster is taken
+    # down.
+    with harness.scratch("cluster", parent=home) as (work, _):
         result = run(args, home, work)
     result["machine"]["load_average_1m_at_start"] = load_at_start
     report(result)
@@ -257,6 +246,7 @@ def run(args: Any, home: Path, work: Path) -> dict[str, Any]:
             "serve_cut": serve_cut,
             "control_cut": lambda: scenarios_serving.control_cut(booted, work / "control_cut"),
             "latency": lambda: scenarios_serving.latency(booted, work / "latency"),
+            "leave": lambda: scenarios_serving.serve_leave(booted, work / "leave"),
             "train_killed": lambda: scenarios.train_host_killed(booted),
         }
         for name in (s for s in SCENARIOS if s in args.only):
@@ -280,6 +270,8 @@ def run(args: Any, home: Path, work: Path) -> dict[str, Any]:
         "latency_samples": scenarios_serving.SAMPLES,
         "serve_adapters_per_host": scenarios_serving.SERVE_ADAPTERS_PER_HOST,
         "cut_serve_host": roles.SERVE[1],
+        "leave_host": roles.SERVE[1],
+        "leave_long_tokens": scenarios_serving.LONG_TOKENS,
         "auth": "MLflow basic auth (MinT's accounts), Prefect auth string, worker API keys",
     }
     return summarize(figures, extra, errors, settings, boot_s, scenario_s, harness.machine())

@@ -12,9 +12,11 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -52,17 +54,45 @@ def write(out: Path, result: Mapping[str, Any]) -> None:
         print(f"drew {png}")
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+"""Signals that stop a benchmark as Ctrl-C does, inside `scratch`: Python's default for them
+ends the process at once, and a benchmark stopped with SIGTERM left its MLflow and worker
+running."""
+
+
 @contextmanager
 def scratch(name: str, parent: Path | None = None) -> Iterator[tuple[Path, list[ManagedProcess]]]:
     """A temporary folder and a list for the services started for the run: on the way out,
-    whatever happened, the services are stopped and the folder removed."""
+    whatever happened, the services are stopped and the folder removed. Inside it, SIGTERM and
+    SIGHUP (`STOP_SIGNALS`) interrupt the run as Ctrl-C does, and once one has, further ones
+    are ignored until the services are stopped."""
     work = Path(tempfile.mkdtemp(prefix=f"mint-bench-{name}-", dir=parent))
     services: list[ManagedProcess] = []
+    previous = _interrupt_on_stop_signals()
     try:
         yield work, services
     finally:
-        stop_all(services)
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            stop_all(services)
+            shutil.rmtree(work, ignore_errors=True)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def _interrupt_on_stop_signals() -> dict[int, Any]:
+    """Make `STOP_SIGNALS` and SIGINT raise KeyboardInterrupt, then ignore them all once one
+    has (the cleanup it starts must not be cut short); their handlers before. Only the main
+    thread may set handlers: elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def interrupt(signum: int, _frame: object) -> None:
+        for sig in (signal.SIGINT, *STOP_SIGNALS):
+            signal.signal(sig, signal.SIG_IGN)
+        raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+    return {sig: signal.signal(sig, interrupt) for sig in (signal.SIGINT, *STOP_SIGNALS)}
 
 
 def start_registry(folder: Path, services: list[ManagedProcess]) -> ManagedProcess:

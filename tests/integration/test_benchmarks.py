@@ -3,6 +3,7 @@ full runs, see bench/). Each result must agree with its own raw timings, and hol
 claim a small scale still shows."""
 
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -10,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from processes import group_running
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -205,3 +208,32 @@ def test_tenants_benchmark_compares_one_trainer_with_separate_trainings(tmp_path
         assert case["first_loss"] == pytest.approx(cases[2, "separate"]["first_loss"], rel=1e-3)
     # One base for both tenants, not one per tenant.
     assert cases[2, "shared"]["rss_mb"] < cases[2, "separate"]["rss_mb"]
+
+
+SIGNALLED_RUN = """
+import sys, time
+from bench import harness
+from processes import start_process
+
+with harness.scratch("signalled") as (work, services):
+    sleep = [sys.executable, "-c", "import time; time.sleep(600)"]
+    services.append(start_process("sleeper", sleep, "", lambda: True, work / "sleeper.log"))
+    print(work, services[0].process.pid, flush=True)
+    time.sleep(600)
+"""
+"""A benchmark's shape: a service started in its scratch folder, then a long measurement."""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_a_benchmark_stopped_by_a_signal_stops_its_services_and_removes_its_folder(
+    sig: signal.Signals,
+) -> None:
+    run = subprocess.Popen(
+        [sys.executable, "-c", SIGNALLED_RUN], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert run.stdout is not None
+    work, pid = run.stdout.readline().split()
+    run.send_signal(sig)
+    run.wait(60)
+    assert not group_running(int(pid)), f"its service (process group {pid}) still runs"
+    assert not Path(work).exists()
