@@ -6,7 +6,8 @@ worker, the last `seq` it read and when (on its clock) it last saw it change. A 
 `seq` has not changed for `stale_s` is left out of the fleet; after `forget_s` it is forgotten
 (and stays forgotten until its `seq` moves again: a crashed worker's record stays in the
 registry, unchanged). A worker whose record the read no longer holds (it stopped gracefully,
-or its record was deleted) is gone at once. The first sighting counts as a beat: a reader that
+or its record was deleted) is gone at once, and one whose record says it is leaving is left out
+at once (`Standing.LEAVING`). The first sighting counts as a beat: a reader that
 has just started trusts what it reads for `stale_s`.
 
 Only time spent reading successfully counts: the span up to a failed read, and from it to the
@@ -44,6 +45,8 @@ class Beat:
 
     member: Member
     seq: int
+    leaving: bool = False
+    """The worker said it is leaving (told to stop, finishing what it has)."""
 
 
 class Standing(StrEnum):
@@ -53,6 +56,9 @@ class Standing(StrEnum):
     """Its `seq` moved within `stale_s` of watching: in the fleet."""
     STALE = "stale"
     """Silent for `stale_s`: left out of the fleet, still remembered."""
+    LEAVING = "leaving"
+    """It said it is leaving: out of the fleet (placement, routing) while it finishes what it
+    has; its record ends when it has stopped."""
     FORGOTTEN = "forgotten"
     """Silent for `forget_s`, or never seen: not in the fleet; back only if its `seq` moves."""
 
@@ -63,6 +69,7 @@ class Sighting:
     seq: int
     changed_at: float
     """The roster's `watched` when this `seq` was first read."""
+    leaving: bool = False
 
 
 def _frozen(entries: Mapping[str, Sighting] | None = None) -> Mapping[str, Sighting]:
@@ -94,12 +101,12 @@ def seen(state: Sightings, beats: Iterable[Beat], now: float, watch: "FleetWatch
         url = beat.member.url
         before = state.known.get(url)
         if before is not None and before.seq == beat.seq:
-            sighting = replace(before, member=beat.member)
+            sighting = replace(before, member=beat.member, leaving=beat.leaving)
         elif state.forgotten.get(url) == beat.seq:
             forgotten[url] = beat.seq
             continue
         else:
-            sighting = Sighting(beat.member, beat.seq, watched)
+            sighting = Sighting(beat.member, beat.seq, watched, beat.leaving)
         if watched - sighting.changed_at >= watch.forget_s:
             forgotten[url] = beat.seq
         else:
@@ -118,6 +125,8 @@ def standing(state: Sightings, url: str, watch: "FleetWatch") -> Standing:
     sighting = state.known.get(url)
     if sighting is None:
         return Standing.FORGOTTEN
+    if sighting.leaving:
+        return Standing.LEAVING
     if state.watched - sighting.changed_at >= watch.stale_s:
         return Standing.STALE
     return Standing.LIVE

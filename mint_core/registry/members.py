@@ -1,7 +1,8 @@
 """Serving workers announcing themselves: one MLflow run per worker in experiment `FLEET`.
 
 A worker's run carries its URL, host, base model and digest as tags; a heartbeat bumps the tag
-`SEQ_TAG`; a graceful stop ends the run FINISHED. A restarted worker takes its run back (found
+`SEQ_TAG`; a worker told to stop sets `LEAVING_TAG` while it finishes its requests, and ends the
+run FINISHED once it has stopped. A restarted worker takes its run back (found
 by `URL_TAG`) rather than piling up runs. Readers list the RUNNING runs once per refresh and
 judge them on their own clock (`mint_core.planning.roster`).
 
@@ -26,6 +27,8 @@ SEQ_TAG = MEMBER_PREFIX + "seq"
 HOST_TAG = MEMBER_PREFIX + "host"
 BASE_MODEL_TAG = MEMBER_PREFIX + "base_model"
 BASE_DIGEST_TAG = MEMBER_PREFIX + "base_digest"
+LEAVING_TAG = MEMBER_PREFIX + "leaving"
+"""`true` from when the worker was told to stop until its run ends; `false` while it serves."""
 PAGE = 1000
 """Runs per page of a read (MLflow's most)."""
 
@@ -91,6 +94,7 @@ class Members:
             HOST_TAG: member.host,
             BASE_MODEL_TAG: member.base_model,
             BASE_DIGEST_TAG: member.base_digest,
+            LEAVING_TAG: "false",
         }
         action = f"announce worker {member.url} in experiment {FLEET!r}"
         with self.store.failing(action):
@@ -121,6 +125,12 @@ class Members:
         with self.store.failing(f"write the heartbeat of run {membership.run_id}"):
             self.store.client.set_tag(membership.run_id, SEQ_TAG, str(membership.seq))
 
+    def leaving(self, membership: Membership) -> None:
+        """Mark the worker leaving: readers leave it out of the fleet at their next read, while
+        it finishes what it has (one request)."""
+        with self.store.failing(f"mark run {membership.run_id} leaving"):
+            self.store.client.set_tag(membership.run_id, LEAVING_TAG, "true")
+
     def leave(self, membership: Membership) -> None:
         """Mark the worker gone: its run FINISHED (readers drop it at their next read)."""
         with self.store.failing(f"end run {membership.run_id} in experiment {FLEET!r}"):
@@ -144,4 +154,4 @@ def _beat(tags: dict[str, str]) -> Beat | None:
     member = Member(
         url, tags.get(HOST_TAG, ""), tags.get(BASE_MODEL_TAG, ""), tags.get(BASE_DIGEST_TAG, "")
     )
-    return Beat(member, seq)
+    return Beat(member, seq, leaving=tags.get(LEAVING_TAG) == "true")

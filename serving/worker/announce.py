@@ -1,6 +1,7 @@
 """A worker announcing itself to the fleet (MINT_FLEET=registry): on a thread of its own, it
 marks itself present in the registry (`mint_core.registry.members`), then bumps its heartbeat
-every `heartbeat_s`; stopping marks it gone. The thread never holds a lock the worker's sync or
+every `heartbeat_s`; `leaving` marks it leaving (told to stop, finishing its requests), and
+stopping marks it gone. The thread never holds a lock the worker's sync or
 requests take: a slow or unreachable registry delays only the next beat. A beat that fails is
 logged once per outage and tried again at the next one; readers judge silence on their own
 clock (`mint_core.planning.roster`), so the worker does not have to."""
@@ -65,6 +66,20 @@ class Announcer:
     def problem(self) -> str | None:
         """Why the last beat failed; None if it was written."""
         return self._problem
+
+    def leaving(self) -> None:
+        """Mark the worker leaving now (readers leave it out of the fleet), beating on until
+        `stop`; a registry that does not answer is logged, and readers drop the worker when it
+        stops."""
+        membership = self._membership
+        if membership is None:
+            return  # never announced: nobody reads it in the fleet
+        try:
+            self._members.leaving(membership)
+        except RegistryError as e:
+            log.warning("could not mark %s leaving the fleet: %s", self.member.url, e)
+        else:
+            log.info("leaving the fleet: %s", self.member.url)
 
     def stop(self) -> None:
         """Stop beating and mark the worker gone (readers drop it at their next read); a

@@ -26,7 +26,7 @@ from mint_core.membership import (
 )
 from mint_core.planning.roster import Beat, Member
 from mint_core.registry._mlflow import MlflowStore
-from mint_core.registry.members import SEQ_TAG, URL_TAG, Members
+from mint_core.registry.members import LEAVING_TAG, SEQ_TAG, URL_TAG, Members
 from mint_core.registry_accounts import FLEET
 from mint_core.revisions import RevisionId
 from serving.worker.announce import Announcer
@@ -303,3 +303,25 @@ def test_a_registry_roster_seeds_only_worker_urls_that_are_set() -> None:
     worker under a second name."""
     assert registry_seeds(MintConfig(fleet=WATCH)) == ()
     assert registry_seeds(MintConfig(worker_urls=(SEED,), fleet=WATCH)) == (SEED,)
+
+
+def test_a_leaving_worker_is_left_out_at_once_and_back_when_it_restarts(
+    members: Members, runs: MemoryRuns, announcer: Announcer
+) -> None:
+    """Told to stop, a worker marks its record leaving: readers leave it out at their next
+    read, though it still beats; a restart announces it serving again."""
+    roster = RegistryRoster((), members, WATCH)
+    announcer.start()
+    _wait_for(lambda: bool(runs.runs))
+    roster.refresh()
+    url = announcer.member.url
+    assert roster.fleet() == (url,)
+    announcer.leaving()
+    roster.refresh()
+    assert roster.fleet() == () and roster.members() == ()
+    (tags, status), *_ = runs.runs.values()
+    assert tags[LEAVING_TAG] == "true" and status == "RUNNING"  # still beating, finishing
+    announcer.stop()
+    members.announce(announcer.member)  # started again: serving
+    roster.refresh()
+    assert roster.fleet() == (url,)

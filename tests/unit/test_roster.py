@@ -108,3 +108,16 @@ def test_a_member_that_moves_is_read_with_its_new_tags() -> None:
     moved = [Beat(Member(A, "other-host", "tiny", "sha256:y"), 1)]
     state = roster.seen(state, moved, 1, WATCH)
     assert roster.members(state, WATCH) == (moved[0].member,)
+
+
+def test_a_member_that_says_it_is_leaving_is_out_at_once_until_it_serves_again() -> None:
+    member = Member(A, "host", "tiny", "sha256:x")
+    state = roster.seen(Sightings(), _beats({A: 1, B: 1}), 0, WATCH)
+    state = roster.seen(state, [Beat(member, 1, leaving=True), *_beats({B: 1})], 1, WATCH)
+    assert roster.standing(state, A, WATCH) is Standing.LEAVING
+    assert roster.fleet(state, WATCH) == (B,)
+    state = roster.seen(state, [Beat(member, 2, leaving=True), *_beats({B: 2})], 2, WATCH)
+    assert roster.fleet(state, WATCH) == (B,)  # beating on while it finishes: still out
+    state = roster.seen(state, _beats({A: 3, B: 3}), 3, WATCH)  # started again
+    assert roster.standing(state, A, WATCH) is Standing.LIVE
+    assert roster.fleet(state, WATCH) == (A, B)
