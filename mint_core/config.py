@@ -205,6 +205,16 @@ class MintConfig:
         show=show_milliseconds,
         blank_is_default=True,
     )
+    drain_timeout_s: float = setting(
+        "MINT_DRAIN_TIMEOUT_MS",
+        30.0,
+        "How long a worker told to stop (SIGTERM, Ctrl-C) keeps serving the requests it has, in "
+        "seconds (the variable: milliseconds): it says it is leaving, gateways stop sending to "
+        "it, and it exits once they are done; past this it exits anyway, cutting what is left.",
+        parse=milliseconds,
+        show=show_milliseconds,
+        blank_is_default=True,
+    )
     alias_audit_interval_s: float = setting(
         "MINT_ALIAS_AUDIT_INTERVAL_MS",
         30.0,
@@ -424,6 +434,10 @@ class MintConfig:
             check_registry_db(self.registry_db)
         if self.sync_interval_s <= 0:
             raise ConfigurationError(f"sync_interval_s={self.sync_interval_s} must be positive")
+        if self.drain_timeout_s < 0:
+            raise ConfigurationError(
+                f"drain_timeout_s={self.drain_timeout_s} must be 0 (exit at once) or more"
+            )
         if self.alias_audit_interval_s <= 0:
             raise ConfigurationError(
                 f"{variable('alias_audit_interval_s')}={self.alias_audit_interval_s * 1000:g} "

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends
 
 from mint_core.planning.admission import Priority
 from mint_core.revisions import RevisionId, check_adapter_name
-from serving.http.context import CurrentWorker, admin_only
+from serving.http.context import CurrentDrain, CurrentWorker, admin_only
 from serving.http.wire import AdmitRequest, RevisionReadiness, Routing, SyncAnswer
 
 router = APIRouter(prefix="/admin", dependencies=[Depends(admin_only)])
@@ -26,9 +26,9 @@ def sync(worker: CurrentWorker) -> dict[str, object]:
 
 
 @router.get("/routing")
-def routing(worker: CurrentWorker) -> dict[str, object]:
+def routing(worker: CurrentWorker, drain: CurrentDrain) -> dict[str, object]:
     """What `mint gateway` routes by: the base, the ready revisions, the engine keys in
-    device slots (adapter affinity) and the load."""
+    device slots (adapter affinity), the load, and whether it is leaving."""
     ready, slots = worker.routing()
     return Routing(
         base_model=worker.base.model_id,
@@ -37,6 +37,7 @@ def routing(worker: CurrentWorker) -> dict[str, object]:
         device_slots=slots,
         in_flight=worker.queue_depth + worker.batch_size,
         degraded_reason=worker.degraded,
+        leaving=drain.leaving,
     ).model_dump(mode="json")
 
 

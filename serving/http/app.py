@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from mint_core.access import ADMIN
 from mint_core.tenancy import Limiter, TenancyFile
@@ -24,6 +25,7 @@ from serving.http.context import Access, WorkerAPI
 from serving.http.errors import install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.protocols.tgi import special_ids
+from serving.worker.leaving import Drain, DrainPlan
 
 __all__ = ["HANDLER_THREADS", "create_app"]
 
@@ -37,6 +39,7 @@ def create_app(
     admin_principals: Collection[str] = (ADMIN,),
     max_request_bytes: int = MAX_REQUEST_BYTES,
     tenancy: TenancyFile | None = None,
+    drain: Drain | None = None,
 ) -> FastAPI:
     """The worker's API. With `api_keys`, `Authorization: Bearer <key>` names the principal
     (no header: anonymous); without, every request is anonymous and the header is ignored.
@@ -46,7 +49,8 @@ def create_app(
     all of them, as the pipeline reads readiness with its admin key); admins may also generate
     with every revision (the evaluation gate scores each team's). Without keys there is no
     telling callers apart: both are open to all, as before keys existed. `tenancy`: each
-    principal's quota, enforced on every generation route (none: no quotas)."""
+    principal's quota, enforced on every generation route (none: no quotas). `drain`: the
+    worker process's departure, which counts the requests it has (none: it never leaves)."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -56,8 +60,11 @@ def create_app(
     app = FastAPI(
         title="MinT serving worker", lifespan=lifespan, default_response_class=MintJSONResponse
     )
+    drain = drain or Drain(DrainPlan(0.0, 0.0))
     app.add_middleware(BodyLimit, limit=max_request_bytes)
+    app.add_middleware(Arrivals, drain=drain)
     app.state.worker = worker
+    app.state.drain = drain
     app.state.access = Access(dict(api_keys or {}), frozenset(admin_principals))
     app.state.limiter = Limiter((tenancy or TenancyFile(None)).current)
     app.state.tgi_special_ids = special_ids(worker.codec)
@@ -74,3 +81,23 @@ def create_app(
     ):
         app.include_router(router)
     return app
+
+
+class Arrivals:
+    """Counts the requests the worker has for its drain (`serving.worker.leaving`): every
+    POST (generations, feedback, admin asks) until its answer, a stream's too, has been sent;
+    not the probes (`/health`, `/admin/routing`, `/metrics`), which go on while it leaves."""
+
+    def __init__(self, app: ASGIApp, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        self.drain.arrived()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.finished()

@@ -28,6 +28,7 @@ from serving.engine.generation import Generating
 from serving.engine.sampling import SamplingParams
 from serving.http.common import BASE_NAMES, REQUEST_ID_HEADER, REVISION_HEADER, sse
 from serving.http.errors import error_response
+from serving.worker.leaving import Drain
 from serving.worker.outcomes import Outcomes, Usage
 from serving.worker.readiness import AliasEvent, ReadinessEntry, Residence
 
@@ -135,8 +136,14 @@ async def _worker(request: Request) -> WorkerAPI:
     return worker_of(request)
 
 
+async def _drain(request: Request) -> Drain:
+    return request.app.state.drain
+
+
 CurrentCaller = Annotated[Caller, Depends(current_caller)]
 CurrentWorker = Annotated[WorkerAPI, Depends(_worker)]
+CurrentDrain = Annotated[Drain, Depends(_drain)]
+"""The worker process's departure: whether it is leaving (`serving.worker.leaving`)."""
 
 
 async def admin_only(request: Request, caller: CurrentCaller) -> None:

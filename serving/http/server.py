@@ -11,14 +11,20 @@ defaults and why: `mint_core.connections.ConnectionBounds`.
 """
 
 import asyncio
+import contextlib
 import logging
 import resource
+import sys
+import threading
 import time
+from collections.abc import Callable
 from http import HTTPStatus
+from types import FrameType
 from typing import Any, ClassVar, Literal
 
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from mint_core.connections import ConnectionBounds
@@ -26,7 +32,14 @@ from mint_core.exposure import TlsFiles
 from serving.http.common import json_bytes
 from serving.http.errors import ErrorResponse, retry_after
 
-__all__ = ["BACKLOG", "HEAD_BYTES", "BoundedProtocol", "serve_http", "uvicorn_options"]
+__all__ = [
+    "BACKLOG",
+    "HEAD_BYTES",
+    "BoundedProtocol",
+    "StoppingServer",
+    "serve_http",
+    "uvicorn_options",
+]
 
 log = logging.getLogger(__name__)
 
@@ -44,12 +57,30 @@ connections to MLflow and workers)."""
 
 
 def serve_http(
-    app: ASGIApp, host: str, port: int, bounds: ConnectionBounds, tls: TlsFiles = PLAIN
+    app: ASGIApp,
+    host: str,
+    port: int,
+    bounds: ConnectionBounds,
+    tls: TlsFiles = PLAIN,
+    before_stop: Callable[[], None] | None = None,
+    stop_timeout_s: float | None = None,
 ) -> None:
     """Serve `app` on `host`:`port` until stopped, its connections bounded by `bounds`; over
-    HTTPS with `tls`'s certificate and key if it names them."""
+    HTTPS with `tls`'s certificate and key if it names them. `before_stop`: run (in a thread of
+    its own) when SIGTERM or SIGINT first arrives, the listener still open; the server stops
+    once it returns (a worker's drain: `serving.worker.leaving`). A second signal stops it at
+    once. `stop_timeout_s`: how long, once it stops listening, it waits for the requests it
+    still has before it cancels them (None: as long as they take)."""
     _raise_fd_limit(bounds.connections + FD_RESERVE)
-    uvicorn.run(app, **uvicorn_options(host, port, bounds, tls))
+    options = uvicorn_options(host, port, bounds, tls)
+    config = uvicorn.Config(app, **options, timeout_graceful_shutdown=stop_timeout_s)
+    server = StoppingServer(config, before_stop)
+    # The signal that stopped it is raised again once it has stopped: ended here, as in
+    # uvicorn.run.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)  # as uvicorn.run does: the port was taken, the app failed
 
 
 def uvicorn_options(
@@ -67,6 +98,31 @@ def uvicorn_options(
     if tls.enabled:
         options |= {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
     return options
+
+
+class StoppingServer(uvicorn.Server):
+    """uvicorn's server, which runs `before_stop` (if any) before it stops listening."""
+
+    def __init__(self, config: uvicorn.Config, before_stop: Callable[[], None] | None) -> None:
+        super().__init__(config)
+        self._before_stop = before_stop
+        self._stopping: threading.Thread | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._before_stop is None or self._stopping is not None:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)  # raised again once stopped, as uvicorn does
+        self._stopping = threading.Thread(target=self._stop_after, name="before-stop", daemon=True)
+        self._stopping.start()
+
+    def _stop_after(self) -> None:
+        assert self._before_stop is not None
+        try:
+            self._before_stop()
+        except Exception:  # the server must stop whatever happened
+            log.exception("getting ready to stop failed; stopping now")
+        self.should_exit = True
 
 
 def bounded_protocol(bounds: ConnectionBounds) -> type[HttpToolsProtocol]:

@@ -6,20 +6,24 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 
 from mint_core.revisions import check_adapter_name
-from serving.http.context import CurrentCaller, CurrentWorker
+from serving.http.context import CurrentCaller, CurrentDrain, CurrentWorker
 from serving.http.wire import AdapterStatus, RevisionStatus
 
 router = APIRouter()
 
 
 @router.get("/health")
-def health(worker: CurrentWorker) -> dict[str, object]:
+def health(worker: CurrentWorker, drain: CurrentDrain, response: Response) -> dict[str, object]:
     """`ok`, or `degraded` while the registry cannot be reached (serving goes on) or the
-    engine is down (being restarted); the backend, and the base it serves: model id,
-    weights digest, family and context length."""
+    engine is down (being restarted), or `leaving` (with 503, so that a load balancer's probe
+    takes it out) once told to stop while it finishes what it has; the backend, and the base
+    it serves: model id, weights digest, family and context length."""
     base = worker.base
+    status = "degraded" if worker.degraded else "ok"
+    if drain.leaving:
+        status, response.status_code = "leaving", 503
     return {
-        "status": "degraded" if worker.degraded else "ok",
+        "status": status,
         "degraded_reason": worker.degraded,
         "last_sync": worker.last_sync,
         "backend": worker.backend_kind,

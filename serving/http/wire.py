@@ -19,6 +19,10 @@ ASK_INTERVAL_S = 2.0
 """A worker is asked to admit the same revision by demand (by a peer, or by the gateway) at
 most this often."""
 
+ROUTING_REFRESH_S = 0.5
+"""How often a gateway reads each worker's `/admin/routing`: a worker that says it is leaving
+there is sent nothing new after the next read."""
+
 AdmitPriority = Literal["normal", "rollback", "demand"]
 """`mint_core.planning.admission.Priority`, by name: `rollback` goes first, `demand` is a
 request's (a peer's or the gateway's)."""
@@ -115,6 +119,9 @@ class Routing(BaseModel):
     in_flight: int
     """Its queue and batch: the load."""
     degraded_reason: str | None = None
+    leaving: bool = False
+    """It was told to stop and finishes what it has: send it nothing new
+    (`serving.worker.leaving`)."""
 
 
 def _readiness_fields(entry: "ReadinessEntry") -> dict[str, object]:

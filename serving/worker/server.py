@@ -2,6 +2,7 @@
 
 import logging
 from collections.abc import Mapping
+from functools import partial
 
 from transformers.utils import logging as transformers_logging
 
@@ -21,10 +22,18 @@ from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
 from serving.http.server import serve_http
 from serving.worker.announce import announcer_for
+from serving.worker.leaving import Drain, DrainPlan, Verdict
 from serving.worker.peers import Peers
 from serving.worker.worker import Worker
 
 log = logging.getLogger(__name__)
+
+CLOSED_WAIT_S = 5.0
+"""Once its listener has closed, how long a worker still waits for requests it has (one that
+arrived as it closed; past the drain timeout, those left) before it cancels them."""
+STOP_MARGIN_S = 15.0
+"""Beyond its drain timeout, what a worker told to stop may take (its notice to the gateways,
+closing the engine) before `ManagedProcess.stop` kills it."""
 
 
 def build_backend(config: MintConfig, tenancy: TenancyFile | None = None) -> Backend:
@@ -81,11 +90,29 @@ def serve(config: MintConfig, host: str = LOOPBACK, port: int = WORKER_PORT) -> 
     me = advertised_url(host, port, config.worker_url, config.tls.enabled)
     tenancy = TenancyFile(config.tenancy_file, config.tenancy_shares)
     worker = build_worker(config, me, tenancy)
-    app = create_app(worker, config.api_keys, config.admin_principals, tenancy=tenancy)
+    drain = Drain(DrainPlan.of(config.sync_interval_s, config.drain_timeout_s))
+    app = create_app(worker, config.api_keys, config.admin_principals, tenancy=tenancy, drain=drain)
     try:
-        serve_http(app, host, port, config.http_bounds, config.tls)
+        serve_http(
+            app, host, port, config.http_bounds, config.tls, partial(leave, worker, drain),
+            stop_timeout_s=min(config.drain_timeout_s, CLOSED_WAIT_S),
+        )  # fmt: skip
     finally:
         worker.close()  # a vLLM backend's server runs in a process group of its own
+
+
+def leave(worker: Worker, drain: Drain) -> None:
+    """Leave the fleet without failing a request (`serving.worker.leaving`): say so, keep
+    serving until nobody sends and nothing is in flight (or the drain timeout), then return."""
+    drain.leave()
+    log.info("told to stop: leaving the fleet, finishing %d requests", drain.in_flight)
+    worker.leave()
+    if drain.wait() is Verdict.TIMED_OUT:
+        log.warning(
+            "still had %d requests after MINT_DRAIN_TIMEOUT_MS (%g s): stopping with them",
+            drain.in_flight,
+            drain.plan.timeout_s,
+        )
 
 
 def start_worker(
@@ -98,6 +125,8 @@ def start_worker(
     """A worker in a child process on `host` (default loopback); returns once `/health`
     answers (base loaded). `env`: more of its environment (e.g. the registry account it reads
     with); its URL is `config.worker_url` if set (MINT_WORKER_URL: what other hosts use)."""
-    return start_mint(
+    service = start_mint(
         "serve", "serving worker", "worker", config, port, timeout_s, env, host, config.worker_url
     )
+    service.grace_s = config.drain_timeout_s + STOP_MARGIN_S  # stopping waits for its drain
+    return service

@@ -463,6 +463,12 @@ class Worker:
         and adapter copies into a device slot for a user's request."""
         return self._prewarm.request_path_fetches + self.backend.request_path_loads
 
+    def leave(self) -> None:
+        """Tell the fleet this worker is leaving (its heartbeat's record: readers leave it out
+        of placement and routing); it serves on until `close` (`serving.worker.leaving`)."""
+        if self.announcer is not None:
+            self.announcer.leaving()
+
     def close(self) -> None:
         """Stop following the registry, prewarming and serving (waiting requests are
         answered with an error); first, leave the fleet, so that nobody sends it more."""

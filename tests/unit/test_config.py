@@ -40,6 +40,7 @@ CHANGED = MintConfig(
     max_batch=4,
     admission_k=2,
     sync_interval_s=0.25,
+    drain_timeout_s=12.5,
     alias_audit_interval_s=5.0,
     pins=(RevisionId("support-bot", 3),),
     worker_api_key="k2",
