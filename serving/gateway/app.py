@@ -35,11 +35,11 @@ from serving.http.common import ADAPTER_PREFIX, BASE_NAMES, adapter_of_url
 from serving.http.errors import install_error_handlers
 from serving.http.limits import MAX_REQUEST_BYTES, BodyLimit
 from serving.http.server import serve_http
-from serving.http.wire import ASK_INTERVAL_S, AdmitRequest
+from serving.http.wire import ASK_INTERVAL_S, ROUTING_REFRESH_S, AdmitRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REFRESH_S = 0.5
+DEFAULT_REFRESH_S = ROUTING_REFRESH_S
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
 
@@ -93,7 +93,9 @@ class Gateway:
     async def refresh(self) -> None:
         """Read every worker's routing state once; a worker that does not answer is down. One
         that does not answer in time or take a connection, and sent nothing meanwhile, has its
-        link cut: its requests end at once (`serving.gateway.links`)."""
+        link cut: its requests end at once (`serving.gateway.links`). Not one that said it was
+        leaving and now refuses connections: it closed its listener, and what it still has
+        finishes on the connections it keeps (`serving.worker.leaving`)."""
 
         async def one(view: WorkerView) -> None:
             asked_at = time.monotonic()
@@ -109,6 +111,8 @@ class Gateway:
                 # No answer, or no connection: cut off (a reset or a close is an answer: its
                 # requests have failed already, or are still going).
                 view.down(f"unreachable: {type(e).__name__}: {e}")
+                if view.leaving and isinstance(e, aiohttp.ClientConnectorError):
+                    return  # it closed its listener as it left: its requests go on
                 why = f"the gateway could not reach it: {type(e).__name__}"
                 if await self.links.cut_if_silent(view.url, link, asked_at, why):
                     log.warning("%s is unreachable; its requests were ended: %s", view.url, e)
@@ -347,8 +351,8 @@ class Gateway:
         up = [w for w in self.fleet.workers if w.up]
         leaving = [
             {"url": w.url, "up": False, "base_model": w.base_model, "base_digest": w.base_digest,
-             "ready": 0, "in_flight": w.in_flight, "problem": "it left the fleet; its requests "
-             "in flight finish there"}
+             "ready": 0, "in_flight": w.in_flight, "leaving": True, "problem": "it left the "
+             "fleet; its requests in flight finish there"}
             for w in self.fleet.leaving
         ]  # fmt: skip
         return {
@@ -356,7 +360,8 @@ class Gateway:
             "registry_problem": self.catalog.unreachable,
             "workers": [
                 {"url": w.url, "up": w.up, "base_model": w.base_model, "base_digest": w.base_digest,
-                 "ready": len(w.ready), "in_flight": w.in_flight, "problem": w.problem}
+                 "ready": len(w.ready), "in_flight": w.in_flight, "leaving": w.leaving,
+                 "problem": w.problem}
                 for w in self.fleet.workers
             ] + leaving,
         }  # fmt: skip

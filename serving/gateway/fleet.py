@@ -1,8 +1,9 @@
 """The gateway's copy of the fleet: each worker's base, ready revisions and load, and the order
-in which it tries them for a revision (placement first: see `serving.gateway`). Where the fleet
-is read from a roster (MINT_FLEET=registry), `reconcile` follows its changes: a joiner is down
-until it first answers; a leaver takes no new request and is kept, still refreshed, until the
-requests it had are done."""
+in which it tries them for a revision (placement first: see `serving.gateway`). A worker that
+says it is leaving (`/admin/routing`'s `leaving`: told to stop, it finishes what it has) is sent
+nothing new. Where the fleet is read from a roster (MINT_FLEET=registry), `reconcile` follows
+its changes: a joiner is down until it first answers; a leaver takes no new request and is
+kept, still refreshed, until the requests it had are done."""
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ class WorkerView:
     in_flight: int = 0
     """Requests this gateway has on the worker now."""
     problem: str | None = "not heard from yet"
+    leaving: bool = False
+    """It said it is leaving: routed nothing new; its requests finish there."""
 
     def update(self, answer: Mapping[str, object]) -> None:
         """Take the worker's `/admin/routing` answer; pydantic's ValidationError (a ValueError)
@@ -37,7 +40,13 @@ class WorkerView:
         self.ready = frozenset(routing.ready)
         self.slots = frozenset(routing.device_slots)
         self.reported_load = routing.in_flight
+        self.leaving = routing.leaving
         self.up, self.problem = True, None
+
+    @property
+    def routable(self) -> bool:
+        """Whether new requests may go to it: up and not leaving."""
+        return self.up and not self.leaving
 
     def down(self, why: str) -> None:
         self.up, self.problem = False, why
@@ -89,7 +98,7 @@ class Fleet:
         return done
 
     def serving_base(self, digest: str) -> list[WorkerView]:
-        return [w for w in self.workers if w.up and w.base_digest == digest]
+        return [w for w in self.workers if w.routable and w.base_digest == digest]
 
     def choices(self, revision: str, digest: str, replicas: int) -> Choices:
         """Workers of base `digest` in the order to try them for `revision`, held by
@@ -116,7 +125,7 @@ class Fleet:
     def for_base_model(self, model: str | None) -> list[WorkerView]:
         """Workers for a request that names a base (its model id) or nothing. Naming nothing is
         ambiguous in a fleet of several bases: ConfigurationError listing them."""
-        up = [w for w in self.workers if w.up]
+        up = [w for w in self.workers if w.routable]
         if model not in BASE_NAMES:
             return sorted((w for w in up if w.base_model == model), key=lambda w: w.in_flight)
         bases = sorted({w.base_model for w in up})

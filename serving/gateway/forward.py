@@ -40,8 +40,9 @@ async def forward_to(
 ) -> Response:
     """`request` (its `body` read) from the first of `workers` that takes it, for `model`. A
     worker that refuses the connection or does not take it in time never saw the request: the
-    next one gets it. Once a worker has the body, the request is its (a generation is not
-    replayed: it may have run, and a stream may have started)."""
+    next one gets it; so does the next when the connection closed or reset before any byte of
+    an answer came (`never_answered`). Once a worker has begun its answer, the request is its
+    (a generation is not replayed: it may have run, and a stream may have started)."""
     headers = {"content-type": "application/json"}
     if authorization := request.headers.get("authorization"):
         headers["authorization"] = authorization
@@ -59,6 +60,9 @@ async def forward_to(
             continue
         except (aiohttp.ClientError, TimeoutError) as e:
             worker.in_flight -= 1
+            if never_answered(e, link):
+                worker.down(f"closed the connection before answering: {type(e).__name__}: {e}")
+                continue
             return _failed(worker, link, e)
         link.opened(answer)
         if answer.content_type == "text/event-stream" and answer.status != 503:
@@ -82,6 +86,18 @@ async def forward_to(
         f"every worker for {model or 'the base'} refused the connection or did not take it in "
         f"{CONNECT_TIMEOUT_S:g} s; send the request again shortly"
     )
+
+
+def never_answered(error: BaseException, link: Link) -> bool:
+    """Whether a request that failed with `error` before its answer's head came goes to the
+    next worker: its connection was closed or reset with nothing sent back. That is a relay or
+    load balancer in front of a worker that has just closed its listener (it accepts, finds
+    nothing behind, and closes), or a pooled connection the worker closed as it was reused:
+    the request never reached a worker that could run it. Not a timeout, and not a link the
+    gateway cut (a worker cut off, that may be running it: `serving.gateway.links`)."""
+    if link.cut is not None:
+        return False
+    return isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
 
 
 def _error_type(content: bytes) -> str | None:

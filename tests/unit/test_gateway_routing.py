@@ -10,6 +10,7 @@ a roster, a leaver keeping its requests in flight until they are done."""
 import asyncio
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from serving.gateway import app as gateway_app
 from serving.gateway import links
 from serving.gateway.app import Gateway
 from serving.gateway.fleet import Fleet, WorkerView
-from serving.gateway.forward import WORKER_HEADER
+from serving.gateway.forward import WORKER_HEADER, never_answered
 from tests.helpers import BASE_DIGEST, MemoryRegistry, make_policy
 
 SERVED_BASE = make_policy().base_digest
@@ -128,9 +129,14 @@ class FakeWorker:
     stream: bool = False
     chunk_every_s: float | None = None
     """With `stream`: a chunk this often, forever (a slow worker that still talks)."""
+    hold: asyncio.Event | None = None
+    """Answers `/generate` only once set (a long generation)."""
+    leaving: bool = False
+    """What `/admin/routing` says: told to stop, finishing what it has."""
     seen: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
+    _site: web.TCPSite | None = None
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         await request.read()
@@ -145,12 +151,17 @@ class FakeWorker:
             await asyncio.Event().wait()
         if self.stalled:
             await asyncio.Event().wait()
+        if self.hold is not None:
+            await self.hold.wait()
         return web.json_response(ANSWER)
 
     async def routing(self, _: web.Request) -> web.Response:
         if self.stalled:
             await asyncio.Event().wait()
-        return web.json_response(ROUTING)
+        answer = web.json_response(ROUTING | {"leaving": self.leaving})
+        if self.leaving:
+            answer.force_close()  # as uvicorn closes idle connections when it stops listening
+        return answer
 
     async def start(self) -> "FakeWorker":
         app = web.Application()
@@ -158,10 +169,15 @@ class FakeWorker:
         app.router.add_get("/admin/routing", self.routing)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
+        self._site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await self._site.start()
         self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
         return self
+
+    async def close_listener(self) -> None:
+        """Refuse new connections; those open go on (a worker at the end of its drain)."""
+        assert self._site is not None
+        await self._site.stop()
 
     async def stop(self) -> None:
         assert self._runner is not None
@@ -380,3 +396,124 @@ def test_the_gateway_follows_its_roster(catalog: Catalog) -> None:
         assert [w.url for w in gw.fleet.workers] == [second.url] and gw.fleet.leaving == []
 
     asyncio.run(run())
+
+
+# A worker leaving (`serving.worker.leaving`): it says so in /admin/routing, is sent nothing new,
+# and closes its listener with requests still finishing; a relay in front of it meanwhile
+# accepts connections and closes them with nothing behind.
+
+
+def test_a_leaving_worker_is_routed_nothing_new() -> None:
+    staying, leaving = WorkerView("http://w0"), WorkerView("http://w1")
+    for view in (staying, leaving):
+        view.update(ROUTING | {"ready": ["bot:r1"]})
+    leaving.update(ROUTING | {"ready": ["bot:r1"], "leaving": True})
+    fleet = Fleet([leaving, staying])
+    assert leaving.up and not leaving.routable and staying.routable
+    assert fleet.for_base_model(None) == [staying]
+    assert fleet.serving_base(SERVED_BASE) == [staying]
+    assert fleet.choices("bot:r1", SERVED_BASE, 1).workers == [staying]
+    leaving.update(ROUTING | {"ready": ["bot:r1"]})  # started again: routed to again
+    assert leaving.routable and len(fleet.for_base_model(None)) == 2
+
+
+def test_a_leaving_worker_that_closes_its_listener_keeps_its_requests(catalog: Catalog) -> None:
+    """Its requests in flight are not ended when its poll is refused: it closed its listener
+    as it left, and finishes them on the connections it keeps."""
+
+    async def run() -> None:
+        leaver = await FakeWorker(hold=asyncio.Event()).start()
+        other = await FakeWorker().start()
+        gw = Gateway([leaver.url, other.url], catalog)
+        up(gw)
+        async with client(gw) as http:
+            pending = asyncio.create_task(generate(http))
+            while not leaver.seen:
+                await asyncio.sleep(0.01)
+            leaver.leaving = True
+            await gw.refresh()
+            sent_after = [await generate(http) for _ in range(3)]
+            await leaver.close_listener()
+            await gw.refresh()  # refused
+            assert not gw.fleet.workers[0].up and not pending.done()
+            assert leaver.hold is not None
+            leaver.hold.set()
+            ended = await asyncio.wait_for(pending, 5)
+        await gw.links.close()
+        for worker in (leaver, other):
+            await worker.stop()
+        assert ended.status_code == 200 and ended.headers[WORKER_HEADER] == leaver.url
+        assert [a.headers[WORKER_HEADER] for a in sent_after] == [other.url] * 3
+
+    asyncio.run(run())
+
+
+@contextmanager
+def relay_with_nothing_behind() -> Iterator[str]:
+    """A URL that takes connections and closes them at once, having read nothing: a relay or
+    load balancer in front of a worker that has closed its listener."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        listener.settimeout(0.1)
+        stop = threading.Event()
+
+        def close_each() -> None:
+            while not stop.is_set():
+                try:
+                    taken, _ = listener.accept()
+                except TimeoutError:
+                    continue
+                taken.close()
+
+        closer = threading.Thread(target=close_each, daemon=True)
+        closer.start()
+        try:
+            yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+        finally:
+            stop.set()
+            closer.join()
+
+
+def test_a_connection_closed_before_any_answer_goes_to_the_next_worker(catalog: Catalog) -> None:
+    async def run() -> None:
+        taker = await FakeWorker().start()
+        with relay_with_nothing_behind() as closing:
+            gw = Gateway([closing, taker.url], catalog)
+            up(gw)
+            async with client(gw) as http:
+                answer = await generate(http)
+            await gw.links.close()
+        await taker.stop()
+        assert answer.status_code == 200 and answer.json() == ANSWER
+        assert answer.headers[WORKER_HEADER] == taker.url and taker.seen == 1
+        assert not gw.fleet.workers[0].up  # until a poll answers again
+        assert "closed the connection before answering" in str(gw.fleet.workers[0].problem)
+
+    asyncio.run(run())
+
+
+RETRIED = {
+    "closed with nothing sent (a relay with nothing behind)": (
+        aiohttp.ServerDisconnectedError(),
+        None,
+        True,
+    ),
+    "reset before an answer": (aiohttp.ClientOSError(104, "Connection reset by peer"), None, True),
+    "the gateway cut its link (cut off: it may be running it)": (
+        aiohttp.ServerDisconnectedError(),
+        "the gateway could not reach it",
+        False,
+    ),
+    "a timeout": (TimeoutError(), None, False),
+    "a read timeout": (aiohttp.SocketTimeoutError(), None, False),
+    "a payload error": (aiohttp.ClientPayloadError(), None, False),
+}
+
+
+@pytest.mark.parametrize("error, cut, retried", RETRIED.values(), ids=RETRIED.keys())
+def test_which_failures_before_an_answer_go_to_the_next_worker(
+    error: BaseException, cut: str | None, retried: bool
+) -> None:
+    link = links.Link(session=None, cut=cut)  # type: ignore[arg-type]
+    assert never_answered(error, link) is retried
