@@ -61,7 +61,6 @@ from tasks.pipeline import (
     Exported,
     activate_revision,
     admit_revision,
-    check_import,
     export_adapter,
     freeze_adapter,
     pack_adapter,
@@ -69,6 +68,7 @@ from tasks.pipeline import (
     register_revision,
     rollout_lock,
 )
+from tasks.training import check_import
 
 PROMPT = "admission="
 OTHER_BASE = TinySpec(seed=1, pretrain_steps=0)

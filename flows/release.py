@@ -20,11 +20,12 @@ from mint_core.config import MintConfig
 from mint_core.distributed import DEFAULT_TIMEOUT_S, Launch, World
 from mint_core.errors import ConfigurationError
 from mint_core.model.datasets import DEFAULT_EVAL_FRACTION
-from mint_core.model.training import EVAL_GENERATION_ROWS, TrainingConfig
+from mint_core.model.training import TrainingConfig
+from mint_core.planning.evaluation import EVAL_GENERATION_ROWS
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from mint_core.shipping import Shipment
-from tasks.pipeline import check_import, load_data, train_adapter
 from tasks.runs import label_run, production_move, summarize
+from tasks.training import check_import, load_data, train_adapter
 
 
 @dataclass(frozen=True)

@@ -5,30 +5,36 @@ frozen files. No user reaches a shipped revision yet: where it goes next (a roll
 
 `ship` runs the four steps in order. The release and RL flows pass the Prefect tasks that wrap
 them (`tasks.packaging.SHIP_TASKS`: retries, cached results, run logs); the trainer runs them as
-plain functions (`DIRECT`)."""
+plain functions (`DIRECT`).
+
+Promotions and rollbacks import this module too (`ensure_exported`), on control hosts that
+train nothing: it loads no tensor library. The packer is imported when it packs, and the
+adapters shipped are named here for their types only."""
 
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ParamSpec, Protocol, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
 from mint_core.access import EVERYONE
 from mint_core.artifacts.freezing import FrozenAdapter, freeze
-from mint_core.artifacts.packing import DEFAULT_SHARD_BYTES, PackedIndex, pack
+from mint_core.artifacts.packed_index import DEFAULT_SHARD_BYTES, PackedIndex
 from mint_core.artifacts.reexport import check_repacked, frozen_files
 from mint_core.artifacts.stores import open_store
 from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError
 from mint_core.model.base import identity
 from mint_core.model.datasets import Dataset
-from mint_core.model.imports import ImportedAdapter
-from mint_core.model.training import TrainedAdapter
 from mint_core.planning.evaluation import EVAL_ROWS_TAG, TRAIN_ROWS_TAG, store_digests, store_rows
 from mint_core.registry import Registry, StageMark
 from mint_core.revisions import PolicyRecord, RevisionId, RevisionRef
 from mint_core.states import Stage
+
+if TYPE_CHECKING:  # torch and PEFT, for types only
+    from mint_core.model.imports import ImportedAdapter
+    from mint_core.model.training import TrainedAdapter
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +55,7 @@ class Shipment:
     """What to ship, and what its policy record says of it."""
 
     adapter: str
-    source: TrainedAdapter | ImportedAdapter
+    source: "TrainedAdapter | ImportedAdapter"
     actor: str
     """Who ships it: recorded as who created it."""
     principals: tuple[str, ...] = (EVERYONE,)
@@ -70,6 +76,9 @@ def freeze_adapter(config: MintConfig, adapter_dir: Path) -> FrozenAdapter:
 def pack_adapter(
     config: MintConfig, frozen: FrozenAdapter, shard_bytes: int = DEFAULT_SHARD_BYTES
 ) -> tuple[Path, PackedIndex]:
+    # The packer (torch) on first use: a promotion re-packs only an artifact that was lost.
+    from mint_core.artifacts.packing import pack
+
     out_dir = config.work_root / "packed" / frozen.digest.removeprefix("sha256:")
     return out_dir, pack(frozen, out_dir, shard_bytes)
 
@@ -82,7 +91,7 @@ def export_adapter(config: MintConfig, packed_dir: Path, index: PackedIndex) -> 
 def register_revision(
     config: MintConfig,
     adapter: str,
-    source: TrainedAdapter | ImportedAdapter,
+    source: "TrainedAdapter | ImportedAdapter",
     frozen: FrozenAdapter,
     exported: Exported,
     actor: str,
@@ -114,7 +123,6 @@ def register_revision(
         **source.policy_fields(),  # type: ignore[arg-type]
     )
     serving_base = identity(config.base, config.home).digest
-    run_id = source.run_id if isinstance(source, TrainedAdapter) else None
     tags = {}
     store = open_store(config)
     if held_out is not None:  # named by their content: stored again alike if this is retried
@@ -123,7 +131,9 @@ def register_revision(
     if trained_on is not None:
         digests = (row.digest() for row in trained_on.rows)
         tags[TRAIN_ROWS_TAG] = store_digests(store, config.work_root / "eval-rows", digests)
-    revision = revisions.register(policy, exported.uri, serving_base, run_id, tags, reached).id
+    revision = revisions.register(
+        policy, exported.uri, serving_base, source.run_id, tags, reached
+    ).id
     log.info("registered %s (%s)", revision, exported.content_digest)
     return revision
 
@@ -189,7 +199,7 @@ def ship(
     """The next revision of `shipment.adapter`, registered (no user reaches it yet), its stage
     history starting with each step here and when it was done. Without `record_steps` its
     history starts at `registered`: the trainer's sampler revisions have always begun there."""
-    reached = [StageMark.reached(Stage.TRAINED, _made(shipment.source))]
+    reached = [StageMark.reached(Stage.TRAINED, shipment.source.made())]
     frozen = timed("freeze", steps.freeze, config, shipment.source.path)
     reached.append(StageMark.reached(Stage.FROZEN, f"files {frozen.digest}"))
     packed_dir, index = timed("pack", steps.pack, config, frozen)
@@ -211,10 +221,3 @@ def ship(
         trained_on=shipment.trained_on,
         reached=tuple(reached) if record_steps else (),
     )
-
-
-def _made(source: TrainedAdapter | ImportedAdapter) -> str:
-    """How the adapter came to be, for its `trained` entry."""
-    if isinstance(source, TrainedAdapter):
-        return f"{source.steps} steps on {source.dataset}"
-    return f"trained elsewhere; imported from {source.path}"

@@ -10,8 +10,8 @@ from mint_core.config import MintConfig
 from mint_core.errors import NotFoundError, RejectedError
 from mint_core.gates import Gates
 from mint_core.model.datasets import located, parse_jsonl
-from mint_core.model.training import EVAL_GENERATION_ROWS
 from mint_core.planning.evaluation import (
+    EVAL_GENERATION_ROWS,
     EVAL_ROWS_TAG,
     TRAIN_ROWS_TAG,
     Evaluation,

@@ -2,7 +2,10 @@
 and ensure-exported (export again, from the frozen files, a revision whose artifact was lost).
 `SHIP_TASKS` are the four that `shipping.ship` runs in a flow."""
 
+from __future__ import annotations
+
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -10,16 +13,18 @@ from prefect.cache_policies import NO_CACHE
 from mint_core import shipping
 from mint_core.access import EVERYONE
 from mint_core.artifacts.freezing import FrozenAdapter
-from mint_core.artifacts.packing import DEFAULT_SHARD_BYTES, PackedIndex
+from mint_core.artifacts.packed_index import DEFAULT_SHARD_BYTES, PackedIndex
 from mint_core.config import MintConfig
 from mint_core.model.datasets import Dataset
-from mint_core.model.imports import ImportedAdapter
-from mint_core.model.training import TrainedAdapter
 from mint_core.registry import StageMark
 from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.shipping import Exported
 from tasks.policies import ONCE_PER_RUN, transient
 from tasks.runs import run_log
+
+if TYPE_CHECKING:  # torch and PEFT, for types only: promotions and rollbacks run ensure-exported
+    from mint_core.model.imports import ImportedAdapter
+    from mint_core.model.training import TrainedAdapter
 
 
 @task(name="freeze", cache_policy=NO_CACHE)

@@ -1,7 +1,10 @@
 """The release pipeline's steps as Prefect tasks, one module per stage, each a thin call into
-mint_core (or, for the fleet steps, into the workers' HTTP API):
+mint_core (or, for the fleet steps, into the workers' HTTP API). This module gathers those that
+every roll-out uses; the steps that make an adapter (`tasks.training`: load-data, train,
+check-import) are imported by the flows that train, from their module: they bring torch and
+PEFT, which a promotion, a rollback or any flow of the control pool never loads (issue 48: a
+rollback's process spent 6.7 s of its ~23 s importing them).
 
-- `tasks.training`: load-data, train, check-import
 - `tasks.packaging`: freeze, pack, export, register (`SHIP_TASKS`), ensure-exported
 - `tasks.fleet`: admit, readmit, prewarm, activate, on the `Fleet` of the revision's base
 - `tasks.evaluation`: evaluate
@@ -46,7 +49,6 @@ from tasks.packaging import (
     register_revision,
 )
 from tasks.policies import transient
-from tasks.training import check_import, load_data, train_adapter
 
 __all__ = [
     "ROLLOUT_TIMEOUT_S",
@@ -55,13 +57,11 @@ __all__ = [
     "Fleet",
     "activate_revision",
     "admit_revision",
-    "check_import",
     "ensure_exported",
     "evaluate_revision",
     "export_adapter",
     "fleet_for",
     "freeze_adapter",
-    "load_data",
     "pack_adapter",
     "prewarm_revision",
     "readmit_revision",
@@ -69,7 +69,6 @@ __all__ = [
     "resolve_fleet",
     "rollout_lock",
     "snapshot_catalog",
-    "train_adapter",
     "transient",
     "wait_fleet_ready",
 ]

@@ -11,13 +11,16 @@ import shutil
 import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from mint_core.artifacts.digests import sha256_file, sha256_json
 from mint_core.artifacts.folders import publish_folder
 from mint_core.errors import ConfigurationError, IntegrityError
+
+if TYPE_CHECKING:
+    import torch
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
@@ -73,8 +76,12 @@ def open_frozen(path: Path) -> FrozenAdapter:
     return FrozenAdapter(path=path, digest=sha256_json(files), files=files)
 
 
-def check_finite(name: str, tensor: torch.Tensor, source: object) -> None:
+def check_finite(name: str, tensor: "torch.Tensor", source: object) -> None:
     """ConfigurationError naming tensor `name` of `source` if it holds NaN or infinity."""
+    # torch is imported where tensors are read, not with this module: a promotion or rollback
+    # opens frozen folders (`open_frozen`) and never reads a tensor.
+    import torch
+
     finite = torch.isfinite(tensor)
     if bool(finite.all()):
         return

@@ -25,6 +25,10 @@ FORMAT_VERSION = 4
 READABLE_VERSIONS = (3, 4)
 """Version 3 is version 4 without fused expert tensors (`fused` absent: none)."""
 INDEX = "index.json"
+DEFAULT_SHARD_BYTES = 32 << 20
+"""The size a shard is filled to unless a caller asks for another. Defined with the format, not
+the packer: shipping passes it on, and a promotion or rollback, which imports shipping but
+re-packs only a lost artifact, loads no tensor library."""
 EXPERT_SLOT = "{expert}"
 """Where the expert number goes in the PEFT key template of a stack of per-expert tensors."""
 CORRUPT_ADVICE = (

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from mint_core.artifacts.freezing import PEFT_CONFIG, PEFT_WEIGHTS, FrozenAdapter
 from mint_core.artifacts.packed_index import (
     CORRUPT_ADVICE,
+    DEFAULT_SHARD_BYTES,
     EXPERT_SLOT,
     INDEX,
     FusedExperts,
@@ -63,8 +64,6 @@ __all__ = [
 ]
 """The index's names are here too (from `mint_core.artifacts.packed_index`): one import for
 packing."""
-
-DEFAULT_SHARD_BYTES = 32 << 20
 
 _LORA_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 _PER_EXPERT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<projection>\w+)$")

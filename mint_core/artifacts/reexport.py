@@ -8,7 +8,7 @@ the tensors, not their packing, so it is what a re-pack is checked against.
 from pathlib import Path
 
 from mint_core.artifacts.freezing import FrozenAdapter, open_frozen
-from mint_core.artifacts.packing import PackedIndex
+from mint_core.artifacts.packed_index import PackedIndex
 from mint_core.errors import IntegrityError, NotFoundError
 from mint_core.revisions import PolicyRecord, RevisionId
 

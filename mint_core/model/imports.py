@@ -62,6 +62,15 @@ class ImportedAdapter:
             "eval_metrics": {},
         }
 
+    @property
+    def run_id(self) -> None:
+        """No MLflow run of MinT's trained it (`TrainedAdapter.run_id` names the one that did)."""
+        return None
+
+    def made(self) -> str:
+        """How it came to be: its `trained` stage entry."""
+        return f"trained elsewhere; imported from {self.path}"
+
 
 def check_adapter_files(adapter_dir: Path) -> dict[str, object]:
     """The adapter config of `adapter_dir`, once it is a plain PEFT LoRA (no DoRA, no

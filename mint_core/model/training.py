@@ -29,14 +29,13 @@ from mint_core.model.datasets import IGNORE, Dataset, Row, Tokenized, collate, t
 from mint_core.model.experts import EXPERT_PARAMETERS, expert_lora_targets
 from mint_core.model.generate import greedy_generate, seeded
 from mint_core.model.sharding import gather_adapter, shard_base, staged_source
+from mint_core.planning.evaluation import EVAL_GENERATION_ROWS
 
 StepCallback = Callable[[int, int, float], None]
 """Called after each optimizer step with (step, total steps, training loss)."""
 StartCallback = Callable[["TrainingConfig"], None]
 """Called once before the first step with the configuration as trained: the family's default
 targets resolved on the loaded base."""
-EVAL_GENERATION_ROWS = 256
-"""Most held-out rows scored by exact match (each is a greedy generation); the loss covers all."""
 
 
 @dataclass(frozen=True)
@@ -153,6 +152,10 @@ class TrainedAdapter:
             "eval_metrics": self.eval_metrics,
             "trained_with": self.world.policy_fields(),
         }
+
+    def made(self) -> str:
+        """How it came to be: its `trained` stage entry."""
+        return f"{self.steps} steps on {self.dataset}"
 
 
 def train_lora(

@@ -26,6 +26,9 @@ from mint_core.revisions import RevisionId
 if TYPE_CHECKING:  # boto3, for a type only
     from mint_core.artifacts.stores import ArtifactStore
 
+EVAL_GENERATION_ROWS = 256
+"""Most held-out rows scored by exact match (each is a greedy generation): by training's own
+evaluation and by the gate; training's loss covers all."""
 EVAL_ROWS_TAG = "mint.eval_data"
 """Model-version tag: the artifact-store name of the held-out rows a trained revision was
 evaluated on (none for an imported one)."""

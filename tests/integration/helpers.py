@@ -51,15 +51,13 @@ from serving.worker.worker import Worker
 from tasks.pipeline import (
     Exported,
     activate_revision,
-    check_import,
     export_adapter,
     freeze_adapter,
-    load_data,
     pack_adapter,
     register_revision,
     rollout_lock,
-    train_adapter,
 )
+from tasks.training import check_import, load_data, train_adapter
 from tests.helpers import ENGINE_SPEC, random_lora, tiny_base
 
 if TYPE_CHECKING:

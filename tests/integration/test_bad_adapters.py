@@ -24,12 +24,12 @@ from mint_core.registry import Registry
 from processes import ManagedProcess
 from serving.http.client import WorkerClient
 from tasks.pipeline import (
-    check_import,
     export_adapter,
     freeze_adapter,
     pack_adapter,
     register_revision,
 )
+from tasks.training import check_import
 from tests.helpers import random_lora
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,8 @@ from mint_core.errors import ConfigurationError, RolloutBusyError
 from mint_core.model.training import TrainingConfig
 from mint_core.retraining import RetrainSchedule
 from processes import ManagedProcess
-from tasks.pipeline import load_data, rollout_lock, train_adapter
+from tasks.pipeline import rollout_lock
+from tasks.training import load_data, train_adapter
 from tests.integration.helpers import answer, toy_data
 from tests.integration.helpers import toy_release as release
 

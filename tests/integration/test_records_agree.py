@@ -22,7 +22,7 @@ from mint_core.planning.evaluation import EvalSet, Evaluation, SetScore
 from mint_core.registry import Registry
 from mint_core.revisions import RevisionId
 from processes import ManagedProcess
-from tasks.pipeline import load_data, train_adapter
+from tasks.training import load_data, train_adapter
 from tests.helpers import make_policy
 
 TINY = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, pretrain_steps=0)

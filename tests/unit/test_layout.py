@@ -1,8 +1,9 @@
 """The house's layout holds: the project's own modules import one another without cycles, no
 module in the domain (`mint_core`) or the workers (`serving`) grows past about 500 lines, the
 domain controls no processes and speaks no HTTP, the gateway (a stateless forwarder) is kept
-apart from the engine, the workers and the trainer lean on neither the control plane nor the
-pipeline, process start-up is neutral ground, the engine sits below the worker, the registry is
+apart from the engine, the flows that never train (and `mint promote` / `rollback`) load no model
+library, the workers and the trainer lean on neither the control plane nor the pipeline, process
+start-up is neutral ground, the engine sits below the worker, the registry is
 composed of parts, and a module opens with its why, not a manual. Read from the source (ast),
 so nothing is imported or started."""
 
@@ -34,6 +35,23 @@ NOT_IN_THE_DOMAIN = {
 }
 """What `mint_core` never imports, and why it would be wrong there."""
 MODEL_LIBRARIES = {"torch", "transformers", "peft", "safetensors", "vllm"}
+TRAINING_LIBRARIES = {"torch", "transformers", "peft"}
+"""What a process that trains nothing must not import: seconds and half a GB before it starts
+(issue 48: a rollback's run spent 6.7 s of its ~23 s importing them)."""
+NEVER_TRAIN = (
+    "flows.promote",
+    "flows.canary",
+    "flows.repair",
+    "flows.approval",
+    "flows.catalog",
+    "flows.usage",
+    "mint_cli.main",
+    "mint_cli.rollout",
+)
+"""The control pool's flows (`flows.deployments.POOLS`: each run imports its module alone) and
+the `mint` command with its promote and rollback (which run `flows.promote` in-process).
+tests/integration/test_control_imports.py checks the same in fresh interpreters, finding the
+flows from the deployments themselves."""
 PIPELINE = {"control", "tasks", "flows", "mint_cli"}
 """The control plane and the release pipeline: they drive workers and the trainer, never the
 other way round (both run on hosts that have neither)."""
@@ -168,24 +186,38 @@ def test_the_domain_controls_no_processes_and_speaks_no_http() -> None:
     assert wrong == []
 
 
-def test_the_gateway_imports_no_engine() -> None:
-    """What `serving.gateway` imports when imported, followed through the project's modules,
-    reaches no module that imports torch or a model library (a fresh interpreter checks the
-    same in tests/integration/test_gateway_imports.py)."""
+def importing(start: str, libraries: set[str]) -> list[str]:
+    """`module imports library` for each module that importing `start` imports (its top-level
+    imports, followed through the project's modules) whose own import names one of
+    `libraries`."""
     known = modules()
-    seen, todo = set(), ["serving.gateway"]
+    seen, todo = set(), [start]
     while todo:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
             todo.extend(t for t in top_level_imports(known[name]) if t in known)
-    heavy = sorted(
+    return sorted(
         f"{name} imports {target}"
         for name in seen
         for target in top_level_imports(known[name])
-        if target.split(".")[0] in MODEL_LIBRARIES
+        if target.split(".")[0] in libraries
     )
-    assert heavy == []
+
+
+def test_the_gateway_imports_no_engine() -> None:
+    """What `serving.gateway` imports when imported, followed through the project's modules,
+    reaches no module that imports torch or a model library (a fresh interpreter checks the
+    same in tests/integration/test_gateway_imports.py)."""
+    assert importing("serving.gateway", MODEL_LIBRARIES) == []
+
+
+@pytest.mark.parametrize("module", NEVER_TRAIN)
+def test_what_never_trains_imports_no_training_library(module: str) -> None:
+    """A promotion, a rollback or any control flow starts without torch, transformers or
+    PEFT: the modules that train import them, and the seams into them (`tasks.training`,
+    the packer, the trained and imported adapters named as types) are deferred."""
+    assert importing(module, TRAINING_LIBRARIES) == []
 
 
 def test_the_import_reader_sees_deferred_imports(tmp_path: Path) -> None:

@@ -2,9 +2,13 @@
 answer, not a refusal that is the same every time (a bad data file tried three times cost a
 minute before the refusal reached the user)."""
 
+import importlib
+import pkgutil
+
 import pytest
 from prefect.states import Failed
 
+import tasks
 from mint_core.errors import (
     BaseMismatchError,
     DatasetError,
@@ -13,7 +17,6 @@ from mint_core.errors import (
     RegistryError,
     ServiceError,
 )
-from tasks import pipeline
 from tasks.pipeline import transient
 
 
@@ -35,9 +38,15 @@ def test_only_transient_errors_are_retried(error: BaseException, retried: bool) 
 
 
 def test_every_retried_step_retries_only_transient_errors() -> None:
+    # Every module of `tasks`: the roll-out's steps gathered in `tasks.pipeline`, and those that
+    # only the flows that train import (`tasks.training`, `tasks.rl`).
+    modules = [
+        importlib.import_module(f"tasks.{m.name}") for m in pkgutil.iter_modules(tasks.__path__)
+    ]
     steps = [
         value
-        for value in vars(pipeline).values()
+        for module in modules
+        for value in vars(module).values()
         if hasattr(value, "retries") and hasattr(value, "retry_condition_fn")
     ]
     retried = {step.name for step in steps if step.retries}
