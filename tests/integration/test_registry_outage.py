@@ -3,9 +3,12 @@ tests stop and start again: a short outage is waited out (the call completes onc
 back); a long one is said on the terminal in one line with the bound (MINT_REGISTRY_RETRY_S),
 then fails the release in one line once the bound has passed, and nothing is registered."""
 
+import contextlib
 import logging
 import os
 import re
+import socket
+import struct
 import subprocess
 import threading
 import time
@@ -14,13 +17,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from control.services import start_mlflow
 from mint_core.artifacts.digests import sha256_json
+from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel
 from mint_core.registry import Registry
 from mint_core.registry_outages import LOGGER, wait_out_registry_outages
 from processes import ManagedProcess
+from processes.managed import free_port
 from tests.helpers import make_policy
 from tests.integration.helpers import mint_env, start_mint, toy_data, wait_for
 
@@ -144,3 +150,156 @@ def test_a_release_with_mlflow_down_says_so_and_fails_at_its_bound_registering_n
 
     own_mlflow.append(start_mlflow(tmp_path / "registry", port_of(server)))
     assert not Registry(server.url).revisions.has_adapter(adapter)
+
+
+class CuttableLink:
+    """A TCP relay in front of a server that a test cuts off and brings back: cut, it refuses
+    new connections and resets the open ones (a request in flight gets no answer); rejoined,
+    it listens again on the same port."""
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self.port = free_port()
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self.rejoin()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def rejoin(self) -> None:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        assert self._listener is not None
+        with contextlib.suppress(OSError):  # wakes its accept(), which close() alone does not
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            for conn in self._open:
+                with contextlib.suppress(OSError):
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    conn.close()
+            self._open.clear()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            with self._lock:
+                self._open |= {client, server}
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+
+STEPS = 150
+"""The training's steps: a cut at the 30th, held until it made 40 more (or MAX_CUT_S passed)."""
+MIN_CUT_S = 3.0
+MAX_CUT_S = 90.0
+"""The longest the link stays cut (under MINT_REGISTRY_RETRY_S, which the test sets to 120):
+training that made too few steps meanwhile fails the test, on a busy machine too."""
+
+
+def step_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, float, float]]:
+    """(step, loss, when) of each `training step` line so far."""
+    found = []
+    for record in list(caplog.records):
+        if record.getMessage().startswith("training step "):
+            step, _total, loss = record.args[:3]  # type: ignore[index,misc]
+            found.append((int(step), float(loss), record.created))
+    return found
+
+
+@pytest.mark.slow
+def test_training_goes_on_while_mlflow_is_cut_off_and_its_losses_arrive_once_in_order(
+    mlflow_server: ManagedProcess,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A release's training (a tiny base) whose MLflow is cut off (for at least MIN_CUT_S,
+    until training made twice LOG_EVERY steps: before, training stopped within LOG_EVERY steps,
+    at its next report): its steps go on through the cut (each step's log line, timed), and
+    afterwards the run's train_loss has every step once, in order, with the loss it logged."""
+    from mint_core.model import toy
+    from mint_core.model.base import BaseSource
+    from mint_core.model.tiny import TinySpec, ensure_tiny
+    from mint_core.model.training import TrainingConfig
+    from tasks.training import _TrainingProgress, load_data, train_adapter
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as `mint release` runs
+    monkeypatch.setattr(_TrainingProgress, "LOG_LINES", 10**9)  # a timed line per step
+    link = CuttableLink(("127.0.0.1", port_of(mlflow_server)))
+    tiny = TinySpec(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64,
+                    pretrain_steps=0)  # fmt: skip
+    base = BaseSource(str(ensure_tiny(tiny, tmp_path / "base")))
+    config = MintConfig(home=tmp_path, tracking_uri=link.url, base=base)
+    data = toy.write_task_data(toy.Task.UPPER, tmp_path / "data", rows=64)
+    adapter = f"cut-{uuid.uuid4().hex[:6]}"
+    rows, held_out = load_data.fn(config, str(data), None, 0.1, adapter)
+    caplog.set_level(logging.INFO, logger="tasks.runs")
+    wanted = 2 * _TrainingProgress.LOG_EVERY
+    trained: list[object] = []
+    wait_out_registry_outages(120)
+    training = threading.Thread(
+        target=lambda: trained.append(
+            train_adapter.fn(config, adapter, rows, held_out, TrainingConfig(steps=STEPS))
+        )
+    )
+    try:
+        training.start()
+        deadline = time.monotonic() + 600
+        while len(step_lines(caplog)) < 30:  # under way, its loss reported at least once
+            assert training.is_alive() and time.monotonic() < deadline
+            time.sleep(0.05)
+        cut_at = time.time()
+        link.cut()
+        while (
+            time.time() < cut_at + MAX_CUT_S
+            and training.is_alive()
+            and (
+                time.time() < cut_at + MIN_CUT_S
+                or sum(1 for _s, _l, at in step_lines(caplog) if at >= cut_at) < wanted
+            )
+        ):
+            time.sleep(0.05)
+        rejoined_at = time.time()
+        link.rejoin()
+        training.join(600)
+        assert not training.is_alive()
+    finally:
+        wait_out_registry_outages(0)
+
+    lines = step_lines(caplog)
+    during = [step for step, _loss, at in lines if cut_at <= at <= rejoined_at]
+    before = [at for _step, _loss, at in lines if at < cut_at]
+    rate = len(before) / (before[-1] - before[0])
+    print(f"MLflow cut off for {rejoined_at - cut_at:.1f} s: {len(during)} steps made meanwhile "
+          f"({rate:.1f} steps/s before it)")  # fmt: skip
+    assert trained, "training failed"
+    assert [step for step, _loss, _at in lines] == list(range(1, STEPS + 1))
+    assert len(during) >= wanted, (
+        f"{len(during)} steps in the {rejoined_at - cut_at:.0f} s MLflow was cut off"
+    )
+    run_id = str(trained[0].run_id)  # type: ignore[attr-defined]
+    history = MlflowClient(mlflow_server.url).get_metric_history(run_id, "train_loss")
+    history.sort(key=lambda m: (m.timestamp, m.step))
+    assert [m.step for m in history] == list(range(1, STEPS + 1))  # each once, in order
+    assert [m.value for m in history] == [loss for _step, loss, _at in lines]
