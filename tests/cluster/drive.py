@@ -180,6 +180,33 @@ class Mlflow:
         with urllib.request.urlopen(request, timeout=10) as response:
             return json.load(response)
 
+    def post(self, path: str, body: dict) -> dict:
+        url = f"{self.uri}/api/2.0/mlflow/{path}"
+        token = base64.b64encode(f"{self.user}:{self.password}".encode()).decode()
+        headers = {"Authorization": f"Basic {token}", "Content-Type": "application/json"}
+        request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.load(response)
+
+    def training_run(self, adapter: str) -> str:
+        """The id of `adapter`'s latest training run (in MinT's experiment), "" if none yet."""
+        from mint_core.registry.runs import EXPERIMENT
+
+        try:
+            found = self.get("experiments/get-by-name", experiment_name=EXPERIMENT)
+        except urllib.error.HTTPError:
+            return ""
+        query = {"experiment_ids": [found["experiment"]["experiment_id"]],
+                 "filter": f"tags.`mint.adapter` = '{adapter}'",
+                 "order_by": ["attributes.start_time DESC"], "max_results": 1}  # fmt: skip
+        runs = self.post("runs/search", query).get("runs", [])
+        return runs[0]["info"]["run_id"] if runs else ""
+
+    def history(self, run_id: str, metric: str) -> list[dict]:
+        """Every point of `metric` in run `run_id`: {"step", "value", "timestamp"} (ms)."""
+        found = self.get("metrics/get-history", run_id=run_id, metric_key=metric)
+        return found.get("metrics", [])
+
     def versions(self, adapter: str) -> list[dict]:
         """Every registered version (revision) of `adapter`'s model."""
         found = self.get("model-versions/search", filter=f"name='{adapter}'")

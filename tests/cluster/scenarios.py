@@ -4,6 +4,8 @@ drivers returning frozen figures: the tests assert on them, bench/cluster.py rec
     release_across_hosts   a release started through ctl's Prefect API runs on a train host,
                            registers on ctl, is admitted and prewarmed on both serve hosts and
                            activated; the client host sees its revision through the gateway
+    training_through       a release trains on a train host while something is done to the
+                           cluster (ctl cut off): its steps' times and its run's loss curve
     train_host_killed      the train host running a release dies mid-training (every process
                            in it SIGKILLed); the crash automation ends the run, nothing was
                            registered, the roll-out slot is free, and a rerun sent to the other
@@ -11,10 +13,12 @@ drivers returning frozen figures: the tests assert on them, bench/cluster.py rec
                            run it last (no later scenario needs a train host)
 """
 
+import itertools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.objects import FlowRun, StateType
@@ -23,6 +27,8 @@ from prefect.exceptions import ObjectNotFound
 from mint_core.errors import ServiceError
 from tests.cluster import drive, roles
 from tests.cluster.roles import Booted
+
+T = TypeVar("T")
 
 RUN_TIMEOUT_S = 420.0
 """A release on a busy 2-core machine: the flow process starts, loads torch and the base,
@@ -214,4 +220,61 @@ def _check_completed(run: FlowRun, booted: Booted) -> None:
     logs = {h: booted.cluster.state_dir / h for h in roles.TRAIN}
     raise ServiceError(
         f"flow run {run.name} ({run.id}) ended {run.state}; the train hosts' logs: {logs}"
+    )
+
+
+@dataclass(frozen=True)
+class TrainingFigures:
+    steps: int
+    completed: bool
+    """The release ended Completed (registered, rolled out) once the cluster was whole again."""
+    losses_once_in_order: bool
+    """The run's train_loss has each step 1..steps exactly once, stamped in step order."""
+    steps_in_window: int
+    """Steps stamped (when taken, on the train host) inside the window the cluster was changed."""
+    longest_pause_s: float
+    """The longest time between two consecutive steps inside the window."""
+    window_s: float
+    revision: str = ""
+
+    def as_json(self) -> dict[str, object]:
+        return {"training_through": asdict(self)}
+
+
+def training_through(
+    booted: Booted, act: Callable[[], T], adapter: str = "cut-train-bot", steps: int = 3000
+) -> tuple[T, TrainingFigures]:
+    """Start a release of `adapter` (`steps` steps), and once it has logged its first losses do
+    `act()` (which must leave the cluster whole); then wait for the release and read its run's
+    loss curve: what `act` returned and the training's figures over the window `act` took."""
+    data = drive.seed_data(booted, f"cluster/{adapter}/train.jsonl", 96)
+    mlflow = drive.Mlflow.of(booted)
+    with drive.prefect(booted) as prefect:
+        run = drive.start_release(prefect, release_parameters(adapter, data, steps))
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        run_id = ""
+        while not (run_id and mlflow.history(run_id, "train_loss")):
+            if drive.is_final(prefect.read_flow_run(run.id)) or time.monotonic() > deadline:
+                raise ServiceError(f"release {run.name} logged no loss: {run.state}")
+            time.sleep(0.5)
+            run_id = run_id or mlflow.training_run(adapter)
+        started = time.time()
+        result = act()
+        ended = time.time()
+        run = drive.wait_run(prefect, run.id, drive.is_final, RUN_TIMEOUT_S, "final")
+        revision = drive.summary(prefect, run.id).get("revision", "")
+    history = sorted(
+        mlflow.history(run_id, "train_loss"), key=lambda m: (m["timestamp"], m["step"])
+    )
+    stamps = [m["timestamp"] / 1000 for m in history]
+    inside = [t for t in stamps if started <= t <= ended]
+    pauses = [b - a for a, b in itertools.pairwise(stamps) if b >= started and a <= ended]
+    return result, TrainingFigures(
+        steps=steps,
+        completed=run.state is not None and run.state.is_completed(),
+        losses_once_in_order=[int(m["step"]) for m in history] == list(range(1, steps + 1)),
+        steps_in_window=len(inside),
+        longest_pause_s=round(max(pauses, default=ended - started), 3),
+        window_s=round(ended - started, 3),
+        revision=revision,
     )
