@@ -61,6 +61,28 @@ _REMEMBER = (
     "catch(e){{}}</script>"
 ).format(key=json.dumps(WORKFLOW_KEY), value=json.dumps(json.dumps(MODEL_TRAINING)))
 
+_SHOW_REFUSALS = (
+    "<script>(function(){var send=window.fetch;"
+    "function show(text){setTimeout(function(){"
+    "if(document.body.innerText.indexOf(text)>=0)return;"
+    "var box=document.createElement('div');box.setAttribute('role','alert');"
+    "box.style.cssText='position:fixed;top:12px;left:50%;transform:translateX(-50%);"
+    "z-index:10000;max-width:720px;padding:10px 16px;background:#fdecea;color:#611a15;"
+    "border:1px solid #e0a3a0;border-radius:4px;font:14px sans-serif;"
+    "box-shadow:0 2px 8px rgba(0,0,0,.2)';"
+    "var words=document.createElement('span');words.textContent=text;box.appendChild(words);"
+    "var close=document.createElement('button');close.textContent='Dismiss';"
+    "close.style.marginLeft='12px';close.onclick=function(){box.remove()};"
+    "box.appendChild(close);document.body.appendChild(box)},500)}"
+    "window.fetch=function(input,init){return send.apply(this,arguments).then(function(r){"
+    "var method=((init&&init.method)||(input&&input.method)||'GET').toUpperCase();"
+    "if(r.status===403&&method!=='GET'){r.clone().json().then(function(body){"
+    "if(body&&body.message)show(body.message)}).catch(function(){})}return r})}})()</script>"
+)
+"""A write the registry refused, shown to the person who tried: some of MLflow's pages (a
+version's description editor) close on Save whatever the answer, so an auditor's edit
+vanished with no word. Shown only where the page itself does not say it (half a second on)."""
+
 _TABLE_CELLS = (
     "<style>.note-view-outer-container :is(th,td),.note-editor-preview-content :is(th,td)"
     "{padding:4px 12px;border-bottom:1px solid rgba(128,128,128,.3);text-align:left}</style>"
@@ -71,13 +93,14 @@ cannot carry it: the UI's sanitizer drops every style and class attribute of a t
 
 
 def _open_on_model_training(response: Response) -> Response:
-    """The UI's index page, with model training remembered as the view where none is, and
-    description tables given room in their cells."""
+    """The UI's index page, with model training remembered as the view where none is,
+    refused writes shown, and description tables given room in their cells."""
     if request.path != "/" or response.status_code != 200 or response.mimetype != "text/html":
         return response
     response.direct_passthrough = False  # a file sent as it is: read it to change it
     page = response.get_data(as_text=True)
-    response.set_data(page.replace("<head>", "<head>" + _REMEMBER + _TABLE_CELLS, 1))
+    head = "<head>" + _REMEMBER + _SHOW_REFUSALS + _TABLE_CELLS
+    response.set_data(page.replace("<head>", head, 1))
     return response
 
 

@@ -264,6 +264,50 @@ def test_the_ui_tells_an_auditor_permission_denied(
 
 
 @pytest.mark.slow
+def test_the_version_page_tells_an_auditor_permission_denied(
+    guarded: tuple[ManagedProcess, RegistryAccounts],
+    monkeypatch: pytest.MonkeyPatch,
+    browser: "Browser",
+) -> None:
+    """The version page's editor closes on Save whatever the answer: a refusal is shown to the
+    auditor who tried (MinT's page shows what MLflow's leaves out), once, and the description
+    stays as it was."""
+    server, accounts = guarded
+    acting_as(monkeypatch, accounts.pipeline)
+    registry = Registry(server.url)
+    policy = make_policy(adapter="audited-version-bot")
+    uri = "mint-local://sha256/" + policy.content_digest.removeprefix("sha256:")
+    registry.revisions.register(policy, uri, policy.base_digest)
+    client = MlflowClient(server.url, registry_uri=server.url)
+    client.update_model_version("audited-version-bot", "1", "kept as registered")
+    auditor = accounts.auditors[0]
+    context = browser.new_context(
+        http_credentials={"username": auditor.username, "password": auditor.password},
+        viewport={"width": 1400, "height": 900},
+    )
+    context.set_default_timeout(TIMEOUT_MS)
+    try:
+        page = context.new_page()
+        page.goto(
+            f"{server.url}/#/models/audited-version-bot/versions/1", wait_until="domcontentloaded"
+        )
+        page.get_by_text("kept as registered").first.wait_for()
+        page.get_by_role("button", name="Edit", exact=True).first.click()
+        page.locator("textarea").first.fill("changed by an auditor")
+        with page.expect_response(lambda r: "model-versions/update" in r.url) as update:
+            page.get_by_role("button", name="Save", exact=True).click()
+        assert update.value.status == 403
+        refusal = page.get_by_text(f"Permission denied: {auditor.username} may not")
+        refusal.wait_for()
+        assert refusal.count() == 1
+        assert page.get_by_text("INTERNAL_ERROR").count() == 0
+    finally:
+        context.close()
+    description = client.get_model_version("audited-version-bot", "1").description
+    assert description.startswith("kept as registered")
+
+
+@pytest.mark.slow
 def test_mint_registry_accepts_its_accounts_as_soon_as_health_says_ok(
     started: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
