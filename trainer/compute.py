@@ -124,8 +124,8 @@ def run_pass(
     before: Callable[[], None] = lambda: None,
 ) -> None:
     """Forward the rows (and backward the losses of those that train); each row's outputs and
-    loss go to its work. The losses run per request kind over padded rows (the padding's
-    inputs are zero, so its positions add nothing)."""
+    loss go to its work. The losses run per request kind over padded rows (the mask drops the
+    padding's positions: zero inputs do not zero every loss there)."""
     longest = max(len(row.datum.tokens) for row in rows)
     input_ids = torch.full((len(rows), longest), pad_id, dtype=torch.long)
     targets = torch.zeros((len(rows), longest), dtype=torch.long)

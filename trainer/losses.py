@@ -9,12 +9,19 @@ batches before one optimizer step, add up to the loss of the whole (the SDK spli
 - `importance_sampling`: `-(exp(logprobs - sampling_logprobs) * advantages).sum()`.
 - `ppo`: `-min(ratio * advantages, clip(ratio, low, high) * advantages).sum()`, with
   `clip_low_threshold` (0.8) and `clip_high_threshold` (1.2) from `loss_fn_config`.
+- `cispo`: `-(stop_grad(clip(ratio, low, high)) * logprobs * advantages).sum()`: the clipped
+  ratio weighs each token's log-probability and never zeroes its gradient. Its thresholds
+  default to 0.0 and 4.0 (one-sided: no lower bound), not PPO's.
+- `dro`: `-(logprobs * advantages - 0.5 * beta * (logprobs - sampling_logprobs) ** 2).sum()`,
+  `beta` from `loss_fn_config`. Tinker documents no default for it, so it must be given.
 
-Formulas as Tinker's documentation gives them (tinker-docs.thinkingmachines.ai, "Loss
-functions"); each returns the per-token `logprobs` (what the sampler's logprobs are compared
-with) and the datum's loss.
+Here `ratio` is `exp(logprobs - sampling_logprobs)`. Formulas as Tinker's documentation gives
+them (tinker-docs.thinkingmachines.ai, "Loss functions"; CISPO's default thresholds from the
+cookbook's tutorial 202, "Custom clipping thresholds"); each returns the per-token `logprobs`
+(what the sampler's logprobs are compared with) and the datum's loss.
 """
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -24,13 +31,17 @@ from mint_core.errors import ConfigurationError
 
 PPO_CLIP = (0.8, 1.2)
 """PPO's default clip thresholds on the probability ratio (Tinker's epsilon of 0.2)."""
+CISPO_CLIP = (0.0, 4.0)
+"""CISPO's default clip thresholds: no lower bound, the weight capped at 4 (as MiniMax-M1 and
+ScaleRL clip it); a positive lower bound keeps pushing tokens the policy has left."""
 
 
 @dataclass(frozen=True)
 class LossResult:
     elementwise: torch.Tensor
-    """Each position's loss, shaped as the logprobs (rows padded with zero inputs give 0); a
-    datum's loss is its sum, keeping the graph."""
+    """Each position's loss, shaped as the logprobs; a datum's loss is its sum, keeping the
+    graph. Positions past a row's end are the caller's to mask: zero inputs do not make every
+    loss zero there (`dro`'s penalty)."""
     outputs: dict[str, torch.Tensor]
     """Per-token tensors the caller gets back (detached), by name."""
 
@@ -60,22 +71,59 @@ def _importance_sampling(logprobs: torch.Tensor, inputs: Inputs, _: Config) -> L
 
 
 def _ppo(logprobs: torch.Tensor, inputs: Inputs, config: Config) -> LossResult:
-    low, high = _clip(config)
+    low, high = _ppo_clip(config)
     ratio = _ratio(logprobs, inputs)
     advantages = inputs["advantages"]
     objective = torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
     return LossResult(-objective, {"logprobs": logprobs.detach()})
 
 
-def _clip(config: Config) -> tuple[float, float]:
-    low = _number(config, "clip_low_threshold", PPO_CLIP[0])
-    high = _number(config, "clip_high_threshold", PPO_CLIP[1])
+def _cispo(logprobs: torch.Tensor, inputs: Inputs, config: Config) -> LossResult:
+    low, high = _cispo_clip(config)
+    weight = _ratio(logprobs, inputs).clamp(low, high).detach()
+    elementwise = -(weight * logprobs * inputs["advantages"])
+    return LossResult(elementwise, {"logprobs": logprobs.detach()})
+
+
+def _dro(logprobs: torch.Tensor, inputs: Inputs, config: Config) -> LossResult:
+    beta = _beta(config)
+    drift = logprobs - inputs["logprobs"]
+    objective = logprobs * inputs["advantages"] - 0.5 * beta * drift.square()
+    return LossResult(-objective, {"logprobs": logprobs.detach()})
+
+
+def _ppo_clip(config: Config) -> tuple[float, float]:
+    return _clip(config, "ppo", PPO_CLIP)
+
+
+def _cispo_clip(config: Config) -> tuple[float, float]:
+    return _clip(config, "cispo", CISPO_CLIP)
+
+
+def _clip(config: Config, loss: str, default: tuple[float, float]) -> tuple[float, float]:
+    low = _number(config, "clip_low_threshold", default[0])
+    high = _number(config, "clip_high_threshold", default[1])
     if not 0 <= low <= 1 <= high:
         raise ConfigurationError(
-            f"ppo clip_low_threshold={low}, clip_high_threshold={high}: need "
-            "0 <= low <= 1 <= high (e.g. 0.8 and 1.2)"
+            f"{loss} clip_low_threshold={low}, clip_high_threshold={high}: need "
+            f"0 <= low <= 1 <= high (e.g. its defaults, {default[0]} and {default[1]})"
         )
     return low, high
+
+
+def _beta(config: Config) -> float:
+    if "beta" not in config:
+        raise ConfigurationError(
+            "loss_fn 'dro' needs loss_fn_config['beta'], the weight of its quadratic penalty "
+            "(Tinker documents no default; its example is 0.05)"
+        )
+    beta = _number(config, "beta", 0.0)
+    if not 0 <= beta < math.inf:
+        raise ConfigurationError(
+            f"dro beta={beta}: need a finite number >= 0 (e.g. 0.05); a negative one rewards "
+            "drifting from the sampler"
+        )
+    return beta
 
 
 def _number(config: Mapping[str, float | str], name: str, default: float) -> float:
@@ -99,7 +147,9 @@ class Loss:
 LOSSES: dict[str, Loss] = {
     "cross_entropy": Loss(_cross_entropy, (), {"weights": 1.0}),
     "importance_sampling": Loss(_importance_sampling, ("logprobs", "advantages")),
-    "ppo": Loss(_ppo, ("logprobs", "advantages"), check_config=_clip),
+    "ppo": Loss(_ppo, ("logprobs", "advantages"), check_config=_ppo_clip),
+    "cispo": Loss(_cispo, ("logprobs", "advantages"), check_config=_cispo_clip),
+    "dro": Loss(_dro, ("logprobs", "advantages"), check_config=_beta),
 }
 
 

@@ -1,7 +1,8 @@
 """`mint trainer` against the real `tinker` SDK (0.38): every route the SDK calls, a supervised
 loop that learns, its sampler revision served by a worker exactly as the sampling client
 answered, two tenants at once getting what each gets alone, bad requests failing only their
-own future, the RL losses' formulas, and training state surviving a restart."""
+own future, the RL losses' formulas (CISPO's and DRO's gradients too), and training state
+surviving a restart."""
 
 import dataclasses
 import os
@@ -230,9 +231,9 @@ def test_a_bad_request_fails_its_own_future_with_a_clear_error_and_nothing_else(
         before = client.forward(good, "cross_entropy").result().metrics["loss:sum"]
 
         with pytest.raises(
-            tinker.RequestFailedError, match=r"loss_fn='cispo' is not supported.*cross_entropy"
+            tinker.RequestFailedError, match=r"loss_fn='dpo' is not supported.*cross_entropy"
         ):
-            client.forward_backward(good, "cispo").result()
+            client.forward_backward(good, "dpo").result()
         beyond = types.Datum(
             model_input=types.ModelInput.from_ints([5, 6, 7]),
             loss_fn_inputs={"target_tokens": [6, 7, 100_000], "weights": [1.0, 1.0, 1.0]},
@@ -249,7 +250,7 @@ def test_a_bad_request_fails_its_own_future_with_a_clear_error_and_nothing_else(
         ):
             stranger.forward(good, "cross_entropy").result()
         with pytest.raises(tinker.RequestFailedError) as failed:
-            client.forward_backward(good, "cispo").result()
+            client.forward_backward(good, "dpo").result()
         assert failed.value.category is types.RequestErrorCategory.User
 
         # Nothing else happened: the model is where it was, and it trains on.
@@ -267,33 +268,58 @@ def test_a_bad_request_fails_its_own_future_with_a_clear_error_and_nothing_else(
         )
 
 
+def weighted(tokens: list[int], weights: np.ndarray) -> types.Datum:
+    """`tokens` for `cross_entropy`, whose gradient on their logprobs is `-weights`."""
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+    )
+
+
+def logprobs_now(client: tinker.TrainingClient, tokens: list[int]) -> np.ndarray:
+    """The model's logprobs of `tokens[1:]`, each after the tokens before it."""
+    plain = weighted(tokens, np.ones(len(tokens) - 1, dtype=np.float32))
+    return (
+        client.forward([plain], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """`hello=HELLO` as RL data: the model's own logprobs of it, a sampler's near them, and
+    advantages."""
+
+    tokens: list[int]
+    logprobs: np.ndarray
+    sampling: np.ndarray
+    advantages: np.ndarray
+
+    @classmethod
+    def of(cls, client: tinker.TrainingClient) -> "Rollout":
+        tokens = Toy(client.get_tokenizer()).ids("hello=HELLO")
+        logprobs = logprobs_now(client, tokens)
+        rng = np.random.default_rng(0)
+        sampling = logprobs + rng.uniform(-0.5, 0.5, len(logprobs)).astype(np.float32)
+        advantages = rng.normal(size=len(logprobs)).astype(np.float32)
+        return cls(tokens, logprobs, sampling, advantages)
+
+    def datum(self) -> types.Datum:
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(self.tokens[:-1]),
+            loss_fn_inputs={
+                "target_tokens": self.tokens[1:],
+                "logprobs": self.sampling,
+                "advantages": self.advantages,
+            },
+        )
+
+
 def test_rl_losses_follow_the_sdk_formulas(trainer: ManagedProcess, base: BaseModel) -> None:
     with service(trainer) as sc:
         client = sc.create_lora_training_client(base_model=str(base.text.path), rank=4).result()
-        toy = Toy(client.get_tokenizer())
-        tokens = toy.ids("hello=HELLO")
-        targets = tokens[1:]
-        plain = types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * len(targets)},
-        )
-        logprobs = (
-            client.forward([plain], "cross_entropy")
-            .result()
-            .loss_fn_outputs[0]["logprobs"]
-            .to_numpy()
-        )
-        rng = np.random.default_rng(0)
-        sampling = logprobs + rng.uniform(-0.5, 0.5, len(targets)).astype(np.float32)
-        advantages = rng.normal(size=len(targets)).astype(np.float32)
-        rl = types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={
-                "target_tokens": targets,
-                "logprobs": sampling,
-                "advantages": advantages,
-            },
-        )
+        rollout = Rollout.of(client)
+        rl = rollout.datum()
+        logprobs, sampling, advantages = rollout.logprobs, rollout.sampling, rollout.advantages
         ratio = np.exp(logprobs - sampling)
         importance = client.forward([rl], "importance_sampling").result().metrics["loss:sum"]
         assert importance == pytest.approx(-(ratio * advantages).sum(), rel=1e-4)
@@ -302,13 +328,57 @@ def test_rl_losses_follow_the_sdk_formulas(trainer: ManagedProcess, base: BaseMo
         ).result()
         clipped = np.minimum(ratio * advantages, np.clip(ratio, 0.9, 1.1) * advantages)
         assert ppo.metrics["loss:sum"] == pytest.approx(-clipped.sum(), rel=1e-4)
-        negative = types.Datum(
-            model_input=types.ModelInput.from_ints(tokens[:-1]),
-            loss_fn_inputs={"target_tokens": targets, "weights": [-0.5] * len(targets)},
-        )
+        negative = weighted(rollout.tokens, np.full(len(logprobs), -0.5, dtype=np.float32))
         assert client.forward([negative], "cross_entropy").result().metrics[
             "loss:sum"
         ] == pytest.approx(0.5 * logprobs.sum(), rel=1e-4)
+
+
+def test_cispo_and_dro_follow_the_sdk_formulas_in_value_and_gradient(
+    trainer: ManagedProcess, base: BaseModel
+) -> None:
+    with service(trainer) as sc:
+        client = sc.create_lora_training_client(base_model=str(base.text.path), rank=4).result()
+        rollout = Rollout.of(client)
+        rl = rollout.datum()
+        logprobs, sampling, advantages = rollout.logprobs, rollout.sampling, rollout.advantages
+        ratio = np.exp(logprobs - sampling)
+
+        def loss(name: str, config: dict[str, float] | None = None) -> float:
+            return client.forward([rl], name, config).result().metrics["loss:sum"]
+
+        # CISPO's default thresholds are 0 and 4: within them here, the weight is the ratio.
+        assert loss("cispo") == pytest.approx(-(ratio * logprobs * advantages).sum(), rel=1e-4)
+        tight = {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}
+        weight = np.clip(ratio, 0.9, 1.1)
+        assert loss("cispo", tight) == pytest.approx(
+            -(weight * logprobs * advantages).sum(), rel=1e-4
+        )
+        drift = logprobs - sampling
+        assert loss("dro", {"beta": 0.05}) == pytest.approx(
+            -(logprobs * advantages - 0.5 * 0.05 * drift**2).sum(), rel=1e-4
+        )
+        with pytest.raises(tinker.RequestFailedError, match=r"dro' needs loss_fn_config\['beta'\]"):
+            client.forward_backward([rl], "dro").result()
+        with pytest.raises(tinker.RequestFailedError, match=r"cispo clip_low_threshold=1.5"):
+            client.forward_backward([rl], "cispo", {"clip_low_threshold": 1.5}).result()
+
+        # The gradients: each loss's, added to a cross_entropy whose gradient is the hand
+        # computation's negative, leaves nothing for the step to move (eps 1 keeps Adam from
+        # blowing float noise up to full steps); the loss alone moves it.
+        step = types.AdamParams(learning_rate=1.0, eps=1.0)
+        for name, config, grad in [
+            ("cispo", tight, -weight * advantages),
+            ("dro", {"beta": 0.05}, -(advantages - 0.05 * drift)),
+        ]:
+            client.forward_backward([rl], name, config).result()
+            client.forward_backward([weighted(rollout.tokens, grad)], "cross_entropy").result()
+            client.optim_step(step).result()
+            now = logprobs_now(client, rollout.tokens)
+            np.testing.assert_allclose(now, logprobs, atol=1e-5, err_msg=name)
+        client.forward_backward([rl], "cispo", tight).result()
+        client.optim_step(step).result()
+        assert np.abs(logprobs_now(client, rollout.tokens) - logprobs).max() > 1e-2
 
 
 def test_state_saved_survives_a_restart_and_training_continues_with_the_same_loss(

@@ -3,6 +3,7 @@ weight, the losses' formulas, the SDK's protobuf messages both ways, and the ten
 what PEFT computes with the same weights, and each tenant's loss and gradient in a shared pass
 equal to what it gets alone."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -66,8 +67,70 @@ def test_the_losses_follow_the_sdk_documentation() -> None:
     ppo = loss_named("ppo").fn(logprobs, inputs, {})
     clipped = torch.minimum(ratio * advantages, ratio.clamp(0.8, 1.2) * advantages)
     assert float(ppo.elementwise.sum()) == pytest.approx(float(-clipped.sum()))
-    with pytest.raises(ConfigurationError, match=r"loss_fn='dro' is not supported.*cross_entropy"):
-        loss_named("dro")
+    with pytest.raises(ConfigurationError, match=r"loss_fn='dpo' is not supported.*cispo, dro"):
+        loss_named("dpo")
+
+
+ROOT_E = math.exp(0.5)
+"""The ratios of the hand computations below are exp(logprobs - sampling): 1/ROOT_E, ROOT_E and
+e^2 (above CISPO's default cap of 4)."""
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "loss", "grad"),
+    [
+        # the weight is the ratio, e^2 capped at 4: -sum(w * logprobs * advantages), -w * advantages
+        ("cispo", {}, -(-0.5 / ROOT_E + 2 * ROOT_E - 4.0), [-1 / ROOT_E, 2 * ROOT_E, -2.0]),
+        ("cispo", {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}, -0.8, [-0.8, 2.4, -0.6]),
+        # drift (-0.5, 0.5, 2): -(0.5 - beta/2 * 4.5), -(advantages - beta * drift)
+        ("dro", {"beta": 0.1}, -0.275, [-1.05, 2.05, -0.3]),
+        ("dro", {"beta": 0.0}, -0.5, [-1.0, 2.0, -0.5]),
+    ],
+)
+def test_cispo_and_dro_give_the_value_and_gradient_of_a_hand_computation(
+    name: str, config: dict[str, float], loss: float, grad: list[float]
+) -> None:
+    logprobs = torch.tensor([-0.5, -1.0, -2.0], requires_grad=True)
+    inputs = {
+        "logprobs": torch.tensor([0.0, -1.5, -4.0]),
+        "advantages": torch.tensor([1.0, -2.0, 0.5]),
+    }
+    loss_named(name).check_config(config)
+    result = loss_named(name).fn(logprobs, inputs, config)
+    total = result.elementwise.sum()
+    total.backward()
+    assert float(total.detach()) == pytest.approx(loss)
+    assert logprobs.grad is not None
+    assert logprobs.grad.tolist() == pytest.approx(grad)
+    assert result.outputs["logprobs"].tolist() == pytest.approx([-0.5, -1.0, -2.0])
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "message"),
+    [
+        (
+            "cispo",
+            {"clip_low_threshold": 1.5},
+            r"cispo clip_low_threshold=1.5, clip_high_threshold=4.0: need 0 <= low <= 1 <= high "
+            r"\(e.g. its defaults, 0.0 and 4.0\)",
+        ),
+        (
+            "cispo",
+            {"clip_high_threshold": 0.5},
+            r"cispo clip_low_threshold=0.0, clip_high_threshold=0.5: need",
+        ),
+        ("cispo", {"clip_high_threshold": "wide"}, r"clip_high_threshold='wide' must be a number"),
+        ("dro", {}, r"loss_fn 'dro' needs loss_fn_config\['beta'\].*example is 0.05"),
+        ("dro", {"beta": -0.1}, r"dro beta=-0.1: need a finite number >= 0 \(e.g. 0.05\)"),
+        ("dro", {"beta": float("nan")}, r"dro beta=nan: need a finite number >= 0"),
+        ("dro", {"beta": "small"}, r"loss_fn_config beta='small' must be a number"),
+    ],
+)
+def test_a_cispo_or_dro_config_it_cannot_run_with_is_refused_naming_the_value(
+    name: str, config: dict[str, float | str], message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        loss_named(name).check_config(config)
 
 
 def fb(model_id: str, data: list[types.Datum], loss: str = "cross_entropy") -> bytes:
@@ -196,9 +259,9 @@ def test_a_bad_request_is_refused_naming_what_is_wrong(base: BaseModel, tmp_path
         ConfigurationError, match=rf"token {vocab + 5}, outside the base's vocabulary"
     ):
         check_request(beyond, vocab, base.context_length)
-    unknown = read_forward_backward(fb("m", [datum([1, 2, 3])], loss="cispo"), None)
+    unknown = read_forward_backward(fb("m", [datum([1, 2, 3])], loss="dpo"), None)
     with pytest.raises(
-        ConfigurationError, match="use one of cross_entropy, importance_sampling, ppo"
+        ConfigurationError, match="use one of cross_entropy, importance_sampling, ppo, cispo, dro"
     ):
         check_request(unknown, vocab, base.context_length)
     with pytest.raises(
