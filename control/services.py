@@ -6,6 +6,7 @@ process is `processes`'s, shared with serving and the trainer.
 
 import contextlib
 import json
+import os
 import sqlite3
 import sys
 import time
@@ -255,6 +256,9 @@ def start_prefect_worker(
             PREFECT_CLIENT_AUTH: auth,
             # Never `uv run` a flow run: the host's environment is MinT's, installed.
             "PREFECT_RUNNER_AUTO_INSTALL_DEPENDENCIES": "false",
+            # Prefect's default, 10 s between polls, was up to 10 s before a rollback submitted
+            # in the UI started (issue 48); a setting given explicitly wins.
+            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "1"),
         }
         | dict(env or {})
     )

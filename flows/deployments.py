@@ -187,9 +187,16 @@ def _described(flow: Flow[..., Any], description: str) -> str:
     return f"{description} {RUN_NAMES}" if flow.flow_run_name else description
 
 
+RUN_POLL_S = 1
+"""How often the flow server asks the Prefect server for runs to start, unless
+PREFECT_RUNNER_POLL_FREQUENCY says otherwise. Prefect's default, 10 s, was up to 10 s of a
+rollback submitted in the UI spent waiting to be noticed (issue 48); a poll is one small query."""
+
+
 def serve_deployments(config: MintConfig) -> None:
     """Register the deployments with the Prefect server and run their flow runs until stopped."""
-    prefect.serve(*build_deployments(config))
+    polled = "PREFECT_RUNNER_POLL_FREQUENCY" in os.environ  # a setting given explicitly wins
+    prefect.serve(*build_deployments(config), query_seconds=None if polled else RUN_POLL_S)
 
 
 def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProcess:
