@@ -491,6 +491,41 @@ def noisy(result: Result) -> Figure:
     return fig
 
 
+def rollback(result: Result) -> Figure:
+    fig, (times, stages, aims) = figure("rollback: to users, each way a user starts one", 3, 15)
+    samples = result.get("samples_s", {})
+    cdf_panel(
+        times,
+        {
+            "alias move alone": samples.get("alias", {}).get("move_s", []),
+            "mint rollback/promote, to exit": samples.get("cli", {}).get("exit_s", []),
+            "UI submit, to served": samples.get("ui", {}).get("served_s", []),
+            "pool: UI submit, to served": samples.get("pool", {}).get("served_s", []),
+        },
+        "s",
+    )
+    medians = result.get("median_s", {})
+    stages_panel(
+        stages,
+        {
+            way: {"start": medians[way]["start_s"], "run": medians[way]["run_s"]}
+            for way in ("ui", "pool")
+            if way in medians
+        },
+    )
+    aims_panel(
+        aims,
+        result,
+        [
+            Aim("mint rollback/promote p50", "cli_p50_s", 3.0, "s"),
+            Aim("UI submit to served p50", "ui_served_p50_s", 5.0, "s"),
+            Aim("run start p50 (flow server)", "ui_start_p50_s", 2.0, "s"),
+            Aim("run start p50 (control pool)", "pool_start_p50_s", 2.0, "s"),
+        ],
+    )
+    return fig
+
+
 DRAWINGS: dict[str, Callable[[Result], Figure]] = {
     "register": register,
     "admission": admission,
@@ -509,6 +544,7 @@ DRAWINGS: dict[str, Callable[[Result], Figure]] = {
     "cluster": cluster,
     "distributed": distributed,
     "noisy": noisy,
+    "rollback": rollback,
 }
 
 

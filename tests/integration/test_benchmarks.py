@@ -210,6 +210,25 @@ def test_tenants_benchmark_compares_one_trainer_with_separate_trainings(tmp_path
     assert cases[2, "shared"]["rss_mb"] < cases[2, "separate"]["rss_mb"]
 
 
+@pytest.mark.slow
+def test_rollback_benchmark_times_each_way_to_users(tmp_path: Path) -> None:
+    result = run_bench("rollback.py", "--rounds", "1", "--no-pool", out=tmp_path / "rollback.json")
+    samples, medians = result["samples_s"], result["median_s"]
+    assert set(samples) == {"alias", "cli", "ui"}
+    for way, figures in samples.items():
+        for key, values in figures.items():
+            assert medians[way][key] == statistics.median(values)
+    # One round: production r2 -> r1 -> r2 each way, one sample per direction.
+    assert len(samples["cli"]["exit_s"]) == len(samples["ui"]["served_s"]) == 2
+    assert result["cli_p50_s"] == medians["cli"]["exit_s"]
+    assert result["ui_served_p50_s"] == medians["ui"]["served_s"]
+    # A run reaches users only after it started, and its start precedes its own run's end.
+    for served, start in zip(samples["ui"]["served_s"], samples["ui"]["start_s"], strict=True):
+        assert 0 <= start < served
+    # Moving the alias alone is a registry call; a whole rollback does more than that.
+    assert result["alias_move_p50_s"] < result["cli_p50_s"]
+
+
 SIGNALLED_RUN = """
 import sys, time
 from bench import harness
