@@ -333,6 +333,8 @@ class _Supervised:
     service: ManagedProcess
     started_at: float
     """`time.monotonic()` of its last start."""
+    backing: bool
+    """Whether the other services use it: it is stopped after them."""
     pause_s: float = RESTART_FIRST_S
     due: float | None = None
     """While it is down: when it is to be started again."""
@@ -341,24 +343,31 @@ class _Supervised:
 class Supervisor:
     """The services `mint up` runs, kept running: one that exits (stopped to restart it, or
     crashed) is started again the same way, after a pause that grows while it keeps exiting,
-    with a line (`say`) saying so, while the others run on. `stop_all` stops them all."""
+    with a line (`say`) saying so, while the others run on. `stop_all` stops them all, those
+    the others use (`backing`) last."""
 
     def __init__(self, say: Callable[[str], None]) -> None:
         self._say = say
         self._services: list[_Supervised] = []
 
-    def start(self, start: Callable[[], ManagedProcess]) -> ManagedProcess:
+    def start(self, start: Callable[[], ManagedProcess], backing: bool = False) -> ManagedProcess:
         """Start a service with `start` (which returns once it is healthy) and keep it
-        running with it."""
-        (service,) = self.start_together(start)
+        running with it. `backing`: the other services use it (MLflow, Prefect, S3)."""
+        (service,) = self.start_together(start, backing=backing)
         return service
 
-    def start_together(self, *starts: Callable[[], ManagedProcess]) -> list[ManagedProcess]:
+    def start_together(
+        self, *starts: Callable[[], ManagedProcess], backing: bool = False
+    ) -> list[ManagedProcess]:
         """Start services that wait on none of each other at once (`processes.start_together`)
-        and keep them running; their services in the order of `starts`."""
+        and keep them running; their services in the order of `starts`. `backing`: the other
+        services use them."""
         services = start_together(starts)
         now = time.monotonic()
-        self._services += [_Supervised(*pair, now) for pair in zip(starts, services, strict=True)]
+        self._services += [
+            _Supervised(start, service, now, backing)
+            for start, service in zip(starts, services, strict=True)
+        ]
         return services
 
     @property
@@ -406,5 +415,17 @@ class Supervisor:
         self._say(f"{name} started again at {supervised.service.url}")
 
     def stop_all(self) -> None:
-        """Stop every service (in parallel), whatever its state."""
-        stop_all(self.services)
+        """Stop every service, whatever its state, in two steps, each stopping its services at
+        once: those that use the others, then the backing ones, so that each stops while what
+        it uses still runs. The flow server pauses its deployments on the Prefect server as it
+        stops (stopped together with that server, it retried until killed: 10 s, and a
+        traceback in its log); a worker and the trainer stop before the MLflow server they
+        follow."""
+        errors: list[ServiceError] = []
+        for backing in (False, True):
+            try:
+                stop_all([s.service for s in self._services if s.backing is backing])
+            except ServiceError as e:  # a process that outlives SIGKILL: stop the others still
+                errors.append(e)
+        if errors:
+            raise errors[0]

@@ -409,18 +409,22 @@ def still_running(processes: list[psutil.Process], timeout_s: float) -> list[tup
 
 def stop_and_check(
     process: subprocess.Popen[bytes], sig: signal.Signals, urls: list[str], log: Path
-) -> None:
+) -> float:
     """Send `sig` to `process` alone (not its group, as `kill PID` does); it exits cleanly
-    within a minute, and none of its descendants or services outlives it."""
+    within a minute, and none of its descendants or services outlives it. Returns the seconds
+    from the signal until it and every descendant had stopped."""
     descendants = psutil.Process(process.pid).children(recursive=True)
     assert descendants, "the command started nothing"
     process.send_signal(sig)
+    signalled = time.monotonic()
     assert process.wait(60) == 0, log.read_text()[-3000:]
     alive = still_running(descendants, timeout_s=5)
     assert not alive, alive
+    stopped_s = time.monotonic() - signalled
     for url in urls:
         with pytest.raises(httpx.ConnectError):
             httpx.get(url, timeout=2)
+    return stopped_s
 
 
 def paused_run(registry: Registry, revision: RevisionId, pauses: int = 1) -> UUID:
