@@ -18,6 +18,9 @@ Every flow is declared as
 and still raises the error to a caller in code (a test, `mint release`): Prefect raises a
 failed run's error from its state. The log's records are put right by a filter on Prefect's run
 loggers (`OneLineMintErrors`), which the first flow to start installs.
+
+A flow called in a process that is then stopped (SIGTERM from an orchestrator, Ctrl-C: `mint
+release`) ends Cancelled, not Crashed, and the caller gets CancelledRun.
 """
 
 import functools
@@ -25,7 +28,8 @@ import logging
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar, cast
 
-from prefect.states import Failed
+from prefect.exceptions import TerminationSignal
+from prefect.states import Cancelled, Failed
 
 from mint_core.errors import MintError
 from tasks.runs import run_log
@@ -45,13 +49,23 @@ referenced, so where one was told travels with it.)"""
 
 def ends_on_mint_error(fn: Callable[P, R]) -> Callable[P, R]:
     """`fn`, a flow's function, ending its run Failed with a MintError's message (told once in
-    the run's log) instead of raising it into Prefect's engine."""
+    the run's log) instead of raising it into Prefect's engine; and Cancelled when the process
+    that called it is stopped (`_stopped_by_its_caller`)."""
 
     @functools.wraps(fn)
     def run(*args: P.args, **kwargs: P.kwargs) -> R:
         _filter_run_logs()
         try:
             return fn(*args, **kwargs)
+        except (KeyboardInterrupt, TerminationSignal) as stop:
+            if not _stopped_by_its_caller():
+                raise
+            how = "SIGTERM" if isinstance(stop, TerminationSignal) else "an interrupt (Ctrl-C)"
+            message = f"cancelled: the process running it was stopped by {how}"
+            run_log().warning("%s", message)
+            # The engine then raises CancelledRun to the caller (`mint_cli.training.run_flow`
+            # turns that back into the interruption it was).
+            return cast(R, Cancelled(message=message))
         except MintError as error:
             flow_run = _current_flow_run()
             if _tell(error, flow_run):
@@ -100,6 +114,23 @@ def _tell(error: MintError, flow_run: object) -> bool:
         return False
     setattr(error, _TOLD_IN, told | {str(flow_run)})
     return True
+
+
+def _stopped_by_its_caller() -> bool:
+    """Whether the run now stopped (SIGTERM, which Prefect's engine raises as TerminationSignal
+    while a flow runs, or Ctrl-C) is the top-level run of a flow called in this process (`mint
+    release`), which ends Cancelled rather than Crashed: the user or an orchestrator stopped it
+    on purpose. A deployment's run is left to Prefect (its runner or worker cancels it, or
+    marks it Crashed when the host goes down), and a subflow's to the flow that called it."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    flow_run = context.flow_run if context is not None else None
+    return (
+        flow_run is not None
+        and flow_run.deployment_id is None
+        and flow_run.parent_task_run_id is None
+    )
 
 
 def _current_flow_run() -> object:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from control.status import format_stage_times
 from mint_cli.options import (
@@ -24,8 +24,22 @@ from mint_cli.options import (
 )
 
 if TYPE_CHECKING:
+    from prefect import Flow
+
     from mint_cli.options import Commands
     from mint_core.config import MintConfig
+
+R = TypeVar("R")
+
+
+def run_flow(flow: Flow[..., R], /, *args: Any, **kwargs: Any) -> R:
+    """`flow(*args, **kwargs)` run in this process: its result, or a failed run's error raised
+    as the call raises it. A run that ended Cancelled because this command was stopped (SIGTERM
+    or Ctrl-C: `flows.ending`) ends the command as interrupted (KeyboardInterrupt)."""
+    state = flow(*args, return_state=True, **kwargs)
+    if state.is_cancelled():
+        raise KeyboardInterrupt(state.message)
+    return state.result()
 
 
 def check_release(args: argparse.Namespace, config: MintConfig) -> None:
@@ -52,7 +66,8 @@ def check_release(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import release
 
-    report = release(
+    report = run_flow(
+        release,
         args.adapter,
         args.data,
         eval_data=args.eval_data,
@@ -72,7 +87,7 @@ def cmd_release(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_rl(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.rl import rl
 
-    report = rl(args.adapter, actor=args.actor, base_model=args.base_model, **given(args))
+    report = run_flow(rl, args.adapter, actor=args.actor, base_model=args.base_model, **given(args))
     figures = ", ".join(f"{name} {value:.3f}" for name, value in sorted(report.metrics.items()))
     print(f"shipped {', '.join(report.revisions)} on {args.adapter}@rl; last step: {figures}")
     print(f"MLflow run {report.run_id}")
@@ -88,7 +103,8 @@ def check_import(args: argparse.Namespace, config: MintConfig) -> None:
 def cmd_import(args: argparse.Namespace, config: MintConfig) -> None:
     from flows.release import import_adapter
 
-    report = import_adapter(
+    report = run_flow(
+        import_adapter,
         args.adapter,
         str(args.path),
         actor=args.actor,

@@ -6,12 +6,13 @@ traceback goes to a log file), and SIGTERM or SIGINT stop everything a command s
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import closing, contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,7 +33,7 @@ from mint_core.registry import Registry
 from mint_core.registry_accounts import RegistryAccounts
 from mint_core.revisions import PRODUCTION
 from mint_core.states import Stage
-from processes import ManagedProcess, free_port
+from processes import ManagedProcess, free_port, group_running
 from tests.helpers import make_policy
 from tests.integration.helpers import (
     MINT,
@@ -441,6 +442,74 @@ def test_mint_registry_keeps_mlflow_in_the_postgresql_database_it_is_given(
     assert ("kept-in-postgres",) in names
     assert not (tmp_path / "mlflow.db").exists()
     stop_and_check(registry, signal.SIGTERM, [f"http://127.0.0.1:{port}/health"], log)
+
+
+RELEASE_STOPS_WITHIN_S = 10.0
+"""How long a release stopped by SIGTERM mid-training may take to end, its temporary Prefect
+server with it (an orchestrator's grace before SIGKILL is commonly 10 to 30 s)."""
+
+
+def flow_runs(prefect_home: Path) -> list[tuple[str, str]]:
+    """(name, state type) of each flow run in the database of a Prefect server that ran with
+    `prefect_home` (a command's temporary one, gone once the command ends)."""
+    with closing(sqlite3.connect(prefect_home / "prefect.db")) as database:
+        return database.execute("SELECT name, state_type FROM flow_run ORDER BY created").fetchall()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_release_mid_training_cancelled_with_all_it_started_and_nothing_registered(
+    base: BaseModel,
+    fleet_config: MintConfig,
+    started: list[subprocess.Popen[bytes]],
+    tmp_path: Path,
+) -> None:
+    """An orchestrator stops a release with SIGTERM: the release ends within seconds, its flow
+    run Cancelled, its temporary Prefect server and every other process of its own stopped,
+    and no revision registered."""
+    home = tmp_path / "home"
+    (home / "base").mkdir(parents=True)
+    os.symlink(base.path, home / "base" / base.path.name)  # the session's, not pretrained again
+    prefect_home = tmp_path / "prefect"  # no PREFECT_API_URL: a temporary server, its db here
+    env = mint_env(
+        MINT_HOME=str(home),
+        MLFLOW_TRACKING_URI=fleet_config.tracking_uri,
+        MINT_WORKER_URLS=fleet_config.worker_urls[0],
+        PREFECT_HOME=str(prefect_home),
+    )
+    adapter = "stopped-bot"
+    data, _ = toy_data(home, "upper", rows=64)
+    log = tmp_path / "release.log"
+    # Its first progress line comes at a tenth of its steps: soon (a minute or two on two busy
+    # cores), and it trains nine times as long after.
+    args = ["release", "--adapter", adapter, "--data", data, "--steps", "200"]
+    release = start_mint(started, args, env, log)
+    run_log = home / "logs" / "mint-release.log"
+    wait_for(
+        lambda: run_log.exists() and "training step " in run_log.read_text(),
+        release,
+        log,
+        timeout_s=600,
+    )
+    tree = psutil.Process(release.pid).children(recursive=True)
+    assert tree, "no temporary Prefect server"
+
+    release.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    with suppress(subprocess.TimeoutExpired):
+        release.wait(60)
+    seconds = time.monotonic() - sent
+    alive = still_running(tree, timeout_s=0.1)
+    said = log.read_text() + run_log.read_text()[-3000:]
+    print(f"mint release ended {seconds:.1f} s after SIGTERM mid-training")
+    assert release.returncode is not None, f"still running 60 s after SIGTERM\n{said}"
+    assert seconds < RELEASE_STOPS_WITHIN_S, said
+    assert release.returncode == 130, said  # `mint release: interrupted`
+    assert not alive, alive
+    assert not group_running(release.pid)
+    assert flow_runs(prefect_home) == [(f"release {adapter}", "CANCELLED")], said
+    assert not Registry(fleet_config.tracking_uri).revisions.has_adapter(adapter)
+    client = MlflowClient(fleet_config.tracking_uri)
+    assert client.search_model_versions(f"name = '{adapter}'") == []
 
 
 # Refusals come before anything starts: no Prefect server, no model loaded in a flow.
