@@ -208,8 +208,14 @@ class FlowOptions:
 
     def __init__(self, command: argparse.ArgumentParser, title: str | None = None) -> None:
         self._group = command.add_argument_group(title) if title else command
-        self._names: list[str] = []
-        command.set_defaults(flow_options=self._names)
+        # One list per command, however many groups add to it: `mint release` has two (its
+        # hyperparameters and its distributed launch), and a second list replaced the first,
+        # dropping --steps, --rank and the others.
+        names: list[str] | None = command.get_default("flow_options")
+        if names is None:
+            names = []
+            command.set_defaults(flow_options=names)
+        self._names = names
 
     def add(self, *flags: str, **settings: Any) -> None:
         action = self._group.add_argument(*flags, default=argparse.SUPPRESS, **settings)
