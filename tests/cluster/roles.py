@@ -152,12 +152,10 @@ def boot(cluster: Cluster, base_home: Path, registry_db: str) -> Booted:
                  "--delay-file", str(delay_files[role])]  # fmt: skip
         health = partial(listens, address, RELAY_PORT)
         cluster.run(role, "relay", relay, url=worker_urls[role], health=health)
-        argv = [sys.executable, "-m", "mint_cli", "up", "--role", "serve", "--host", address,
-                "--worker-port", str(WORKER_PORT),
-                "--advertise-url", worker_urls[role]]  # fmt: skip
         starts[role] = _starter(
-            cluster, role, argv, role_env(cluster, role, base_home, envs["serve"])
-        )
+            cluster, role, serve_argv(cluster, role, worker_urls[role]),
+            role_env(cluster, role, base_home, envs["serve"]),
+        )  # fmt: skip
     for role in TRAIN:
         address = cluster.host(role).address
         argv = [sys.executable, "-m", "mint_cli", "up", "--role", "train", "--host", address,
@@ -197,6 +195,27 @@ def boot(cluster: Cluster, base_home: Path, registry_db: str) -> Booted:
         services=services,
         boot_s=boot_s,
     )
+
+
+def serve_argv(cluster: Cluster, role: str, advertise: str) -> list[str]:
+    """`mint up --role serve` in host `role` on WORKER_PORT, advertising `advertise` (its
+    relay's URL, as booted, or its own)."""
+    address = cluster.host(role).address
+    return [sys.executable, "-m", "mint_cli", "up", "--role", "serve", "--host", address,
+            "--worker-port", str(WORKER_PORT), "--advertise-url", advertise]  # fmt: skip
+
+
+def restart_serve(booted: Booted, role: str, advertise: str) -> ManagedProcess:
+    """Start serve host `role`'s `mint up` again (its last one has exited), advertising
+    `advertise`; returns once it is ready and the gateway lists it up. `booted.services`
+    names the new one."""
+    env = role_env(booted.cluster, role, home_of(booted.cluster, role), booted.host_envs["serve"])
+    argv = serve_argv(booted.cluster, role, advertise)
+    name = f"mint-up-{time.strftime('%H%M%S')}"  # a log of its own: the first says it was ready
+    service = _up(booted.cluster, role, argv, env, name)
+    booted.services[role] = service
+    wait_fleet(booted.gateway_url, [advertise], FLEET_TIMEOUT_S)
+    return service
 
 
 def check_stopped(booted: Booted) -> None:
@@ -242,8 +261,11 @@ def _starter(
     return lambda: _up(cluster, role, argv, env)
 
 
-def _up(cluster: Cluster, role: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
-    """`mint up --role ...` in host `role`, once it printed that it is ready."""
+def _up(
+    cluster: Cluster, role: str, argv: list[str], env: dict[str, str], name: str = "mint-up"
+) -> ManagedProcess:
+    """`mint up --role ...` in host `role`, once it printed that it is ready (in its log,
+    <role>/<name>.log)."""
     from mint_cli.roles import READY
 
     service: list[ManagedProcess] = []
@@ -255,7 +277,7 @@ def _up(cluster: Cluster, role: str, argv: list[str], env: dict[str, str]) -> Ma
             return False
 
     # `mint up` stops what it started on SIGTERM: give it time to stop its services in turn.
-    started = cluster.run(role, "mint-up", argv, env, grace_s=30.0)
+    started = cluster.run(role, name, argv, env, grace_s=30.0)
     service.append(started)
     try:
         wait_healthy(started, ready, BOOT_TIMEOUT_S)

@@ -9,6 +9,9 @@ frozen figures: the tests assert on them, bench/cluster.py records them.
                   promotion works
     latency       20 ms added between the gateway and the serve hosts (their relays): what
                   the gateway adds to a client's p50, and promote -> the client sees it
+    serve_leave   a serve host's `mint up` sent SIGTERM under client load with long
+                  generations in flight, through its relay and then advertising its own URL:
+                  no request fails; it is started again as it was booted
 
 The pipeline is tests/cluster/pipeline.py's, in the client host, started once per cluster by
 `seeded()`, which releases the adapters every scenario uses once: random LoRAs imported to
@@ -18,6 +21,7 @@ every link up, every delay 0.
 
 import contextlib
 import json
+import signal
 import statistics
 import sys
 import time
@@ -501,3 +505,151 @@ def _activation_s(booted: Booted, seeds: Seeded, folder: Path) -> float:
     finally:
         lane.stop()
     return seen["t_end"] - answer["t_start"]  # type: ignore[index]
+
+
+# --- A serve host leaving -------------------------------------------------------------------
+
+LONG_TOKENS = 110
+"""A long generation: seconds on these cores, so that some are in flight when the host leaves."""
+LONG_LANES = 4
+LEAVE_TIMEOUT_S = 120.0
+"""How long a leaving host's `mint up` may take to exit (its drain is bounded well below)."""
+
+
+@dataclass(frozen=True)
+class LeavePhase:
+    """One leave: a serve host's `mint up` sent SIGTERM under load."""
+
+    via: str
+    """`relay`: the gateway reached the worker through its relay (a load balancer's place);
+    `direct`: the worker advertised its own URL."""
+    failed_requests: int
+    requests: int
+    in_flight_at_leave: int
+    """Long generations sent to the leaving worker before the SIGTERM and not answered by then."""
+    in_flight_completed: int
+    """Of those, the ones answered 200."""
+    exit_s: float
+    """From the SIGTERM until its `mint up` exited (its drain included)."""
+    failed: str = ""
+    """Each failed request: status, what it said, when it was sent against the SIGTERM."""
+
+
+@dataclass(frozen=True)
+class ServeLeaveFigures:
+    leave_host: str
+    failed_requests: int
+    """Over every phase."""
+    requests: int
+    in_flight_at_leave: int
+    in_flight_completed: int
+    phases: list[LeavePhase]
+
+    def as_json(self) -> dict[str, object]:
+        return {"leave": asdict(self)}
+
+
+class LongLanes(drive.Client):
+    """LONG_LANES lanes of long base-model generations through the gateway, one after another
+    (honouring a 503's Retry-After), spread over the workers by their load."""
+
+    def __init__(self, booted: Booted, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.stop_file, self.out = folder / "long.stop", folder / "long.jsonl"
+        parameters = {"max_new_tokens": LONG_TOKENS, "do_sample": True}
+        body = {"inputs": "hello=", "parameters": parameters}
+        argv = [sys.executable, "-m", "tests.cluster.load", "--url",
+                f"{booted.gateway_url}/generate", "--json", json.dumps(body), "--concurrency",
+                str(LONG_LANES), "--timeout", "120", "--retries", "20", "--stop-file",
+                str(self.stop_file), "--out", str(self.out)]  # fmt: skip
+        self.process = booted.cluster.run(CLIENT, "client-long", argv)
+
+    def stop(self) -> None:
+        self.stop_file.touch()
+        try:
+            self.process.process.wait(timeout=LEAVE_TIMEOUT_S)
+        finally:
+            self.process.stop()
+
+
+def serve_leave(booted: Booted, folder: Path, host: str = roles.SERVE[1]) -> ServeLeaveFigures:
+    """SIGTERM `host`'s `mint up` under load (a short-request lane per seeded adapter and
+    LongLanes), through its relay; start it again advertising its own URL and do it again; then
+    start it as it was booted (its relay's URL) and wait until it answers its own revisions."""
+    seeds = seeded(booted)
+    adapters = [a for hosts in seeds.by_host.values() for a in hosts]
+    before = answering_workers(booted, adapters)
+    relayed, direct = booted.worker_urls[host], booted.direct_urls[host]
+    phases = []
+    try:
+        phases.append(_leave_once(booted, folder / "relay", host, relayed, "relay", adapters))
+        roles.restart_serve(booted, host, direct)
+        phases.append(_leave_once(booted, folder / "direct", host, direct, "direct", adapters))
+    finally:
+        booted.services[host].stop(grace_s=LEAVE_TIMEOUT_S)  # if a phase failed before its leave
+        roles.restart_serve(booted, host, relayed)
+    _wait("the restarted host's revisions answer from it again",
+          lambda: _answered_as(booted, before), RECOVERY_TIMEOUT_S, 1.0)  # fmt: skip
+    return ServeLeaveFigures(
+        leave_host=host,
+        failed_requests=sum(p.failed_requests for p in phases),
+        requests=sum(p.requests for p in phases),
+        in_flight_at_leave=sum(p.in_flight_at_leave for p in phases),
+        in_flight_completed=sum(p.in_flight_completed for p in phases),
+        phases=phases,
+    )
+
+
+def _answered_as(booted: Booted, before: dict[str, str]) -> bool:
+    """Whether each adapter of `before` answers from the worker it names (one not ready
+    yet, answering 503, does not)."""
+    try:
+        return answering_workers(booted, list(before)) == before
+    except ServiceError:
+        return False
+
+
+def _leave_once(
+    booted: Booted, folder: Path, host: str, victim: str, via: str, adapters: list[str]
+) -> LeavePhase:
+    """One leave of `host` (the gateway knows it as `victim`) under load."""
+    lanes = [RetryingClient(booted, a, folder) for a in adapters]
+    long = LongLanes(booted, folder)
+    try:
+        _wait("a long generation in flight on the leaving worker",
+              lambda: _in_flight(booted, victim) >= 2, HEALTH_TIMEOUT_S, 0.05)  # fmt: skip
+        term_at = time.time()
+        booted.services[host].process.send_signal(signal.SIGTERM)
+        booted.services[host].process.wait(timeout=LEAVE_TIMEOUT_S)
+        exit_s = time.time() - term_at
+        booted.services[host].stop()  # whatever its group left
+        time.sleep(1.0)  # requests sent after it left, too
+    finally:
+        for lane in [*lanes, long]:
+            lane.stop()
+    answers = [a for lane in lanes for a in lane.answers()] + long.answers()
+    failed = [a for a in answers if a["status"] != 200]
+    in_flight = [a for a in long.answers() if a["t_start"] < term_at < a["t_end"]
+                 and a["headers"].get("X-Mint-Worker", victim) == victim]  # fmt: skip
+    notes = [f"{a['status']} ({a.get('said') or a['error']}) sent {a['t_start'] - term_at:+.2f} s"
+             for a in failed]  # fmt: skip
+    phase = LeavePhase(
+        via=via,
+        failed_requests=len(failed),
+        requests=len(answers),
+        in_flight_at_leave=len(in_flight),
+        in_flight_completed=sum(1 for a in in_flight if a["status"] == 200),
+        exit_s=round(exit_s, 3),
+        failed="; ".join(notes),
+    )
+    print(json.dumps({"leave_phase": asdict(phase)}), flush=True)  # before the restart's wait
+    return phase
+
+
+def _in_flight(booted: Booted, worker: str) -> int:
+    """The gateway's requests in flight on `worker` now, as its /health says."""
+    try:
+        health = get_json(booted.gateway_url + "/health")
+    except (OSError, ValueError):
+        return 0
+    return sum(w.get("in_flight", 0) for w in health["workers"] if w["url"] == worker)

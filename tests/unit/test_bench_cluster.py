@@ -31,6 +31,7 @@ FIGURES = (
     scenarios_serving.ServeCutFigures,
     scenarios_serving.ControlCutFigures,
     scenarios_serving.LatencyFigures,
+    scenarios_serving.ServeLeaveFigures,
     scenarios.TrainKilledFigures,
 )
 
