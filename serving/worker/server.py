@@ -1,6 +1,7 @@
 """Starting a worker: in this process (`serve`) or as a child process (`start_worker`)."""
 
 import logging
+import threading
 from collections.abc import Mapping
 from functools import partial
 
@@ -106,7 +107,9 @@ def leave(worker: Worker, drain: Drain) -> None:
     serving until nobody sends and nothing is in flight (or the drain timeout), then return."""
     drain.leave()
     log.info("told to stop: leaving the fleet, finishing %d requests", drain.in_flight)
-    worker.leave()
+    # Its own thread: a registry slow to answer must not hold the drain (gateways read
+    # `/admin/routing` anyway).
+    threading.Thread(target=worker.leave, name="leave", daemon=True).start()
     if drain.wait() is Verdict.TIMED_OUT:
         log.warning(
             "still had %d requests after MINT_DRAIN_TIMEOUT_MS (%g s): stopping with them",
