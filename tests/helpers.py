@@ -445,6 +445,11 @@ class MemoryMlflow:
         page, token = _page(found, max_results, page_token)
         return PagedList([self._model_version(n, v) for n, v in page], token)
 
+    # Grants: a registry without authentication (MinT's own additions to the client).
+
+    def registered_model_writers(self, name: str) -> None:
+        self._call("registered_model_writers")
+
     # Runs: only what a registration logs to a training run it is given.
 
     def log_text(self, run_id: str, text: str, artifact_file: str) -> None:

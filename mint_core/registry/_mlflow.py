@@ -13,6 +13,7 @@ Two kinds of failure, translated in two layers that every call goes through:
 """
 
 import functools
+import json
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,12 +25,17 @@ from mlflow.entities import RunStatus
 from mlflow.entities.model_registry import RegisteredModel
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from mlflow.utils.rest_utils import http_request
 
 from mint_core.errors import NotFoundError, RegistryError
+from mint_core.registry_accounts import GRANTS_PATH
 from mint_core.registry_outages import OUTAGES
 from mint_core.revisions import TAG_PREFIX
 
 T = TypeVar("T")
+
+REVOKE_PATH = "/api/3.0/mlflow/users/permissions/revoke"
+"""MLflow's per-user revoke of a grant."""
 
 STAGE_TAG = TAG_PREFIX + "stage"
 KIND_TAG = TAG_PREFIX + "kind"
@@ -132,6 +138,41 @@ class _Answering:
             f"{cause}; check that it runs (`mint registry` starts one) and that "
             "MLFLOW_TRACKING_URI points at it"
         )
+
+    @property
+    def username(self) -> str:
+        """The account this client signs in as ('' without authentication)."""
+        return self._client._tracking_client.store.get_host_creds().username or ""
+
+    def registered_model_writers(self, name: str) -> list[dict[str, object]] | None:
+        """MinT's server's answer to who may write registered model `name` (`GRANTS_PATH`):
+        one {account, permission, admin} each; None where the server has no such path (MLflow
+        without MinT's guarded app: no authentication, no grants)."""
+        answer = self._rest("registered_model_writers", "GET", GRANTS_PATH, params={"name": name})
+        if answer.status_code == 404:
+            return None
+        return json.loads(answer.text)["grants"]
+
+    def revoke_registered_model_grant(self, name: str, username: str) -> None:
+        """MLflow's per-user revoke of `username`'s grant on registered model `name` (allowed
+        to whoever may manage it)."""
+        body = {"username": username, "resource_type": "registered_model", "resource_id": name}
+        answer = self._rest("revoke_registered_model_grant", "POST", REVOKE_PATH, json=body)
+        if answer.status_code != 200:
+            raise MlflowException(f"{answer.status_code} {answer.text[:300]}")
+
+    def _rest(self, name: str, method: str, path: str, **request: object) -> requests.Response:
+        """A request to a path MLflow's client has no call for, signed in as the client is,
+        waited out through an outage as every call is; a refusal (403) as MLflow's error."""
+        creds = self._client._tracking_client.store.get_host_creds()
+
+        def send() -> requests.Response:
+            answer = http_request(creds, path, method, raise_on_status=False, **request)
+            if answer.status_code == 403:
+                raise MlflowException(answer.text[:300], error_code="PERMISSION_DENIED")
+            return answer
+
+        return self._answered(name, send)()
 
     def end_run(self, run_id: str, status: str) -> None:
         """End run `run_id` with `status` in one request.

@@ -10,18 +10,11 @@ registers into an existing one, and refuses, naming each account and its grant, 
 itself and admins may. `mint grants ADAPTER --revoke ACCOUNT` removes a grant on the model
 (MLflow's own API, which the pipeline's MANAGE allows)."""
 
-import json
 from dataclasses import dataclass
-
-from mlflow.exceptions import MlflowException
-from mlflow.utils.rest_utils import http_request
 
 from mint_core.errors import AccessDeniedError
 from mint_core.registry._mlflow import MlflowStore
-from mint_core.registry_accounts import GRANTS_PATH, USERNAME_VARIABLE
-
-REVOKE_PATH = "/api/3.0/mlflow/users/permissions/revoke"
-"""MLflow's per-user revoke (allowed to whoever may manage the resource)."""
+from mint_core.registry_accounts import USERNAME_VARIABLE
 
 
 @dataclass(frozen=True)
@@ -39,23 +32,19 @@ class Grant:
 
 @dataclass(frozen=True)
 class Grants:
-    """Reading and removing the grants on adapters' registered models."""
+    """Reading and removing the grants on adapters' registered models. The calls are MinT's
+    additions to the store's client (`_mlflow._Answering`), so a client that stands in for it
+    in tests answers them too."""
 
     store: MlflowStore
 
     def writers(self, adapter: str) -> tuple[Grant, ...] | None:
         """Every account that may write `adapter`'s registered model; None where the server
         does not say (MLflow without MinT's guarded app: no authentication, so no grants)."""
-        creds = self.store.client._tracking_client.store.get_host_creds()
         with self.store.failing(f"read who may write {adapter!r}"):
-            answer = http_request(
-                creds, GRANTS_PATH, "GET", params={"name": adapter}, raise_on_status=False
-            )
-            if answer.status_code == 404:
-                return None
-            if answer.status_code != 200:
-                raise MlflowException(f"{answer.status_code} {answer.text[:300]}")
-            found = json.loads(answer.text)["grants"]
+            found = self.store.client.registered_model_writers(adapter)  # type: ignore[attr-defined]
+        if found is None:
+            return None
         return tuple(Grant(g["account"], g["permission"], bool(g["admin"])) for g in found)
 
     def check_only_pipeline_writes(self, adapter: str) -> None:
@@ -64,7 +53,7 @@ class Grants:
         writers = self.writers(adapter)
         if not writers:
             return
-        me = self.store.client._tracking_client.store.get_host_creds().username
+        me = self.store.client.username  # type: ignore[attr-defined]
         others = [g for g in writers if not g.admin and g.account != me]
         if others:
             named = ", ".join(map(str, others))
@@ -80,9 +69,5 @@ class Grants:
     def revoke(self, adapter: str, account: str) -> None:
         """Remove `account`'s own grant on `adapter`'s registered model (a grant on every
         model, or through a role, stays: `writers` still lists it)."""
-        creds = self.store.client._tracking_client.store.get_host_creds()
-        body = {"username": account, "resource_type": "registered_model", "resource_id": adapter}
         with self.store.failing(f"revoke {account}'s grant on {adapter!r}"):
-            answer = http_request(creds, REVOKE_PATH, "POST", json=body, raise_on_status=False)
-            if answer.status_code != 200:
-                raise MlflowException(f"{answer.status_code} {answer.text[:300]}")
+            self.store.client.revoke_registered_model_grant(adapter, account)  # type: ignore[attr-defined]
