@@ -10,10 +10,9 @@ import os
 import shlex
 import socket
 from collections.abc import Mapping
-from dataclasses import MISSING, Field, dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
 
 from mint_core.access import ADMIN, read_api_keys, show_api_keys
 from mint_core.backend_store import check_registry_db
@@ -27,15 +26,17 @@ from mint_core.revisions import RevisionId, parse_pins
 from mint_core.settings import (
     SETTING,
     Setting,
+    default_of,
     milliseconds,
     names,
+    one_of,
     setting,
+    settings_of,
     show_milliseconds,
     urls,
+    variable_of,
     whole,
 )
-
-T = TypeVar("T")
 
 LOOPBACK = "127.0.0.1"
 """Where MinT's own services listen unless told otherwise."""
@@ -73,13 +74,6 @@ class BackendKind(StrEnum):
     """MinT's own torch engine in the worker's process."""
     VLLM = "vllm"
     """A vLLM OpenAI server the worker starts and supervises."""
-
-
-def _backend(text: str) -> BackendKind:
-    try:
-        return BackendKind(text.strip().lower())
-    except ValueError:
-        raise ValueError(f"is not one of {', '.join(BackendKind)}") from None
 
 
 @dataclass(frozen=True)
@@ -242,7 +236,7 @@ class MintConfig:
         "MINT_BACKEND",
         BackendKind.EMBEDDED,
         "What runs the model behind a worker: embedded or vllm.",
-        parse=_backend,
+        parse=one_of(BackendKind),
         blank_is_default=True,
     )
     host_adapters: int = setting(
@@ -435,9 +429,7 @@ class MintConfig:
         if self.sync_interval_s <= 0:
             raise ConfigurationError(f"sync_interval_s={self.sync_interval_s} must be positive")
         if self.drain_timeout_s < 0:
-            raise ConfigurationError(
-                f"drain_timeout_s={self.drain_timeout_s} must be 0 (exit at once) or more"
-            )
+            raise ConfigurationError(f"drain_timeout_s={self.drain_timeout_s} must be 0 or more")
         if self.alias_audit_interval_s <= 0:
             raise ConfigurationError(
                 f"{variable('alias_audit_interval_s')}={self.alias_audit_interval_s * 1000:g} "
@@ -509,26 +501,18 @@ class MintConfig:
         """The configuration `environ` (default: this process's environment) sets; each
         variable left unset (or, for numbers and names, blank) gives its field's default."""
         env = os.environ if environ is None else environ
-        return cls(**{f.name: setting.read(env, _default(f)) for f, setting in _settings()})
+        return cls(**{f.name: entry.read(env, default_of(f)) for f, entry in settings_of(cls)})
 
     def to_env(self) -> dict[str, str]:
         """The environment that makes `from_env` give this configuration back (for child
         processes: workers, flow runs)."""
         variables: dict[str, str] = {}
-        for f, entry in _settings():
+        for f, entry in settings_of(MintConfig):
             variables |= entry.write(getattr(self, f.name))
         return variables
-
-
-def _settings() -> list[tuple[Field[Any], Setting]]:
-    return [(f, f.metadata[SETTING]) for f in fields(MintConfig)]
-
-
-def _default(f: Field[Any]) -> Any:
-    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
 
 
 def variable(name: str) -> str:
     """The environment variable that sets `MintConfig` field `name` (its first, where several
     do), for messages that tell which one to change."""
-    return next(setting.env[0] for f, setting in _settings() if f.name == name)
+    return variable_of(MintConfig, name)

@@ -3,12 +3,14 @@ carries its `Setting` (variable, default, meaning, parser) in its metadata (`set
 `MintConfig` is the table; these are its parts and the parsers several rows share."""
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
+from enum import StrEnum
 from typing import Any, TypeVar
 
 from mint_core.errors import ConfigurationError
 
 T = TypeVar("T")
+E = TypeVar("E", bound=StrEnum)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,22 @@ SETTING = "setting"
 """The key of a `MintConfig` field's `Setting` in its metadata."""
 
 
+def settings_of(table: type) -> list[tuple[Field[Any], Setting]]:
+    """Each field of settings table `table` (a dataclass of `setting(...)` fields) with its
+    `Setting`."""
+    return [(f, f.metadata[SETTING]) for f in fields(table)]
+
+
+def default_of(f: Field[Any]) -> Any:
+    return f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
+
+
+def variable_of(table: type, name: str) -> str:
+    """The environment variable that sets `table`'s field `name` (its first, where several
+    do)."""
+    return next(entry.env[0] for f, entry in settings_of(table) if f.name == name)
+
+
 def whole(text: str) -> int:
     try:
         return int(text)
@@ -77,6 +95,18 @@ def milliseconds(text: str) -> float:
 
 def show_milliseconds(seconds: float) -> str:
     return str(round(seconds * 1000))
+
+
+def one_of(kind: type[E]) -> Callable[[str], E]:
+    """A parser of the names of closed set `kind` (any case, spaces around ignored)."""
+
+    def parse(text: str) -> E:
+        try:
+            return kind(text.strip().lower())
+        except ValueError:
+            raise ValueError(f"is not one of {', '.join(kind)}") from None
+
+    return parse
 
 
 def names(text: str) -> tuple[str, ...]:
