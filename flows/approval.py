@@ -4,6 +4,7 @@ allowed reviewer answers, in the Prefect UI (the paused run shows a form) or wit
 MLflow with its author and comment; no answer before the timeout is a rejection.
 """
 
+import re
 import time
 from enum import StrEnum
 from uuid import UUID
@@ -101,9 +102,7 @@ def await_approval(
                 refused,
             )
             form = Decision.with_initial_data(
-                description=f"**Refused**: the answer of {answer.reviewer!r} "
-                f"({answer.decision}) was not taken: {refused}. Waiting for an allowed "
-                f"approver.\n\n{question}"
+                description=f"{refused_notice(answer, refused)}\n\n{question}"
             )
             continue
         if answer.decision is Verdict.APPROVE:
@@ -220,6 +219,22 @@ def _record_refusal(
         answer.reviewer,
         f"refused {answer.decision}: {refused}; still waiting{_comment(answer)}",
     )
+
+
+def refused_notice(answer: Decision, refused: str) -> str:
+    """What the form shown again after a refused answer says first: whose answer it was, as
+    they gave it (decision and comment, so the next reviewer reads the reason too), and why it
+    was not taken. The comment is shown as typed: on one line, its markdown escaped."""
+    comment = f"; comment: {_markdown_text(answer.comment)}" if answer.comment.strip() else ""
+    return (
+        f"**Refused**: the answer of {answer.reviewer!r} ({answer.decision}{comment}) was not "
+        f"taken: {refused}. Waiting for an allowed approver."
+    )
+
+
+def _markdown_text(text: str) -> str:
+    """`text` on one line, each character that markdown would read as markup escaped."""
+    return re.sub(r"([\\`*_\[\]<>|~])", r"\\\1", " ".join(text.split()))
 
 
 def _comment(answer: Decision) -> str:

@@ -6,8 +6,13 @@ write renders a table again from them, so a table that missed a write heals at t
 
 MLflow keeps both descriptions in `String(5000)` columns, which PostgreSQL enforces: a table
 keeps its newest rows that fit and says how many older ones only the tags hold.
+
+A table shows sha256 digests shortened (`files sha256:0123456789ab…`): a whole one is 64
+characters with nowhere to break, and a row holding one (an artifact URI, a frozen files
+digest) pushed the approver column out of MLflow's description pane at a 1440 px window.
 """
 
+import re
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Protocol
@@ -26,6 +31,10 @@ _INTRO_CHARS = 1000
 """The most of a description's own text (above its table) kept: the table gets the rest."""
 _CELL_CHARS = 300
 """Reasons are cut to this in a table (the tags keep up to 1000 characters)."""
+_SHA256 = re.compile(r"(?<![0-9a-f])([0-9a-f]{12})[0-9a-f]{52}(?![0-9a-f])")
+"""A sha256 digest in hex, its first 12 characters the group a table shows (the tags keep all
+64): as many as `git` shows of a commit, enough to tell an adapter's revisions apart and to
+search for the whole one."""
 
 
 class Move(Protocol):
@@ -148,9 +157,17 @@ def _older_note(count: int, older: str) -> str:
     return f"_{count} {older}._\n\n" if count else ""
 
 
+def short_digests(text: str) -> str:
+    """`text` with each sha256 digest in it (64 lowercase hex characters, bare, after
+    `sha256:` or in a `mint-local://sha256/<hex>` URI) cut to its first 12 characters and
+    "…"."""
+    return _SHA256.sub(r"\1…", text)
+
+
 def _cell(text: str) -> str:
-    """`text` as one markdown table cell: one line, pipes escaped, cut to _CELL_CHARS."""
-    flat = " ".join(str(text).split())
+    """`text` as one markdown table cell: one line, digests shortened, pipes escaped, cut to
+    _CELL_CHARS."""
+    flat = short_digests(" ".join(str(text).split()))
     if len(flat) > _CELL_CHARS:
         flat = flat[: _CELL_CHARS - 1] + "…"
     return flat.replace("|", "\\|")

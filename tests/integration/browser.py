@@ -12,7 +12,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from playwright.sync_api import Browser, ConsoleMessage, HttpCredentials, Page, Playwright, Response
+from playwright.sync_api import (
+    Browser,
+    ConsoleMessage,
+    HttpCredentials,
+    Locator,
+    Page,
+    Playwright,
+    Response,
+)
 
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "test-screenshots"
 """Where a failed browser test leaves a screenshot of its page (ignored by git)."""
@@ -85,6 +93,27 @@ def open_page(browser: Browser) -> Iterator[UiPage]:
         yield page
     finally:
         context.close()
+
+
+_VISIBLE_SPAN_JS = """(element) => {
+    let left = 0, right = window.innerWidth;
+    for (let e = element.parentElement; e; e = e.parentElement) {
+        if (getComputedStyle(e).overflowX !== "visible") {
+            const box = e.getBoundingClientRect();
+            left = Math.max(left, box.left);
+            right = Math.min(right, box.right);
+        }
+    }
+    return [left, right];
+}"""
+
+
+def visible_span(element: Locator) -> tuple[float, float]:
+    """The horizontal span of the page (left, right in px) where `element` can be seen: the
+    window, cut to each enclosing box that clips or scrolls what overflows it (a modal's card,
+    a pane)."""
+    left, right = element.evaluate(_VISIBLE_SPAN_JS)
+    return left, right
 
 
 def screenshot(page: Page, name: str) -> Path:

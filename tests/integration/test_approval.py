@@ -203,8 +203,11 @@ def test_the_form_asks_for_a_decision_shows_the_figures_and_every_refusal_is_kep
     )
     paused_run(registry, candidate, pauses=2)
     again, _ = paused_form(run_id)
-    assert again.startswith("**Refused**: the answer of 'mallory' (reject) was not taken: "
-                            "'mallory' is not an approver of this adapter")  # fmt: skip
+    # The comment too (issue 48, item 10): the next reviewer reads why mallory answered so.
+    assert again.startswith(
+        "**Refused**: the answer of 'mallory' (reject; comment: not sure) was not taken: "
+        "'mallory' is not an approver of this adapter"
+    )
     assert header in again.splitlines()
     warning = ("WARNING refused the answer of 'mallory' (reject; comment: not sure): 'mallory' is "
                "not an approver")  # fmt: skip

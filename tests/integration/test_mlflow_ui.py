@@ -8,10 +8,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from mint_core.config import MintConfig
-from mint_core.registry import EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT, REVISION_RUN_TAG
+from mint_core.model.training import TrainingConfig
+from mint_core.registry import EXPERIMENT_KIND_TAG, MODEL_DEVELOPMENT, REVISION_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
-from tests.integration.browser import UiPage
-from tests.integration.helpers import register_step_by_step
+from mint_core.shipping import Shipment, ship
+from tasks.training import load_data, train_adapter
+from tests.integration.browser import UiPage, visible_span
+from tests.integration.helpers import toy_data
 
 pytestmark = pytest.mark.slow
 
@@ -20,8 +23,18 @@ ADAPTER = "ui-bot"
 
 @pytest.fixture(scope="module")
 def released(config: MintConfig) -> list[RevisionId]:
-    """Two revisions of ADAPTER, trained briefly and registered as a release does."""
-    return [register_step_by_step(config, ADAPTER, "upper")[0] for _ in range(2)]
+    """Two revisions of ADAPTER, trained briefly and shipped as a release ships them (each step,
+    its artifact's URI and its files' digest among them, in the revision's history), the second
+    approved by alice."""
+    data, held_out = load_data.fn(config, *toy_data(config.home, "upper", rows=64), 0.1, ADAPTER)
+    revisions = []
+    for _ in range(2):
+        trained = train_adapter.fn(config, ADAPTER, data, held_out, TrainingConfig(steps=5))
+        revisions.append(ship(config, Shipment(ADAPTER, trained, "test", held_out=held_out)))
+    Registry(config.tracking_uri).stages.note(
+        revisions[-1], "alice", "approved: looks right", approver="alice"
+    )
+    return revisions
 
 
 def version_page(config: MintConfig, revision: RevisionId) -> str:
@@ -59,6 +72,9 @@ def test_a_versions_files_are_served_from_mints_store(
 def test_the_version_page_shows_the_history_and_no_error(
     config: MintConfig, released: list[RevisionId], ui: UiPage
 ) -> None:
+    # A common laptop's window, where whole digests once pushed the approver column out of the
+    # description's pane (issue 48, item 9).
+    ui.page.set_viewport_size({"width": 1440, "height": 900})
     # The page's request for the version's files once got a hidden 500. (Not "network idle":
     # MLflow's UI keeps polling.)
     with ui.page.expect_response(lambda r: "/model-versions/get-artifact" in r.url) as files:
@@ -78,6 +94,22 @@ def test_the_version_page_shows_the_history_and_no_error(
             "c => [getComputedStyle(c).paddingLeft, getComputedStyle(c).paddingRight]"
         )
         assert all(float(side.removesuffix("px")) > 0 for side in sides), sides
+    # Every column in sight: the table within its pane, not cut off or behind a scroll. Its
+    # rows are the whole history, the artifact's URI and the files' digest among them.
+    assert "frozen" in history.inner_text() and "mint-local://sha256/" in history.inner_text()
+    assert history.get_by_text("alice").count() >= 1
+    left, right = visible_span(history)
+    table = history.bounding_box()
+    assert table is not None
+    last = history.locator("th").last.bounding_box()
+    assert last is not None
+    assert left <= table["x"] and last["x"] + last["width"] <= right, (
+        f"at a 1440 px window the history table is {table['width']:.0f} px wide and spans "
+        f"{table['x']:.0f}..{table['x'] + table['width']:.0f} px; its pane shows "
+        f"{left:.0f}..{right:.0f} px"
+    )
+    overflow = history.evaluate("t => [t.parentElement.scrollWidth, t.parentElement.clientWidth]")
+    assert overflow[0] <= overflow[1], f"its container scrolls: {overflow}"
 
 
 def test_the_ui_opens_on_model_training_with_the_registry_in_view(

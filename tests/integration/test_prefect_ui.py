@@ -29,7 +29,7 @@ from mint_core.model.base import BaseModel
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
 from processes import ManagedProcess
-from tests.integration.browser import UiPage, screenshot
+from tests.integration.browser import UiPage, screenshot, visible_span
 from tests.integration.helpers import register_random_adapter
 
 pytestmark = pytest.mark.slow
@@ -71,27 +71,12 @@ def paused_run_id(server: ManagedProcess, registry: Registry, revision: Revision
     raise AssertionError(f"{revision}'s roll-out never paused for approval")
 
 
-VISIBLE_SPAN_JS = """(table) => {
-    let left = 0, right = window.innerWidth;
-    for (let e = table.parentElement; e; e = e.parentElement) {
-        if (getComputedStyle(e).overflowX !== "visible") {
-            const box = e.getBoundingClientRect();
-            left = Math.max(left, box.left);
-            right = Math.min(right, box.right);
-        }
-    }
-    return [left, right];
-}"""
-"""The horizontal span of the page where `table` can be seen: the window, cut to each enclosing
-box that clips or scrolls what overflows it (the modal's card, its body)."""
-
-
 def assert_figures_inside(form: Locator, table: Locator, width: int) -> None:
     """Every cell of `table`'s figure columns (all but the first) lies inside the modal `form`
     and inside every box that would clip it, so a reader sees them without scrolling."""
     box = form.bounding_box()
     assert box is not None
-    left, right = table.evaluate(VISIBLE_SPAN_JS)
+    left, right = visible_span(table)
     left, right = max(left, box["x"]), min(right, box["x"] + box["width"])
     rows = table.locator("tr")
     for row in range(rows.count()):
