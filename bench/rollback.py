@@ -47,6 +47,7 @@ os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefec
 import httpx
 from peft import LoraConfig, get_peft_model
 from prefect import get_client
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
 from bench import harness
 from control.credentials import PREFECT_CLIENT_AUTH
@@ -211,41 +212,45 @@ def main() -> None:
         prefect = start_prefect(work / "prefect", auth=auth)
         services.append(prefect)
         api = f"{prefect.url}/api"
+        # For the `mint` commands it starts, and for this process: Prefect read its settings
+        # when it was imported (it would start a temporary server of its own).
         os.environ.update({"PREFECT_API_URL": api, PREFECT_CLIENT_AUTH: auth})
-        mlflow = harness.start_registry(work / "registry", services)
-        config = MintConfig(
-            home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder))
-        )
-        worker = start_worker(config, env=harness.worker_env(mlflow))
-        services.append(worker)
-        config = dataclasses.replace(config, worker_urls=(worker.url,))
-        os.environ.update(config.to_env())  # the flows read their configuration from it
-        flow_server = start_flow_server(config, api)
-        services.append(flow_server)
+        prefect_settings = {PREFECT_API_URL: api, PREFECT_API_AUTH_STRING: auth}
+        with temporary_settings(updates=prefect_settings):
+            mlflow = harness.start_registry(work / "registry", services)
+            config = MintConfig(
+                home=work / "home", tracking_uri=mlflow.url, base=BaseSource(str(folder))
+            )
+            worker = start_worker(config, env=harness.worker_env(mlflow))
+            services.append(worker)
+            config = dataclasses.replace(config, worker_urls=(worker.url,))
+            os.environ.update(config.to_env())  # the flows read their configuration from it
+            flow_server = start_flow_server(config, api)
+            services.append(flow_server)
 
-        started = time.perf_counter()
-        for seed, revision in enumerate((OLD, NEW)):
-            path = make_adapter(config, work / f"lora-{seed}", seed)
-            report = import_adapter(ADAPTER, str(path), actor="bench")
-            assert report.revision == str(revision), report
-        setup_s = time.perf_counter() - started
-        users = Users(worker.url)
-        users.wait_for(NEW, time.monotonic())
-        registry = Registry(config.tracking_uri)
+            started = time.perf_counter()
+            for seed, revision in enumerate((OLD, NEW)):
+                path = make_adapter(config, work / f"lora-{seed}", seed)
+                report = import_adapter(ADAPTER, str(path), actor="bench")
+                assert report.revision == str(revision), report
+            setup_s = time.perf_counter() - started
+            users = Users(worker.url)
+            users.wait_for(NEW, time.monotonic())
+            registry = Registry(config.tracking_uri)
 
-        ways: dict[str, Callable[[RevisionId], dict[str, float]]] = {
-            "alias": lambda target: {"move_s": alias_move(registry, target)},
-            "cli": lambda target: cli(config, target, users),
-            "ui": lambda target: submitted(target, users),
-        }
-        samples = rounds(args.rounds, ways)
-        if not args.no_pool:
-            flow_server.stop()
-            services.remove(flow_server)
-            deploy_to_pools(config)
-            pool_worker = start_prefect_worker(config, config.control_pool, api, auth)
-            services.append(pool_worker)
-            samples |= rounds(args.rounds, {"pool": lambda target: submitted(target, users)})
+            ways: dict[str, Callable[[RevisionId], dict[str, float]]] = {
+                "alias": lambda target: {"move_s": alias_move(registry, target)},
+                "cli": lambda target: cli(config, target, users),
+                "ui": lambda target: submitted(target, users),
+            }
+            samples = rounds(args.rounds, ways)
+            if not args.no_pool:
+                flow_server.stop()
+                services.remove(flow_server)
+                deploy_to_pools(config)
+                pool_worker = start_prefect_worker(config, config.control_pool, api, auth)
+                services.append(pool_worker)
+                samples |= rounds(args.rounds, {"pool": lambda target: submitted(target, users)})
 
     figures = medians(samples)
     result: dict[str, Any] = {
