@@ -228,6 +228,31 @@ def test_a_refusal_is_mlflows_json_error(
     assert f"Permission denied: {auditor.username} may not" in raised.message
 
 
+def refused_edit(browser: "Browser", url: str, auditor: Account, page_path: str) -> int:
+    """Open MLflow's UI page `page_path` as `auditor`, edit its description and Save: how many
+    times the page then tells the refusal (waiting for the first), with no INTERNAL_ERROR."""
+    context = browser.new_context(
+        http_credentials={"username": auditor.username, "password": auditor.password},
+        viewport={"width": 1400, "height": 900},
+    )
+    context.set_default_timeout(TIMEOUT_MS)
+    try:
+        page = context.new_page()
+        page.goto(f"{url}/#/{page_path}", wait_until="domcontentloaded")
+        page.get_by_text("kept as registered").first.wait_for()
+        page.get_by_role("button", name="Edit", exact=True).first.click()
+        page.locator("textarea").first.fill("changed by an auditor")
+        with page.expect_response(lambda r: r.url.endswith("/update")) as update:
+            page.get_by_role("button", name="Save", exact=True).click()
+        assert update.value.status == 403
+        refusal = page.get_by_text(f"Permission denied: {auditor.username} may not")
+        refusal.first.wait_for()
+        assert page.get_by_text("INTERNAL_ERROR").count() == 0
+        return refusal.count()
+    finally:
+        context.close()
+
+
 @pytest.mark.slow
 def test_the_ui_tells_an_auditor_permission_denied(
     guarded: tuple[ManagedProcess, RegistryAccounts],
@@ -240,25 +265,8 @@ def test_the_ui_tells_an_auditor_permission_denied(
     acting_as(monkeypatch, accounts.pipeline)
     client = MlflowClient(server.url, registry_uri=server.url)
     client.create_registered_model("audited-bot", description="kept as registered")
-    auditor = accounts.auditors[0]
-    context = browser.new_context(
-        http_credentials={"username": auditor.username, "password": auditor.password},
-        viewport={"width": 1400, "height": 900},
-    )
-    context.set_default_timeout(TIMEOUT_MS)
-    try:
-        page = context.new_page()
-        page.goto(f"{server.url}/#/models/audited-bot", wait_until="domcontentloaded")
-        page.get_by_text("kept as registered").first.wait_for()
-        page.get_by_role("button", name="Edit", exact=True).click()
-        page.locator("textarea").first.fill("changed by an auditor")
-        with page.expect_response(lambda r: "registered-models/update" in r.url) as update:
-            page.get_by_role("button", name="Save", exact=True).click()
-        assert update.value.status == 403
-        page.get_by_text(f"Permission denied: {auditor.username} may not").wait_for()
-        assert page.get_by_text("INTERNAL_ERROR").count() == 0
-    finally:
-        context.close()
+    shown = refused_edit(browser, server.url, accounts.auditors[0], "models/audited-bot")
+    assert shown == 1
     description = client.get_registered_model("audited-bot").description
     assert description == "kept as registered"
 
@@ -280,29 +288,8 @@ def test_the_version_page_tells_an_auditor_permission_denied(
     registry.revisions.register(policy, uri, policy.base_digest)
     client = MlflowClient(server.url, registry_uri=server.url)
     client.update_model_version("audited-version-bot", "1", "kept as registered")
-    auditor = accounts.auditors[0]
-    context = browser.new_context(
-        http_credentials={"username": auditor.username, "password": auditor.password},
-        viewport={"width": 1400, "height": 900},
-    )
-    context.set_default_timeout(TIMEOUT_MS)
-    try:
-        page = context.new_page()
-        page.goto(
-            f"{server.url}/#/models/audited-version-bot/versions/1", wait_until="domcontentloaded"
-        )
-        page.get_by_text("kept as registered").first.wait_for()
-        page.get_by_role("button", name="Edit", exact=True).first.click()
-        page.locator("textarea").first.fill("changed by an auditor")
-        with page.expect_response(lambda r: "model-versions/update" in r.url) as update:
-            page.get_by_role("button", name="Save", exact=True).click()
-        assert update.value.status == 403
-        refusal = page.get_by_text(f"Permission denied: {auditor.username} may not")
-        refusal.wait_for()
-        assert refusal.count() == 1
-        assert page.get_by_text("INTERNAL_ERROR").count() == 0
-    finally:
-        context.close()
+    page = "models/audited-version-bot/versions/1"
+    assert refused_edit(browser, server.url, accounts.auditors[0], page) == 1
     description = client.get_model_version("audited-version-bot", "1").description
     assert description.startswith("kept as registered")
 
