@@ -135,7 +135,11 @@ class Runs:
         self.store.client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 
     def log_metrics(self, run_id: str, step: int, metrics: Mapping[str, float]) -> None:
-        """Every metric in `metrics` at `step`, in one request."""
+        """Every metric in `metrics` at `step`, in one request; none for no metrics (MLflow's
+        client would send nothing and return, which would count as the server answering and
+        end an outage the next call meets again)."""
+        if not metrics:
+            return
         now = _now_ms()
         batch = [Metric(name, value, now, step) for name, value in sorted(metrics.items())]
         self.store.client.log_batch(run_id, metrics=batch)
@@ -144,7 +148,7 @@ class Runs:
         self, run_id: str, metrics: Mapping[str, float], step: int, failed: bool = False
     ) -> None:
         """Record the evaluation metrics and end the run (FAILED when training failed): two
-        requests, whatever the number of metrics."""
+        requests, whatever the number of metrics (one when there are none)."""
         self.log_metrics(run_id, step, metrics)
         self.store.end_run(run_id, "FAILED" if failed else "FINISHED")
 
