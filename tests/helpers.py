@@ -8,6 +8,9 @@ integration tests share besides is tests/integration/helpers.py."""
 
 import copy
 import dataclasses
+import subprocess
+import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -481,3 +484,27 @@ def register_in_memory(registry: Registry, adapter: str, count: int) -> list[Rev
         )
         revisions.append(registered.id)
     return revisions
+
+
+def wait_until(check: Callable[[], object], timeout_s: float = 5.0) -> None:
+    """Return once `check()` is true, polling every 10 ms; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout_s} s")
+        time.sleep(0.01)
+
+
+def loaded_on_import(modules: str, names: Sequence[str], timeout_s: float = 180) -> str:
+    """Import `modules` (comma-separated) in a fresh interpreter from the repository: '' if
+    none of the modules `names` was loaded, else what it printed (which ones, or the error)."""
+    check = (
+        f"import sys, {modules}\n"
+        f"loaded = [name for name in {list(names)!r} if name in sys.modules]\n"
+        "assert not loaded, loaded\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", check], cwd=root, capture_output=True, text=True, timeout=timeout_s
+    )
+    return "" if done.returncode == 0 else done.stderr[-2000:]

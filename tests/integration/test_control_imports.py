@@ -5,14 +5,13 @@
 test process has long imported torch for other tests; tests/unit/test_layout.py reads the same
 from the source."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from flows.deployments import Pool, deployments_by_pool
 from mint_core.config import MintConfig
+from tests.helpers import loaded_on_import
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAINING = ("torch", "transformers", "peft")
@@ -38,12 +37,5 @@ def test_the_control_pool_is_found() -> None:
 
 @pytest.mark.parametrize("modules", [*control_entrypoints(), CLI_PROMOTE])
 def test_importing_loads_no_training_library(modules: str) -> None:
-    check = (
-        f"import sys, {modules}\n"
-        f"loaded = [name for name in {TRAINING!r} if name in sys.modules]\n"
-        "assert not loaded, loaded\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, timeout=180
-    )
-    assert done.returncode == 0, f"importing {modules} loaded:\n{done.stderr[-2000:]}"
+    loaded = loaded_on_import(modules, TRAINING)
+    assert not loaded, f"importing {modules} loaded:\n{loaded}"

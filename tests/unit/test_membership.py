@@ -6,7 +6,6 @@ announcer beats, survives a registry outage, and marks itself gone."""
 import dataclasses
 import logging
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -31,6 +30,7 @@ from mint_core.registry_accounts import FLEET
 from mint_core.revisions import RevisionId
 from serving.worker.announce import Announcer
 from serving.worker.peers import Peers
+from tests.helpers import wait_until
 
 WATCH = FleetWatch(FleetSource.REGISTRY, heartbeat_s=0.05, stale_s=8.0, forget_s=60.0)
 SEED = "http://seed:8000"
@@ -256,7 +256,7 @@ def test_a_peer_that_failed_an_ask_is_not_answering_until_it_answers_again(
     try:
         assert peers.answering(gone)
         peers.ask_admit(gone, RevisionId("support-bot", 1))
-        _wait_for(lambda: not peers.answering(gone))
+        wait_until(lambda: not peers.answering(gone))
         monkeypatch.setattr(Peers, "_serves_base", lambda self, client: True)  # back
         peers.refresh()
         assert peers.answering(gone)
@@ -271,15 +271,6 @@ def announcer(members: Members) -> Iterator[Announcer]:
     announcer.stop()
 
 
-def _wait_for(check: object, timeout_s: float = 5.0) -> None:
-    done = threading.Event()
-    for _ in range(int(timeout_s / 0.01)):
-        if check():  # type: ignore[operator]
-            return
-        done.wait(0.01)
-    raise AssertionError("timed out")
-
-
 def test_the_announcer_beats_rides_out_an_outage_and_leaves(
     announcer: Announcer, runs: MemoryRuns
 ) -> None:
@@ -288,12 +279,12 @@ def test_the_announcer_beats_rides_out_an_outage_and_leaves(
         return int(tags[SEQ_TAG])
 
     announcer.start()
-    _wait_for(lambda: runs.runs and seq() >= 2)
+    wait_until(lambda: runs.runs and seq() >= 2)
     runs.down = True
-    _wait_for(lambda: announcer.problem is not None)
+    wait_until(lambda: announcer.problem is not None)
     runs.down = False
     before = seq()
-    _wait_for(lambda: seq() > before and announcer.problem is None)
+    wait_until(lambda: seq() > before and announcer.problem is None)
     announcer.stop()
     assert [status for _tags, status in runs.runs.values()] == ["FINISHED"]
 
@@ -312,7 +303,7 @@ def test_a_leaving_worker_is_left_out_at_once_and_back_when_it_restarts(
     read, though it still beats; a restart announces it serving again."""
     roster = RegistryRoster((), members, WATCH)
     announcer.start()
-    _wait_for(lambda: bool(runs.runs))
+    wait_until(lambda: bool(runs.runs))
     roster.refresh()
     url = announcer.member.url
     assert roster.fleet() == (url,)

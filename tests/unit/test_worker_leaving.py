@@ -20,6 +20,7 @@ from serving.http.app import Arrivals
 from serving.http.server import StoppingServer
 from serving.http.wire import ROUTING_REFRESH_S
 from serving.worker.leaving import Departure, Drain, DrainPlan, Verdict
+from tests.helpers import wait_until
 
 PLAN = DrainPlan(notice_s=1.5, timeout_s=30.0)
 NEVER = float("inf")
@@ -136,7 +137,7 @@ def test_the_server_runs_its_drain_before_it_stops_listening_and_a_second_signal
     server.handle_exit(signal.SIGTERM, None)
     assert not server.should_exit  # draining: still listening
     release.set()
-    _wait_for(lambda: server.should_exit)
+    wait_until(lambda: server.should_exit)
 
     stuck = threading.Event()
     held = StoppingServer(uvicorn.Config(Starlette()), before_stop=stuck.wait)
@@ -147,12 +148,3 @@ def test_the_server_runs_its_drain_before_it_stops_listening_and_a_second_signal
     plain = StoppingServer(uvicorn.Config(Starlette()), before_stop=None)
     plain.handle_exit(signal.SIGTERM, None)  # the gateway's, the trainer's: at once
     assert plain.should_exit
-
-
-def _wait_for(check: object, timeout_s: float = 5.0) -> None:
-    done = threading.Event()
-    for _ in range(int(timeout_s / 0.01)):
-        if check():  # type: ignore[operator]
-            return
-        done.wait(0.01)
-    raise AssertionError("not within the timeout")
