@@ -1,7 +1,6 @@
 """The gateway is a stateless forwarder: importing it loads no engine. Each check runs in a
 fresh interpreter, since this test process has long imported torch for other tests."""
 
-
 import pytest
 
 from tests.helpers import loaded_on_import
