@@ -226,6 +226,13 @@ def start_prefect(
     return server
 
 
+RUN_POLL_S = 0.5
+"""How often the flow server and the control pool's worker ask the Prefect server for runs to
+start, unless PREFECT_RUNNER_POLL_FREQUENCY / PREFECT_WORKER_QUERY_SECONDS say otherwise.
+Prefect's default, 10 s, was up to 10 s of a rollback submitted in the UI spent waiting to be
+noticed (issue 48); a poll is one small query (two a second: ~1% of a core for the server)."""
+
+
 def start_prefect_worker(
     config: "MintConfig",
     pool: str,
@@ -235,16 +242,21 @@ def start_prefect_worker(
     limit: int | None = None,
     queues: Sequence[str] = (),
 ) -> ManagedProcess:
-    """`prefect worker start` of a process `pool` (made if missing) named after this host
+    """A worker of a process `pool` (made if missing) named after this host
     (MINT_HOST): it runs the pool's flow runs as child processes with this host's environment
     plus `env`. Returns once the server lists it among the pool's workers. `queues`: the pool's
     work queues it polls (made if missing; Prefect's worker polls no queue that does not
     exist, silently), e.g. `default` and `host_queue(config)`; none: all of the pool's."""
     name = config.host_name
-    argv = [
-        sys.executable, "-m", "prefect", "worker", "start",
-        "--pool", pool, "--type", "process", "--name", name,
-    ]  # fmt: skip
+    # The control pool's runs (a rollback among them) start warm under MinT's own worker
+    # (`mint flows work`: 1 s rather than 6 from scheduled to running, issue 48); the train
+    # pool's import torch in their runs, which a warm worker would hold in memory for good.
+    worker = (
+        ["mint_cli", "flows", "work"]
+        if pool == config.control_pool
+        else ["prefect", "worker", "start", "--type", "process"]
+    )
+    argv = [sys.executable, "-m", *worker, "--pool", pool, "--name", name]
     if limit is not None:
         argv += ["--limit", str(limit)]
     for queue in queues:
@@ -256,9 +268,10 @@ def start_prefect_worker(
             PREFECT_CLIENT_AUTH: auth,
             # Never `uv run` a flow run: the host's environment is MinT's, installed.
             "PREFECT_RUNNER_AUTO_INSTALL_DEPENDENCIES": "false",
-            # Prefect's default, 10 s between polls, was up to 10 s before a rollback submitted
-            # in the UI started (issue 48); a setting given explicitly wins.
-            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get("PREFECT_WORKER_QUERY_SECONDS", "1"),
+            # A setting given explicitly wins.
+            "PREFECT_WORKER_QUERY_SECONDS": os.environ.get(
+                "PREFECT_WORKER_QUERY_SECONDS", str(RUN_POLL_S)
+            ),
         }
         | dict(env or {})
     )

@@ -13,17 +13,21 @@ its subprocesses, with its environment (MinT's configuration included). Deployed
 its `Pool`: the flows that train to the train hosts, the others to the control host.
 """
 
+import asyncio
+import contextlib
 import os
 import sys
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
-import prefect
 from prefect import Flow
 from prefect.deployments.runner import RunnerDeployment
+from prefect.exceptions import TerminationSignal
+from prefect.runner import Runner
 from prefect.types.entrypoint import EntrypointType
 
+from control.services import RUN_POLL_S
 from flows.approval import approve
 from flows.canary import canary
 from flows.catalog import catalog_snapshot
@@ -33,6 +37,7 @@ from flows.repair import repair
 from flows.rl import rl
 from flows.train_node import train_node
 from flows.usage import usage_report
+from flows.warm_runs import warm_runs
 from mint_core.config import MintConfig
 from mint_core.revisions import check_adapter_name
 from processes import ManagedProcess, responds_ok, start_process
@@ -61,6 +66,11 @@ class Pool(StrEnum):
     def work_pool(self, config: MintConfig) -> str:
         """The Prefect work pool's name in `config`."""
         return config.train_pool if self is Pool.TRAIN else config.control_pool
+
+
+def pool_modules(pool: Pool) -> list[str]:
+    """The modules of `pool`'s flows: what their runs import."""
+    return sorted({flow.fn.__module__ for flow, name, _ in _SERVED if POOLS[name] is pool})
 
 
 def build_deployments(config: MintConfig) -> list[RunnerDeployment]:
@@ -187,16 +197,21 @@ def _described(flow: Flow[..., Any], description: str) -> str:
     return f"{description} {RUN_NAMES}" if flow.flow_run_name else description
 
 
-RUN_POLL_S = 1
-"""How often the flow server asks the Prefect server for runs to start, unless
-PREFECT_RUNNER_POLL_FREQUENCY says otherwise. Prefect's default, 10 s, was up to 10 s of a
-rollback submitted in the UI spent waiting to be noticed (issue 48); a poll is one small query."""
-
-
 def serve_deployments(config: MintConfig) -> None:
     """Register the deployments with the Prefect server and run their flow runs until stopped."""
     polled = "PREFECT_RUNNER_POLL_FREQUENCY" in os.environ  # a setting given explicitly wins
-    prefect.serve(*build_deployments(config), query_seconds=None if polled else RUN_POLL_S)
+    runner = Runner(query_seconds=None if polled else RUN_POLL_S)
+    flows = {flow.name: flow for flow, _, _ in _SERVED}
+    for deployment in build_deployments(config):
+        deployment_id = runner.add_deployment(deployment)
+        # What `prefect.serve` leaves out and `Runner.add_flow` does: the runner keeps the flow
+        # itself, so that its runs start as forks of the warm forkserver (`warm_runs`) rather
+        # than as `python -m prefect.engine`, which imports everything again. `add_flow` would
+        # build the deployment itself, without MinT's parameter forms (`_guided`).
+        runner._deployment_registry.register_flow(deployment_id, flows[deployment.flow_name])
+    warm_runs(pool_modules(Pool.CONTROL))
+    with contextlib.suppress(KeyboardInterrupt, TerminationSignal):  # stopped, as asked
+        asyncio.run(runner.start())
 
 
 def start_flow_server(config: MintConfig, prefect_api_url: str) -> ManagedProcess:

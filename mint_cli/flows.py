@@ -1,6 +1,7 @@
 """`mint flows`: MinT's flows as Prefect deployments. `serve` runs them on this machine (their
 runs are its subprocesses: the one-machine way, and `mint up`'s); `deploy` puts them in work
-pools, where the workers of other hosts take their runs (`flows.pools`)."""
+pools, where the workers of other hosts take their runs (`flows.pools`); `work` is the control
+pool's worker, whose runs start warm (`flows.warm_runs`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def cmd_flows_serve(args: argparse.Namespace, config: MintConfig) -> None:
 
     _check_prefect_api()
     serve_deployments(config)
+
+
+def cmd_flows_work(args: argparse.Namespace, config: MintConfig) -> None:
+    from flows.deployments import Pool, pool_modules
+    from flows.warm_runs import work
+
+    _check_prefect_api()
+    pools = {pool.work_pool(config): pool for pool in Pool}
+    if args.pool not in pools:
+        raise ConfigurationError(
+            f"work pool {args.pool!r} is none of MinT's: give {' or '.join(sorted(pools))} "
+            "(MINT_CONTROL_POOL, MINT_TRAIN_POOL)"
+        )
+    name = args.name or config.host_name
+    work(args.pool, name, pool_modules(pools[args.pool]), args.limit, args.work_queue)
 
 
 def cmd_flows_deploy(args: argparse.Namespace, config: MintConfig) -> None:
@@ -67,6 +83,22 @@ def add_commands(commands: Commands) -> None:
         "Prefect server at PREFECT_API_URL, running their flow runs until stopped",
     )
     flows_serve.set_defaults(run=cmd_flows_serve, service=True, runs_pipeline=True)
+
+    flows_work = flow_commands.add_parser(
+        "work",
+        help="run a work pool's flow runs on this host until stopped, each starting as a fork "
+        "of a process that imported its flow once (what `mint up --role control` runs)",
+    )
+    flows_work.add_argument("--pool", required=True, help="the work pool (MINT_CONTROL_POOL)")
+    flows_work.add_argument("--name", help="the worker's name (default: MINT_HOST)")
+    flows_work.add_argument("--limit", type=int, help="at most this many runs at once")
+    flows_work.add_argument(
+        "--work-queue",
+        action="append",
+        default=[],
+        help="a queue of the pool to poll (repeatable; default: all of them)",
+    )
+    flows_work.set_defaults(run=cmd_flows_work, service=True, runs_pipeline=True)
 
     deploy = flow_commands.add_parser(
         "deploy",
