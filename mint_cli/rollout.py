@@ -38,6 +38,9 @@ GATE_OPTIONS = tuple(gate.name for gate in fields(Gates))
 
 
 def cmd_promote(args: argparse.Namespace, config: MintConfig) -> None:
+    parameters = {"adapter": args.adapter, "revision": args.revision, "actor": args.actor}
+    if _ran_where_served("promote/promote", parameters | given(args)):
+        return
     from mint_core.registry import Registry
     from mint_core.revisions import RevisionId
 
@@ -52,6 +55,9 @@ def cmd_promote(args: argparse.Namespace, config: MintConfig) -> None:
 
 
 def cmd_rollback(args: argparse.Namespace, config: MintConfig) -> None:
+    parameters = {"adapter": args.adapter, "to_revision": args.to_revision, "actor": args.actor}
+    if _ran_where_served("rollback/rollback", parameters | given(args)):
+        return
     from mint_core.registry import Registry
     from mint_core.revisions import RevisionId
 
@@ -67,6 +73,18 @@ def cmd_rollback(args: argparse.Namespace, config: MintConfig) -> None:
 
     served = rollback(args.adapter, args.to_revision, actor=args.actor, **given(args))
     print(f"{args.adapter}@production is now {served}")
+
+
+def _ran_where_served(deployment: str, parameters: dict[str, object]) -> bool:
+    """Whether the run was handed to the runner serving `deployment` (and completed there):
+    it starts warm there, so the command need not import Prefect and MLflow (control.handoff).
+    Where nothing serves it, the command runs the flow itself."""
+    from control.handoff import run_where_served
+
+    run = run_where_served(deployment, parameters)
+    if run is not None:
+        print(f"{run.summary} (run {run.name!r}: {run.url})")
+    return run is not None
 
 
 def cmd_repair(args: argparse.Namespace, config: MintConfig) -> None:

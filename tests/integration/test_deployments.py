@@ -4,7 +4,9 @@ worker serves, a strict concurrency limit guards each adapter's roll-out, and pe
 let a rerun of a flow run skip finished work. (`mint up`, which serves them, started and stopped
 whole: tests/integration/test_mint_up.py.)"""
 
+import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from prefect import flow, get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 from prefect.deployments import run_deployment
 
 from flows.deployments import start_flow_server
@@ -22,7 +25,7 @@ from mint_core.retraining import RetrainSchedule
 from processes import ManagedProcess
 from tasks.pipeline import rollout_lock
 from tasks.training import load_data, train_adapter
-from tests.integration.helpers import answer, toy_data
+from tests.integration.helpers import MINT, answer, toy_data
 from tests.integration.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
@@ -114,6 +117,44 @@ def test_rollback_through_the_prefect_api_changes_what_the_worker_serves(
 
     assert run.state is not None and run.state.is_completed(), run.state
     assert answer(worker, "ui-bot") == r1
+
+
+def test_mint_rollback_and_promote_hand_their_run_to_the_flow_server(
+    flow_server: ManagedProcess, worker: ManagedProcess, prefect_api: str
+) -> None:
+    """With the flows served, `mint rollback` and `mint promote` create a run of the deployment
+    (it starts warm there, control.handoff) and print what it did and where its log is; a
+    refused one fails with the run's reason. Before, each ran the flow in its own process,
+    importing Prefect and MLflow first (issue 48)."""
+    release("cli-bot", "reverse", steps=20, seed=1)
+    r1 = answer(worker, "cli-bot")
+    release("cli-bot", "reverse", steps=20, seed=2)
+    env = os.environ | {"PREFECT_API_URL": prefect_api}
+
+    def mint(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [MINT, *args, "--adapter", "cli-bot", "--actor", "erin"],
+            env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+
+    done = mint("rollback")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rolled back cli-bot@production to cli-bot:r1" in done.stdout
+    assert answer(worker, "cli-bot") == r1
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name("rollback/rollback")
+        (run,) = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(like_="rollback cli-bot"))
+        )
+    assert run.deployment_id == deployment.id and run.name == "rollback cli-bot r2→r1"
+    assert f"/runs/flow-run/{run.id}" in done.stdout
+
+    done = mint("promote", "--revision", "1")
+    assert done.returncode == 1 and "cli-bot:r1 is already cli-bot@production" in done.stderr
+    assert "/runs/flow-run/" in done.stderr  # where its log is
+    done = mint("promote", "--revision", "2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert answer(worker, "cli-bot")[0] == "cli-bot:r2"
 
 
 def test_an_adapter_rolls_out_one_release_at_a_time(prefect_api: str) -> None:
