@@ -1,15 +1,17 @@
 """Flow runs that start warm.
 
-Prefect starts each run of a flow it holds in memory (a served deployment, or one a pool worker
-loaded) in a fresh `spawn`ed interpreter, which imports Prefect, MLflow and the flow's module
-all over again: 3 of the 4 s between a rollback's Submit and its first step (issue 48). MinT's
-flow server and pool workers start those runs instead from a `multiprocessing` forkserver that
-imported them once (`warm_runs`): each run's process is a fork of it, running in a tenth of a
-second. The forkserver is a fresh interpreter of its own (not a fork of the serving process,
-with its threads and event loop), started before the first run is asked for, with the
-environment the runs would have had; each run still sets its own, as Prefect does. A flow
-that trains imports torch in its run, as before: the forkserver imports only what the control
-flows need, so it stays at the size of a control run.
+Prefect starts each run of a served deployment, and each run a process worker takes, in a
+fresh interpreter (`python -m prefect.engine`, or a `spawn`ed one for a flow it holds in
+memory), which imports Prefect, MLflow and the flow's module all over again: 3 of the 4 s
+between a rollback's Submit and its first step (issue 48). MinT's flow server and the control
+pool's worker (`WarmProcessWorker`) hold their flows in memory and start each run instead from
+a `multiprocessing` forkserver that imported them once (`warm_runs`): the run's process is a
+fork of it, running in a tenth of a second. The forkserver is a fresh interpreter of its own
+(not a fork of the serving process, with its threads and event loop), started before the first
+run is asked for, with the environment the runs would have had; each run still sets its own,
+as Prefect does. A flow that trains imports torch in its run, as before: the forkserver imports
+only what the control flows need, so it stays at the size of a control run, and the train
+pool's worker stays Prefect's own (`control.services.start_prefect_worker`).
 """
 
 import asyncio
@@ -79,12 +81,19 @@ class _WarmStarter:
         task_status: anyio.abc.TaskStatus[ProcessHandle] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         env = dict(self._env)
+        registered = False
         try:
             port, token = self._channel.register(flow_run.id)
             env |= {"PREFECT__CONTROL_PORT": str(port), "PREFECT__CONTROL_TOKEN": token}
+            registered = True
         except RuntimeError:
             pass  # no loopback channel: Prefect falls back to killing a cancelled run
-        process = run_flow_in_subprocess(self._flow, flow_run=flow_run, env=env)
+        try:
+            process = run_flow_in_subprocess(self._flow, flow_run=flow_run, env=env)
+        except BaseException:
+            if registered:
+                self._channel.unregister(flow_run.id)
+            raise
         task_status.started(ProcessHandle(process))
         await anyio.to_thread.run_sync(process.join)
 
