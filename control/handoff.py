@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,13 @@ POLL_S = 0.1
 """How often the command reads its run's state: the run takes a second or two."""
 FINAL = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
 """Prefect's final state types."""
+BUSY = frozenset({429, 502, 503, 504})
+"""Answers that mean "not now": tried again, as Prefect's own client does."""
+RETRIES = 5
+"""How many more times a busy answer is tried (Prefect's client: PREFECT_CLIENT_MAX_RETRIES)."""
+BACKOFF_S = 0.5
+"""The first pause before trying again, doubled each time (15.5 s in all) unless the answer
+says how long (Retry-After)."""
 
 
 @dataclass(frozen=True)
@@ -54,24 +62,34 @@ class _PrefectApi:
         self._headers = basic_auth(auth) | {"Content-Type": "application/json"}
 
     def call(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """The JSON answer to GET `path` (POST `body`, when given); None for a 404."""
+        """The JSON answer to GET `path` (POST `body`, when given); None for a 404. An answer
+        that says "busy, try again" is tried again, up to RETRIES more times, as Prefect's own
+        client does: its server answers 503 when its database is locked a moment too long
+        (seen under a full test run), and nothing was written then."""
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(f"{self.url}{path}", data, self._headers)
-        try:
-            with urllib.request.urlopen(request, timeout=30) as response:
-                return json.load(response)
-        except urllib.error.HTTPError as e:
-            if e.code == 404:
-                return None
-            raise ServiceError(
-                f"Prefect at {self.url} (PREFECT_API_URL) answered {e.code} to {path}: "
-                f"{e.read()[:300].decode(errors='replace')}"
-            ) from e
-        except (urllib.error.URLError, OSError) as e:
-            raise ServiceError(
-                f"Prefect at {self.url} (PREFECT_API_URL) did not answer: {e}; start it "
-                "(`mint up`) or unset PREFECT_API_URL to run the flow here"
-            ) from e
+        for attempt in range(RETRIES + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=30) as response:
+                    return json.load(response)
+            except urllib.error.HTTPError as e:
+                if e.code == 404:
+                    return None
+                if e.code not in BUSY or attempt == RETRIES:
+                    raise self._refused(path, e) from e
+                time.sleep(float(e.headers.get("Retry-After") or BACKOFF_S * 2**attempt))
+            except (urllib.error.URLError, OSError) as e:
+                raise ServiceError(
+                    f"Prefect at {self.url} (PREFECT_API_URL) did not answer: {e}; start it "
+                    "(`mint up`) or unset PREFECT_API_URL to run the flow here"
+                ) from e
+        raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _refused(self, path: str, e: urllib.error.HTTPError) -> ServiceError:
+        return ServiceError(
+            f"Prefect at {self.url} (PREFECT_API_URL) answered {e.code} to {path}: "
+            f"{e.read()[:300].decode(errors='replace')}"
+        )
 
     def ui_page(self, run_id: str) -> str:
         return f"{self.url.removesuffix('/api')}/runs/flow-run/{run_id}"
@@ -89,7 +107,9 @@ def run_where_served(deployment: str, parameters: Mapping[str, object]) -> Hande
     found = api.call(f"/deployments/name/{urllib.parse.quote(deployment)}")
     if found is None or found.get("status") != "READY":
         return None
-    run = api.call(f"/deployments/{found['id']}/create_flow_run", {"parameters": parameters})
+    # The key makes a retried create (its first answer lost) return the run it made.
+    body = {"parameters": parameters, "idempotency_key": str(uuid.uuid4())}
+    run = api.call(f"/deployments/{found['id']}/create_flow_run", body)
     try:
         state = _wait(api, run["id"])
     except KeyboardInterrupt:
