@@ -111,13 +111,13 @@ def run_where_served(deployment: str, parameters: Mapping[str, object]) -> Hande
     body = {"parameters": parameters, "idempotency_key": str(uuid.uuid4())}
     run = api.call(f"/deployments/{found['id']}/create_flow_run", body)
     try:
-        state = _wait(api, run["id"])
+        ended = _wait(api, run["id"])
     except KeyboardInterrupt:
         _propose(api, run["id"], "CANCELLING", "its command was stopped")
         raise
-    if state is None:
+    if ended is None:
         return None
-    run = api.call(f"/flow_runs/{run['id']}")
+    run, state = ended, ended["state"]
     page = api.ui_page(run["id"])
     if state["type"] != "COMPLETED":
         raise MintError(
@@ -130,13 +130,14 @@ def run_where_served(deployment: str, parameters: Mapping[str, object]) -> Hande
 
 
 def _wait(api: _PrefectApi, run_id: str) -> dict[str, Any] | None:
-    """The run's final state; None when no runner took it within TAKEN_WITHIN_S (it is then
-    cancelled before it started)."""
+    """The run as it ended (its name as the flow left it, its final state); None when no
+    runner took it within TAKEN_WITHIN_S (it is then cancelled before it started)."""
     deadline = time.monotonic() + TAKEN_WITHIN_S
     while True:
-        state = api.call(f"/flow_runs/{run_id}")["state"]
+        run = api.call(f"/flow_runs/{run_id}")
+        state = run["state"]
         if state["type"] in FINAL:
-            return state
+            return run
         # Proposed, not forced: a runner that took it meanwhile wins, and the run goes on.
         if (
             state["type"] == "SCHEDULED"
