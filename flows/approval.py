@@ -125,9 +125,10 @@ def _question(
     evaluation: Evaluation | None,
 ) -> str:
     """The form's description: what is asked, the candidate's figures beside production's, and
-    the threshold the evaluation gate held them to. The table keeps to short labels, with what
-    each row means below it: the Resume form is about 450 px wide whatever the window, and a
-    wider table hides its figure columns behind a scroll."""
+    the threshold the evaluation gate held them to. The table keeps to short labels (which
+    revision production serves is above it, what each row means and how many rows each set has
+    below it): the Resume form gives a table about 330 px whatever the window, and a wider
+    table hides its figure columns behind a scroll."""
     try:
         production: RegisteredRevision | None = registry.revisions.resolve(
             RevisionRef(revision.adapter)
@@ -136,25 +137,27 @@ def _question(
         production = None
     candidate = registry.revisions.get(revision)
     approvers = ", ".join(gates.approvers) or "nobody"
-    serving = f"production r{production.id.number}" if production else "production: none"
+    serving = f"r{production.id.number}" if production else "nothing yet"
     lines = [
-        f"Approve **{revision}** as `{revision.adapter}@{PRODUCTION}`? Started by {releaser}; "
-        f"approvers: {approvers}. Choose a decision and name yourself as the reviewer.",
+        f"Approve **{revision}** as `{revision.adapter}@{PRODUCTION}` (now {serving})? Started "
+        f"by {releaser}; approvers: {approvers}. Choose a decision and name yourself as the "
+        "reviewer.",
         "",
-        f"| exact match | candidate r{revision.number} | {serving} |",
+        f"| exact match | candidate r{revision.number} | production |",
         "|---|---:|---:|",
     ]
     notes = []
     if evaluation is not None:
         lines += [
-            f"| gate: {s.rows} {s.name} rows | {s.candidate:.2f} | {s.production:.2f} |"
+            f"| gate: {s.name} | {s.candidate:.2f} | {s.production:.2f} |"
             if s.rows
-            else f"| gate: {s.name} rows | not scored | not scored |"
+            else f"| gate: {s.name} | - | - |"
             for s in evaluation.scores
         ]
-        notes.append("- **gate**: the evaluation gate scored both on the same rows.")
+        sets = "; ".join(f"{s.name}: {s.rows} rows" for s in evaluation.scores)
+        notes.append(f"- **gate**: the evaluation gate scored both on the same rows ({sets}).")
     else:
-        lines.append("| gate | not scored | not scored |")
+        lines.append("| gate | - | - |")
         notes.append("- **gate**: the evaluation gate had no rows to score both on.")
     lines.append(f"| at training | {_held_out(candidate)} | {_held_out(production)} |")
     notes.append(

@@ -179,8 +179,10 @@ def test_the_form_asks_for_a_decision_shows_the_figures_and_every_refusal_is_kep
     assert "default" not in schema["properties"]["decision"]  # type: ignore[index]
     lines = description.splitlines()
     header = next(line for line in lines if line.startswith("|"))
-    assert f"candidate r{candidate.number}" in header and "production r1" in header
-    assert any(line.startswith("| gate: 4 eval rows | ") for line in lines), description
+    assert f"candidate r{candidate.number} | production |" in header
+    assert "`form-bot@production` (now r1)" in description
+    assert any(line.startswith("| gate: eval | ") for line in lines), description
+    assert "scored both on the same rows (eval: 4 rows)" in description
     assert any("threshold" in line and "at most 1.0 below production" in line for line in lines)
 
     # Refused on the command line (`mint approve`): each refusal is in the stage history, with
