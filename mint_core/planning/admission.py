@@ -27,7 +27,11 @@ class Priority(IntEnum):
     DEMAND = 1
     """A revision a request asked for while it was ready nowhere."""
     NORMAL = 2
-    """A new revision, or one placed on this worker."""
+    """A new revision, or one the registry pins here."""
+    PREFILL = 3
+    """A production revision placed on this worker, taking host room nobody asked for: last in
+    line, and once ready it keeps no room from a revision a request wants (not held fresh:
+    `Residency.settle`)."""
 
 
 @dataclass
@@ -37,7 +41,8 @@ class AdmissionQueue(Generic[Key]):
     concurrency: int = DEFAULT_CONCURRENCY
     _queued: list[tuple[Priority, int, Key]] = field(default_factory=list, init=False)
     """(priority, arrival, key), in the order they will start."""
-    _prewarming: set[Key] = field(default_factory=set, init=False)
+    _prewarming: dict[Key, Priority] = field(default_factory=dict, init=False)
+    """Key -> the priority it started at."""
     _arrivals: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -48,8 +53,10 @@ class AdmissionQueue(Generic[Key]):
 
     def push(self, key: Key, priority: Priority = Priority.NORMAL) -> bool:
         """Queue `key`; False if it is already queued or prewarming. Queuing it again with a
-        higher priority moves it up."""
+        higher priority moves it up (or, once prewarming, counts as what it started at: a
+        prefill a request now waits for is held fresh when ready)."""
         if key in self._prewarming:
+            self._prewarming[key] = min(self._prewarming[key], priority)
             return False
         existing = next((q for q in self._queued if q[2] == key), None)
         if existing is not None:
@@ -67,12 +74,16 @@ class AdmissionQueue(Generic[Key]):
         prewarming until `finish`."""
         if not self._queued or len(self._prewarming) >= self.concurrency:
             return None
-        _, _, key = self._queued.pop(0)
-        self._prewarming.add(key)
+        priority, _, key = self._queued.pop(0)
+        self._prewarming[key] = priority
         return key
 
+    def started_as(self, key: Key) -> Priority | None:
+        """The priority `key` started prewarming at; None if it is not prewarming."""
+        return self._prewarming.get(key)
+
     def finish(self, key: Key) -> None:
-        self._prewarming.discard(key)
+        self._prewarming.pop(key, None)
 
     def position(self, key: Key) -> int | None:
         """0 for the next to start; None if `key` is not waiting."""

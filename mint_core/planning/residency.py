@@ -188,13 +188,15 @@ class Residency(Generic[Weights]):
             self.counters[Tier.HOST].loads += 1
             return victims
 
-    def settle(self, key: str) -> None:
-        """`key` is ready (or gave up): it no longer counts as warming, and waits `FRESH_S`
-        at most for its first use before it may be evicted."""
+    def settle(self, key: str, fresh: bool = True) -> None:
+        """`key` is ready (or gave up): it no longer counts as warming and, if `fresh` (a
+        request or a roll-out waits for it), waits `FRESH_S` at most for its first use before
+        it may be evicted."""
         with self._lock:
             if key in self._warming:
                 self._warming.discard(key)
-                self._fresh[key] = self.clock()
+                if fresh:
+                    self._fresh[key] = self.clock()
 
     def protect(self, keys: Iterable[str]) -> None:
         """Never evict these keys (the worker's pins) while they are held; replaces the last

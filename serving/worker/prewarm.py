@@ -23,6 +23,7 @@ from mint_core.artifacts.packing import load as load_packed
 from mint_core.artifacts.stores import ArtifactStore
 from mint_core.catalog.catalog import Catalog
 from mint_core.errors import EngineUnavailableError, IntegrityError, MintError, NotFoundError
+from mint_core.planning.admission import Priority
 from mint_core.planning.residency import HostTierFull
 from mint_core.revisions import PolicyRecord, RevisionId
 from mint_core.states import Readiness
@@ -177,7 +178,9 @@ class Prewarm:
         # Ready only if the engine it warmed on still runs: checked against `engine_lost`.
         residency = self.backend.residency
         self.readiness.make_ready(revision, generation, lambda: residency.in_host(key))
-        residency.settle(key)  # warmed: from now on the host tier may evict it
+        # Warmed: from now on the host tier may evict it; a prefill at once, as no request
+        # waits for it.
+        residency.settle(key, fresh=self.readiness.started_as(revision) is not Priority.PREFILL)
 
     def fetch(self, uri: str) -> Path:
         """A local folder holding the artifact at `uri`; counted as a request-path fetch

@@ -295,6 +295,8 @@ class ReadinessTable:
             if state in (Readiness.NOT_ADMITTED, Readiness.FAILED, Readiness.QUEUED):
                 self._admission.push(revision, priority)
                 self._changed.notify_all()
+            elif self._admission.started_as(revision) is not None:
+                self._admission.push(revision, priority)  # a running prefill a request now wants
             return self._entry(revision)
 
     def next_admitted(self, closed: threading.Event) -> RevisionId | None:
@@ -306,6 +308,11 @@ class ReadinessTable:
                     return revision
                 self._changed.wait()
             return None
+
+    def started_as(self, revision: RevisionId) -> Priority | None:
+        """The priority `revision`'s running prewarm started at (None: none runs)."""
+        with self._changed:
+            return self._admission.started_as(revision)
 
     def finish(self, revision: RevisionId) -> None:
         """The prewarm of `revision` ended, however: its slot is free for the next one."""

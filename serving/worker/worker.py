@@ -236,7 +236,7 @@ class Worker:
             if room <= 0:
                 break
             placed = place(str(revision), whole_fleet, self._replicas_of(revision))
-            if self.peers.me in placed and take(revision, Priority.NORMAL):
+            if self.peers.me in placed and take(revision, Priority.PREFILL):
                 room -= 1
         return admitted
 

@@ -219,6 +219,13 @@ def test_a_cold_adapter_is_not_ready_at_once_then_answers_its_exact_tokens(
         answered, _ = until_answered(placed.gateway.url, f"{name}@production")
         assert answered.headers[WORKER_HEADER] == placement
         assert tokens(answered) == placed.reference(seed)
+    # The host tiers were just filled by prefill, which nobody waits for: each cold adapter
+    # evicted a prefilled one at its first prewarm, never put off for a full tier (prefilled
+    # revisions held fresh kept demand out for FRESH_S, 10 s: the tiers benchmark's stall).
+    for worker in placed.workers:
+        events = httpx.get(worker.url + "/admin/events").json()["events"]
+        put_off = [e for e in events if "does not fit in the host cache" in (e["reason"] or "")]
+        assert put_off == [], put_off
 
 
 def test_traffic_over_every_adapter_keeps_each_host_tier_within_its_bound(

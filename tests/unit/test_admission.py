@@ -34,6 +34,23 @@ def test_a_rollback_jumps_the_queue_and_a_queued_revision_can_be_moved_up() -> N
     assert [queue.start_next() for _ in range(2)] == ["old", None]
 
 
+def test_a_prefill_goes_last_and_a_request_for_it_while_it_prewarms_raises_it() -> None:
+    queue: AdmissionQueue[str] = AdmissionQueue(concurrency=2)
+    queue.push("placed", Priority.PREFILL)
+    queue.push("new")
+    assert [queue.start_next(), queue.start_next()] == ["new", "placed"]
+    assert (queue.started_as("new"), queue.started_as("placed")) == (
+        Priority.NORMAL,
+        Priority.PREFILL,
+    )
+    assert queue.push("placed", Priority.DEMAND) is False  # prewarming: not queued again
+    assert queue.started_as("placed") is Priority.DEMAND  # but now a request waits for it
+    assert queue.push("placed", Priority.PREFILL) is False
+    assert queue.started_as("placed") is Priority.DEMAND  # never moved down
+    queue.finish("placed")
+    assert queue.started_as("placed") is None
+
+
 def test_concurrency_must_be_positive() -> None:
     with pytest.raises(ConfigurationError, match="MINT_ADMISSION_K"):
         AdmissionQueue(concurrency=0)

@@ -144,6 +144,19 @@ def test_warming_fresh_pinned_and_protected_revisions_stay() -> None:
     assert plan.drop_host("other") and plan.room() == 1
 
 
+def test_a_revision_settled_unfresh_may_leave_at_once() -> None:
+    """A prefill (room nobody asked for) settles unfresh: a request's revision takes its room
+    at once instead of waiting FRESH_S for a first use that no request will bring."""
+    plan, _ = plan_of(1 << 30, slots=2, entries=2)
+    for key in ("prefill-1", "prefill-2"):
+        plan.put_host(key, weights(key), 10)
+        plan.settle(key, fresh=False)
+    assert put(plan, "wanted", 10) == ["prefill-1"]
+    assert put(plan, "wanted-too", 10) == ["prefill-2"]
+    with pytest.raises(HostTierFull):  # both fresh now: each waits for its request
+        plan.put_host("third", weights("third"), 10)
+
+
 def use(plan: Residency[str], key: str) -> None:
     """One request for `key`, start to end."""
     assert plan.acquire(key) is not None
