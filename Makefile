@@ -92,10 +92,13 @@ export MINT_CLUSTER_TESTS ?= required
 endif
 
 # ruff and the fast lane come first: a failure there stops here, before the other environments
-# are installed and the integration lane (every other folder of tests/) runs. Its 40 slowest
-# steps (set-up, call, teardown) close the log: where the suite's minutes go.
+# are installed and the integration lane (every other folder of tests/) runs, in TEST_PROCESSES
+# pytest processes (pytest-xdist; a module's tests, and the cluster lane's, stay in one: see
+# tests/conftest.py). Its 40 slowest steps (set-up, call, teardown) close the log: where the
+# suite's minutes go.
+TEST_PROCESSES ?= 2
 test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(COOKBOOK_INSTALLED) $(CHROMIUM)
-	$(VENV)/bin/pytest --ignore=tests/unit --durations=40 --durations-min=5
+	$(VENV)/bin/pytest --ignore=tests/unit -n $(TEST_PROCESSES) --durations=40 --durations-min=5
 
 # Every benchmark at full size, one at a time (they measure side by side on a quiet machine: never
 # in parallel), each writing its JSON and picture to bench/results/; hours on 2 cores, most of it

@@ -53,6 +53,53 @@ def _loop_s() -> float:
     return min(times)
 
 
+CLUSTER_GROUP = "tests/cluster"
+"""The cluster lane's tests share one booted cluster: they run in one process."""
+LONGEST_GROUPS = (
+    CLUSTER_GROUP,
+    "tests/integration/test_cli.py",
+    "tests/integration/test_lifecycle.py",
+    "tests/integration/test_benchmarks.py",
+    "tests/integration/test_release.py",
+    "tests/integration/test_eval_gate.py",
+    "tests/integration/test_backends.py",
+    "tests/integration/test_trainer.py",
+    "tests/integration/test_canary_flow.py",
+    "tests/integration/test_default_base.py",
+)
+"""The groups that take longest (4 to 8 min each with both cores busy, measured on 2 cores),
+longest first: they start first, so that none of them ends the run with the other core idle
+(xdist would start them by their number of tests, some of them last)."""
+
+
+def xdist_group(nodeid: str) -> str:
+    """The tests that run in one process when `make test` spreads a lane over both cores: a
+    module's (its module fixtures start once), and the whole cluster lane's (its cluster boots
+    once)."""
+    module = nodeid.split("::")[0]
+    return CLUSTER_GROUP if module.startswith(CLUSTER_GROUP + "/") else module
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: `make test` runs with -n 2
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        """xdist's load-by-scope with `xdist_group`'s groups (its own `--dist loadgroup` reads
+        the groups from the test ids, which pytest 9.2 no longer lets it change)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group(nodeid)
+
+        def _assign_work_unit(self, node: object) -> None:
+            for group in reversed(LONGEST_GROUPS):
+                if group in self.workqueue:
+                    self.workqueue.move_to_end(group, last=False)
+            super()._assign_work_unit(node)  # type: ignore[arg-type]
+
+    return ByGroup(config, log)  # type: ignore[arg-type]
+
+
 @pytest.hookimpl(trylast=True)  # after pytest has torn the fixtures down
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)

@@ -17,6 +17,10 @@ A test that uses the `refuse_processes` fixture (every test in tests/unit does) 
 starts a process of any kind; a run of such tests alone starts no watchdog either, so it
 starts no process at all.
 
+Under pytest-xdist each worker process checks its own tests' processes at its end and hands
+what it found to the controller (`workeroutput`), which lists them, and fails the run, with
+its own.
+
 Linux only (it reads /proc); elsewhere it says that it did not check.
 """
 
@@ -31,7 +35,7 @@ import uuid
 from collections.abc import Generator
 from contextlib import suppress
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import pytest
 
@@ -73,6 +77,9 @@ _mark = pytest.StashKey[str]()
 _ancestors = pytest.StashKey[str]()
 _handlers = pytest.StashKey[dict[int, object]]()
 _watchdog = pytest.StashKey["subprocess.Popen[bytes]"]()
+_left_by_workers = pytest.StashKey[dict[int, str]]()
+WORKER_OUTPUT = "processes_left_running"
+"""The key an xdist worker hands its leftovers to the controller under."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -155,19 +162,33 @@ def pytest_sessionfinish(session: pytest.Session) -> Generator[None]:
         fail_on_leftovers(session)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller: a worker process ended
+def pytest_testnodedown(node: Any, error: object) -> None:
+    left = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT, {})
+    node.config.stash.setdefault(_left_by_workers, {}).update(
+        {int(pid): command for pid, command in left.items()}
+    )
+
+
 def fail_on_leftovers(session: pytest.Session) -> None:
-    """List and kill the processes this run left running, and make the run fail."""
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    """List and kill the processes this run left running, and make the run fail (an xdist
+    worker hands them to the controller, which does the listing and failing)."""
+    config = session.config
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
     if not _PROC.is_dir():
         if reporter is not None:
             reporter.write_line("no /proc: processes left running were not checked", yellow=True)
         return
-    left = left_running(session.config.stash[_mark], EXIT_GRACE_S)
-    if not left:
-        return
+    left = left_running(config.stash[_mark], EXIT_GRACE_S)
     for pid in left:
         with suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    if (workeroutput := getattr(config, "workeroutput", None)) is not None:
+        workeroutput[WORKER_OUTPUT] = {str(pid): command for pid, command in left.items()}
+        return
+    left |= config.stash.get(_left_by_workers, {})
+    if not left:
+        return
     if reporter is not None:
         reporter.write_sep(
             "=", f"{len(left)} process(es) started by the tests outlived them", red=True

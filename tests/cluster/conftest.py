@@ -4,12 +4,13 @@ Namespaces need root and iproute2. Where they cannot be made, the tests here are
 the reason; but with MINT_CLUSTER_TESTS=required (the Makefile sets it when run as root, as CI
 is) the same conditions fail them: CI never skips the cluster silently. At the end of the run
 anything left of a cluster this run made (a namespace, a link) fails it, and the summary says
-how long the lane took.
+how long the lane took (under pytest-xdist, the worker that ran the lane tells the controller).
 """
 
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,11 @@ REQUIRED = "MINT_CLUSTER_TESTS"
 
 _durations: dict[str, float] = {}
 _boot_s: dict[str, float] = {}
+_left: list[str] = []
+"""Namespaces and links of this run's clusters still there at an xdist worker's end."""
+BOOT_OUTPUT = "cluster_boot_s"
+LEFT_OUTPUT = "cluster_left"
+"""The keys an xdist worker hands the boot times and the leftovers to the controller under."""
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +77,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's controller: a worker process ended
+def pytest_testnodedown(node: Any, error: object) -> None:
+    # The worker that ran the lane says what the summary and the check below need.
+    output = getattr(node, "workeroutput", {})
+    _boot_s.update(output.get(BOOT_OUTPUT, {}))
+    _left.extend(output.get(LEFT_OUTPUT, []))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
     left = [
@@ -78,13 +92,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         for cluster in netns.MADE
         for name in netns.leftovers(cluster.namespaces, cluster.links)
     ]
+    if left:
+        for cluster in netns.MADE:
+            netns.remove(cluster.tag, cluster.namespaces, cluster.links)
+    if (workeroutput := getattr(session.config, "workeroutput", None)) is not None:
+        workeroutput[BOOT_OUTPUT] = _boot_s
+        workeroutput[LEFT_OUTPUT] = left
+        return
+    left += _left
     if not left:
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", f"the test cluster left {len(left)} namespaces/links", red=True)
         reporter.write_line(" ".join(left))
-    for cluster in netns.MADE:
-        netns.remove(cluster.tag, cluster.namespaces, cluster.links)
     if session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
