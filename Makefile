@@ -81,9 +81,13 @@ lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# The fast lane: no process started, well under a minute.
+# Both lanes run in TEST_PROCESSES pytest processes (pytest-xdist), each with its share of the
+# cores for torch's threads (tests/conftest.py).
+TEST_PROCESSES ?= 2
+
+# The fast lane: no process started by a test, about 30 s on 2 cores.
 test-unit: $(INSTALLED)
-	$(VENV)/bin/pytest tests/unit
+	$(VENV)/bin/pytest -n $(TEST_PROCESSES) tests/unit
 
 # The cluster lane (tests/cluster/) makes network namespaces, which needs root: run as root (CI
 # is), a cluster test that cannot make them fails instead of being skipped.
@@ -92,11 +96,9 @@ export MINT_CLUSTER_TESTS ?= required
 endif
 
 # ruff and the fast lane come first: a failure there stops here, before the other environments
-# are installed and the integration lane (every other folder of tests/) runs, in TEST_PROCESSES
-# pytest processes (pytest-xdist; a module's tests, and the cluster lane's, stay in one: see
-# tests/conftest.py). Its 40 slowest steps (set-up, call, teardown) close the log: where the
-# suite's minutes go.
-TEST_PROCESSES ?= 2
+# are installed and the integration lane (every other folder of tests/) runs; a module's tests,
+# and the cluster lane's, stay in one process (tests/conftest.py). Its 40 slowest steps (set-up,
+# call, teardown) close the log: where the suite's minutes go.
 test: lint test-unit $(VLLM_INSTALLED) $(TGI_INSTALLED) $(COOKBOOK_INSTALLED) $(CHROMIUM)
 	$(VENV)/bin/pytest --ignore=tests/unit -n $(TEST_PROCESSES) --durations=40 --durations-min=5
 

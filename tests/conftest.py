@@ -30,6 +30,13 @@ os.environ.update(
     AWS_EC2_METADATA_DISABLED="true",
 )
 
+# Under pytest-xdist (`make test`) each test process gets its share of the cores for torch's
+# threads, and passes it on to what it starts: two processes running 2-thread kernels on 2
+# cores, with the workers and trainers they start, spin against each other (OpenMP waits busily).
+if (processes := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) is not None:
+    cores = len(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(processes))))
+
 # The session-end check: a run fails if a process it started outlives it.
 pytest_plugins = ["tests.process_leaks"]
 
