@@ -469,3 +469,13 @@ def openapi_lane(url: str) -> "schemathesis.BaseSchema":
     schema.config.generation.update(max_examples=FUZZ_EXAMPLES, deterministic=True, database="none")
     schema.config.checks.update(max_response_time=FUZZ_RESPONSE_BOUND_S)
     return schema
+
+
+def pause_s(response: httpx.Response, longest_s: float) -> float:
+    """The pause a 503 asks for: `Retry-After-Ms` (a "not ready" worker's estimate from its
+    recent prewarms; read first, as OpenAI's clients do), else `Retry-After` (whole seconds),
+    at most `longest_s`; `longest_s` if it asks none."""
+    for name, scale in (("Retry-After-Ms", 1000.0), ("Retry-After", 1.0)):
+        if name in response.headers:
+            return min(longest_s, float(response.headers[name]) / scale)
+    return longest_s

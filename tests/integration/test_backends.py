@@ -31,7 +31,13 @@ from mint_core.model.toy import held_out_words, prompt_for
 from mint_core.registry import ACTIVATED_AT_TAG, Registry
 from mint_core.revisions import RevisionId, RevisionRef
 from processes import ManagedProcess
-from tests.integration.helpers import MixedFleet, most_prewarming_at_once, register_random_adapter
+from serving.worker.readiness import FIRST_PREWARM_S
+from tests.integration.helpers import (
+    MixedFleet,
+    most_prewarming_at_once,
+    pause_s,
+    register_random_adapter,
+)
 from tests.integration.helpers import toy_release as release
 
 pytestmark = pytest.mark.slow
@@ -43,6 +49,20 @@ TEAM_A = {"Authorization": "Bearer key-team-a"}
 TEAM_B = {"Authorization": "Bearer key-team-b"}
 ADMIN = {"Authorization": "Bearer key-admin"}
 OPEN, PRIVATE = "echo-bot", "private-bot"
+CLIENT_TIMEOUT_S = 60.0
+"""The load clients' request timeout."""
+RESTART_S = 900.0
+"""How long vLLM on CPU may take to start again and prewarm its revisions on a loaded machine:
+minutes (its model load and warm-up), and slack."""
+SERVE_AGAIN_TRIES = round(RESTART_S / FIRST_PREWARM_S)
+"""Most requests sent until vLLM, started again after its EngineCore died, serves. Each refusal
+is followed by the pause it asks for: while vLLM is down, `engine_unavailable` asks a second and
+a revision dropped with the engine answers `not_ready` asking the worker's average prewarm
+(FIRST_PREWARM_S until one is timed). At that pause these tries span RESTART_S, however slow
+each request is."""
+LONGEST_PAUSE_S = 5.0
+"""Longest pause between those tries: a late prewarm's estimate grows with it, and a pause far
+past the moment vLLM serves only makes the test slower."""
 
 
 def peft_answers(base: BaseModel, folder: Path) -> list[list[int]]:
@@ -281,7 +301,7 @@ def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: S
     stop = threading.Event()
 
     def client(offset: int) -> None:
-        with httpx.Client(timeout=60) as http:
+        with httpx.Client(timeout=CLIENT_TIMEOUT_S) as http:
             n = offset
             while not stop.is_set():
                 model, prompt = list(expected)[n % len(expected)]
@@ -306,7 +326,13 @@ def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: S
     for thread in clients:
         thread.start()
     try:
-        time.sleep(2)
+        # Under load: every model answered before the kill. A client reaches the second model
+        # within one pass over the first's prompts, each answered within CLIENT_TIMEOUT_S.
+        loaded = wait_for(
+            lambda: {m for _, m, s in statuses if s == 200} == set(production),
+            timeout_s=len(PROMPTS) * CLIENT_TIMEOUT_S,
+        )
+        assert loaded, f"not every model answered before the kill: {statuses[-8:]} {wrong}"
         vllm = vllm_pid(worker)
         killed_at = time.monotonic()
         os.kill(vllm, signal.SIGKILL)
@@ -351,7 +377,8 @@ def test_an_engine_core_death_is_answered_503_then_the_worker_restarts_vllm_and_
 
     refusals: list[str] = []
 
-    def serves_again() -> bool:
+    def serves_again() -> float | None:
+        """None once both prompts are answered, each right; else the pause its refusal asks."""
         for i, prompt in enumerate(PROMPTS[:2]):
             body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS,
                     "temperature": 0, "return_token_ids": True}  # fmt: skip
@@ -361,15 +388,15 @@ def test_an_engine_core_death_is_answered_503_then_the_worker_restarts_vllm_and_
             if response.status_code != 200:
                 assert response.status_code == 503, response.text
                 refusals.append(response.json()["error_type"])
-                return False
+                return pause_s(response, LONGEST_PAUSE_S)
             answer = response.headers["X-Mint-Revision"], response.json()["choices"][0]
             assert (answer[0], answer[1]["token_ids"]) == (revision, scenario.expected[revision][i])
-        return True
+        return None
 
     assert wait_for(lambda: health(worker)["status"] == "degraded", timeout_s=120), (
         "the worker never noticed that vLLM's engine died"
     )
-    assert wait_for(serves_again, timeout_s=900), f"not served again; refused as {refusals}"
+    assert retried(serves_again, SERVE_AGAIN_TRIES), f"not served again; refused as {refusals}"
     assert {"not_ready", "engine_unavailable"} & set(refusals), refusals
     assert set(refusals) <= {"not_ready", "engine_unavailable", "service"}, refusals
     assert health(worker)["status"] == "ok"
@@ -428,6 +455,20 @@ def vllm_pid(worker: ManagedProcess) -> int:
     if found is None:
         raise NotFoundError(f"worker {worker.url} runs no vLLM server")
     return found
+
+
+def retried(ask: Callable[[], float | None], tries: int) -> bool:
+    """Whether `ask()` succeeded (None) within `tries` calls, each failed one followed by the
+    pause it returns (a second when the worker does not answer yet)."""
+    for _ in range(tries):
+        try:
+            pause = ask()
+        except httpx.TransportError:
+            pause = 1.0
+        if pause is None:
+            return True
+        time.sleep(pause)
+    return False
 
 
 def wait_for(probe: Callable[[], bool], timeout_s: float) -> bool:

@@ -30,7 +30,7 @@ from serving.gateway import WORKER_HEADER, start_gateway
 from serving.worker.server import start_worker
 from tasks.fleet import resolve_fleet
 from tasks.pipeline import rollout_lock
-from tests.integration.helpers import register_random_adapter
+from tests.integration.helpers import pause_s, register_random_adapter
 
 WATCH = FleetWatch(FleetSource.REGISTRY, heartbeat_s=0.5, stale_s=2.5, forget_s=30.0)
 
@@ -115,18 +115,27 @@ def fleet(
         stop_all(services)
 
 
-def answered_by(gateway: str, revision: RevisionId, deadline_s: float = 30.0) -> str:
+ANSWER_TRIES = 100
+"""Most requests `answered_by` sends for one answer. Each 503 is followed by the pause it asks
+for, at most LONGEST_PAUSE_S: a "not ready" worker's estimate from its recent prewarms, which
+grows as one runs late, so a slow prewarm on a loaded machine is asked about once a second and
+100 tries outlast one of a minute and a half, however slow each request is."""
+LONGEST_PAUSE_S = 1.0
+"""Longest pause between tries: a worker's estimate follows its slowest recent prewarms, and
+the answer is wanted as soon as the revision is ready."""
+
+
+def answered_by(gateway: str, revision: RevisionId) -> str:
     """The worker (`X-Mint-Worker`) that answers `revision`'s adapter through the gateway,
-    asking again while it is not ready."""
-    deadline = time.monotonic() + deadline_s
+    asking again, as each 503 asks, while it is not ready."""
     body = {"inputs": "hello=", "parameters": {"adapter_id": f"{revision.adapter}@production"}}
-    while True:
+    for _ in range(ANSWER_TRIES):
         response = httpx.post(gateway + "/generate", json=body, timeout=30)
         if response.status_code == 200:
             return response.headers[WORKER_HEADER]
         assert response.status_code == 503, response.text
-        assert time.monotonic() < deadline, f"{revision} never answered: {response.text}"
-        time.sleep(0.3)
+        time.sleep(pause_s(response, LONGEST_PAUSE_S))
+    raise AssertionError(f"{revision} never answered in {ANSWER_TRIES} tries: {response.text}")
 
 
 def until(check: Callable[[], bool], what: str, deadline_s: float = 15.0) -> None:

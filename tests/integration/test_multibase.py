@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -31,6 +31,11 @@ from tests.integration.helpers import activate, register_random_adapter
 pytestmark = pytest.mark.slow
 
 PROMPT = "abc="
+ANSWER_TIMEOUT_S = 60.0
+"""`generate`'s request timeout."""
+ROUND_S = 2 * ANSWER_TIMEOUT_S
+"""Bound on waiting for the kill test's clients' answers: a client's request under way ends
+within ANSWER_TIMEOUT_S, and the one it sends next within another."""
 
 
 @dataclasses.dataclass
@@ -59,7 +64,7 @@ class TwoBases:
 def generate(url: str, model: str | None, key: str = "key-admin") -> httpx.Response:
     body = {"inputs": PROMPT, "parameters": {"adapter_id": model, "max_new_tokens": 6}}
     headers = {"Authorization": f"Bearer {key}"}
-    return httpx.post(url + "/generate", json=body, headers=headers, timeout=60)
+    return httpx.post(url + "/generate", json=body, headers=headers, timeout=ANSWER_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -258,20 +263,33 @@ def test_a_worker_killed_under_load_costs_only_its_requests_in_flight(
                 results.append((started, ended, answer.status_code,
                                 answer.headers.get(WORKER_HEADER, ""), answer.text))  # fmt: skip
 
+    def until(check: Callable[[list[tuple[float, float, int, str, str]]], bool]) -> None:
+        """Poll the results until `check` holds of them or ROUND_S pass; the assertions after
+        say which."""
+        deadline = time.monotonic() + ROUND_S
+        while time.monotonic() < deadline:
+            with lock:
+                if check(list(results)):
+                    return
+            time.sleep(0.05)
+
     clients = [threading.Thread(target=client) for _ in range(4)]
     for thread in clients:
         thread.start()
-    time.sleep(3)
-    killed_at = time.monotonic()
-    os.kill(victim.process.pid, signal.SIGKILL)
-    # SIGKILL is delivered asynchronously: until the kernel has torn the worker down (reaped),
-    # a request the gateway sends on a pooled connection can still reach it and be reset.
-    victim.process.wait(timeout=30)
-    gone_at = time.monotonic()
-    time.sleep(4)
-    stop.set()
-    for thread in clients:
-        thread.join(timeout=60)
+    try:
+        until(lambda seen: {r[3] for r in seen} >= {victim.url, survivor.url})  # both served
+        killed_at = time.monotonic()
+        os.kill(victim.process.pid, signal.SIGKILL)
+        # SIGKILL is delivered asynchronously: until the kernel has torn the worker down
+        # (reaped), a request the gateway sends on a pooled connection can still reach it and
+        # be reset.
+        victim.process.wait(timeout=30)
+        gone_at = time.monotonic()
+        until(lambda seen: len([r for r in seen if r[0] > gone_at]) >= 4)
+    finally:  # whatever failed above, the clients stop
+        stop.set()
+        for thread in clients:
+            thread.join(timeout=ANSWER_TIMEOUT_S)
 
     before = [r for r in results if r[1] < killed_at]
     after = [r for r in results if r[0] > gone_at]

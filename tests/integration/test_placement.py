@@ -9,7 +9,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,7 +32,7 @@ from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
 from tasks.pipeline import admit_revision, rollout_lock
 from tests.helpers import random_lora
-from tests.integration.helpers import activate, register_random_adapter
+from tests.integration.helpers import activate, pause_s, register_random_adapter
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +40,25 @@ ADAPTERS = 40
 HOST_BOUND = 8
 PROMPT = "hello="
 NEW_TOKENS = 6
+NOT_READY_ANSWERS = 60
+"""Most "not ready" answers `until_answered` takes for one revision. Each is followed by the
+pause it asks for, at most LONGEST_PAUSE_S: the worker's estimate from its recent prewarms,
+which grows as one runs late, so a slow prewarm on a loaded machine is asked about once a second
+and 60 answers outlast one of a minute (a quick one, many prewarms' worth), however slow each
+request is."""
+LONGEST_PAUSE_S = 1.0
+"""Longest pause after a "not ready" answer: on a loaded machine the worker's estimate follows
+its slowest recent prewarms, and the answer is wanted as soon as the revision is ready."""
+BUSY_NOT_READY_ANSWERS = 120
+"""As NOT_READY_ANSWERS, twice over, where a revision waits its turn behind others: four clients
+over all 40 adapters (each worker evicting as it goes), or a killed worker's revisions admitted
+by demand on the survivor once it has counted the victim gone."""
+CLIENT_TIMEOUT_S = 30.0
+"""The kill test's clients' request timeout."""
+ROUND_S = 3 * (CLIENT_TIMEOUT_S + 1.0)
+"""Longest a kill test client takes over its three adapters (each request within
+CLIENT_TIMEOUT_S, and a pause of at most a second after a "not ready" one): the bound on
+waiting for its outcomes."""
 
 
 @dataclasses.dataclass
@@ -87,24 +106,20 @@ def generate(url: str, model: str, timeout_s: float = 60.0) -> httpx.Response:
     return httpx.post(url + "/generate", json=body, timeout=timeout_s)
 
 
-def until_answered(url: str, model: str, deadline_s: float = 60.0) -> tuple[httpx.Response, int]:
+def until_answered(
+    url: str, model: str, not_ready_answers: int = NOT_READY_ANSWERS
+) -> tuple[httpx.Response, int]:
     """Ask as a client that honours `Retry-After-Ms` does, until an answer that is not "not
-    ready"; that answer and the number of "not ready" answers before it."""
-    deadline = time.monotonic() + deadline_s
+    ready"; that answer and the number of "not ready" answers before it (at most
+    `not_ready_answers`)."""
     waits = 0
     while True:
         response = generate(url, model)
         if response.status_code != 503 or response.json()["error_type"] != "not_ready":
             return response, waits
         waits += 1
-        assert time.monotonic() < deadline, f"{model} still not ready: {response.text}"
-        time.sleep(wait_s(response))
-
-
-def wait_s(response: httpx.Response) -> float:
-    """The wait a "not ready" answer asks for (`Retry-After-Ms`), at most a second here: on a
-    loaded machine the worker's estimate follows its slowest recent prewarms."""
-    return min(1.0, int(response.headers["Retry-After-Ms"]) / 1000)
+        assert waits <= not_ready_answers, f"{model} still not ready: {response.text}"
+        time.sleep(pause_s(response, LONGEST_PAUSE_S))
 
 
 def tokens(response: httpx.Response) -> list[int]:
@@ -237,7 +252,9 @@ def test_traffic_over_every_adapter_keeps_each_host_tier_within_its_bound(
 
     def client(names: list[str]) -> None:
         for name in names:
-            answered, _ = until_answered(placed.gateway.url, f"{name}@production", 120)
+            answered, _ = until_answered(
+                placed.gateway.url, f"{name}@production", BUSY_NOT_READY_ANSWERS
+            )
             if name in references:
                 assert tokens(answered) == references[name], name
             else:
@@ -308,22 +325,44 @@ def test_a_killed_workers_revisions_come_back_on_the_other_by_demand(placed: Pla
             for name in names:
                 if stop.is_set():
                     return
-                response = generate(placed.gateway.url, f"{name}@production", timeout_s=30)
+                response = generate(placed.gateway.url, f"{name}@production", CLIENT_TIMEOUT_S)
                 kind = response.json().get("error_type", "") if response.status_code != 200 else ""
                 outcomes.append((response.status_code, kind, name))
                 if response.status_code == 503:
-                    time.sleep(wait_s(response))
+                    time.sleep(pause_s(response, LONGEST_PAUSE_S))
 
+    def answered_each(since: int, statuses: tuple[int, ...]) -> bool:
+        """Whether every adapter has an outcome with one of `statuses` from `since` on."""
+        return {n for status, _, n in outcomes[since:] if status in statuses} == set(adapters)
+
+    def until(check: Callable[[], bool]) -> None:
+        """Poll until `check()` or ROUND_S pass (the caller asserts it); a client that failed
+        meanwhile raises its error here."""
+        deadline = time.monotonic() + ROUND_S
+        while not check() and time.monotonic() < deadline:
+            for future in running:
+                if future.done():
+                    future.result()
+            time.sleep(0.05)
+
+    adapters = moving + staying
     with ThreadPoolExecutor(4) as pool:
         running = [pool.submit(client, number) for number in range(4)]
-        time.sleep(3)
-        os.kill(victim.process.pid, signal.SIGKILL)
-        victim.process.wait()
-        for name in moving:  # each answers again, from the survivor
-            answered, _ = until_answered(placed.gateway.url, f"{name}@production", 120)
-            assert answered.headers[WORKER_HEADER] == survivor.url
-        time.sleep(2)
-        stop.set()
+        try:  # the clients stop whatever fails here, or leaving the pool would wait for them
+            until(lambda: answered_each(0, (200,)))  # every client under way before the kill
+            assert answered_each(0, (200,)), outcomes
+            os.kill(victim.process.pid, signal.SIGKILL)
+            victim.process.wait()
+            for name in moving:  # each answers again, from the survivor
+                answered, _ = until_answered(
+                    placed.gateway.url, f"{name}@production", BUSY_NOT_READY_ANSWERS
+                )
+                assert answered.headers[WORKER_HEADER] == survivor.url
+            moved = len(outcomes)  # and a round of every client's after the move
+            until(lambda: answered_each(moved, (200, 503)))
+            assert answered_each(moved, (200, 503)), outcomes[moved:]
+        finally:
+            stop.set()
         for future in running:
             future.result()
     failed = [o for o in outcomes if o[0] not in (200, 503)]
@@ -335,7 +374,9 @@ def test_a_killed_workers_revisions_come_back_on_the_other_by_demand(placed: Pla
     # use too, so one of its idle revisions can outscore a busy one), and then it comes back by
     # demand, as the moving ones did.
     for name in staying:
-        answered, _ = until_answered(placed.gateway.url, f"{name}@production", 120)
+        answered, _ = until_answered(
+            placed.gateway.url, f"{name}@production", BUSY_NOT_READY_ANSWERS
+        )
         assert answered.headers[WORKER_HEADER] == survivor.url
     assert max(placed.peak_host.values()) <= HOST_BOUND, placed.peak_host
     health = WorkerClient(survivor.url).health()

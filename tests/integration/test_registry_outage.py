@@ -27,11 +27,15 @@ from mint_core.registry import Registry
 from mint_core.registry_outages import LOGGER, wait_out_registry_outages
 from processes import ManagedProcess
 from processes.managed import free_port
-from tests.helpers import make_policy
+from tests.helpers import make_policy, wait_until
 from tests.integration.helpers import mint_env, start_mint, toy_data, wait_for
 
 RETRY_S = 5
 """The bound the release test sets: small, so the test is quick."""
+OUTAGE_MET_S = 60.0
+"""Longest wait for a call to meet a stopped server (its first try is refused at once): slack
+for a loaded machine, yet well inside the 120 s the short-outage test waits outages out for,
+so the call is still waiting when the server comes back."""
 
 
 def port_of(server: ManagedProcess) -> int:
@@ -75,7 +79,13 @@ def test_a_registry_call_waits_out_a_short_outage(
             )
         )
         call.start()
-        time.sleep(2)  # the call meets the stopped server and waits
+        # The call meets the stopped server (it says so in the log) and waits.
+        wait_until(
+            lambda: any(
+                r.name == LOGGER and "does not answer" in r.getMessage() for r in caplog.records
+            ),
+            timeout_s=OUTAGE_MET_S,
+        )
         assert call.is_alive() and not registered
         own_mlflow.append(start_mlflow(tmp_path / "registry", port_of(server)))
         call.join(120)

@@ -3,6 +3,7 @@ shape of `mlflow server`, whose uvicorn child can outlive it."""
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -129,9 +130,17 @@ def up_and_waiting(folder: Path) -> tuple[list[Callable[[], ManagedProcess]], li
     return [up, waiting], pid_files
 
 
+def both_written(pid_files: list[Path]) -> bool:
+    return all(pid_file.exists() and pid_file.read_text().strip() for pid_file in pid_files)
+
+
 def test_a_failed_start_calls_the_others_off_and_stops_what_started(tmp_path: Path) -> None:
     starts, pid_files = up_and_waiting(tmp_path)
-    failing = starter(tmp_path, "failing", "sleep 1; exit 3", lambda: False)
+    # It fails once the others' children run, whatever the load: bounded by start_process's
+    # own timeout, whose error would fail the match below.
+    up, waiting = (shlex.quote(str(pid_file)) for pid_file in pid_files)
+    script = f"until [ -s {up} ] && [ -s {waiting} ]; do sleep 0.05; done; exit 3"
+    failing = starter(tmp_path, "failing", script, lambda: False)
 
     started_at = time.monotonic()
     with pytest.raises(ServiceError, match="failing exited with code 3"):
@@ -148,14 +157,27 @@ def test_an_interrupted_start_together_stops_what_started(tmp_path: Path) -> Non
     def interrupt(signum: int, frame: object) -> None:
         raise Interrupted
 
+    def interrupt_once_both_run() -> None:
+        # At most the 30 s the test allows the start; past that it interrupts anyway, and the
+        # test fails on what it finds.
+        deadline = time.monotonic() + 30.0
+        while not both_written(pid_files) and time.monotonic() < deadline and not done.is_set():
+            time.sleep(0.05)
+        if not done.is_set():  # never once the default SIGUSR1 (exit) is back
+            os.kill(os.getpid(), signal.SIGUSR1)
+
     starts, pid_files = up_and_waiting(tmp_path)
     previous = signal.signal(signal.SIGUSR1, interrupt)
-    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    done = threading.Event()
+    interrupter = threading.Thread(target=interrupt_once_both_run)
+    interrupter.start()
     started_at = time.monotonic()
     try:
         with pytest.raises(Interrupted):
             start_together(starts)
     finally:
+        done.set()
+        interrupter.join()
         signal.signal(signal.SIGUSR1, previous)
     assert time.monotonic() - started_at < 30.0
     assert not any(running(int(pid_file.read_text())) for pid_file in pid_files)
