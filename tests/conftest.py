@@ -37,8 +37,9 @@ if (processes := os.environ.get("PYTEST_XDIST_WORKER_COUNT")) is not None:
     cores = len(os.sched_getaffinity(0))
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(processes))))
 
-# The session-end check: a run fails if a process it started outlives it.
-pytest_plugins = ["tests.process_leaks"]
+# The session-end checks: a run fails if a process it started outlives it, or a namespace or
+# link of a test cluster it made (and says how long the cluster lane took).
+pytest_plugins = ["tests.process_leaks", "tests.cluster.lane"]
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
