@@ -77,7 +77,9 @@ def fleet(
         config, tracking_uri=mlflow.url, api_keys={}, worker_api_key="", admission_k=1
     )
     worker_configs = [
-        dataclasses.replace(fleet_config, sync_interval_s=3600),
+        # A leaving worker keeps listening a sync interval for its peers to notice, up to its
+        # drain timeout: 2 s, or each stop of this one would take 30 s.
+        dataclasses.replace(fleet_config, sync_interval_s=3600, drain_timeout_s=2.0),
         dataclasses.replace(fleet_config, sync_interval_s=0.5),
     ]
     fleet = Fleet(fleet_config, mlflow, [], worker_configs, home / "adapters")

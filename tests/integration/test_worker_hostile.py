@@ -284,7 +284,11 @@ def guarded(base: BaseModel, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     (home / "base").mkdir()
     os.symlink(base.path, home / "base" / base.path.name)  # the session's, not trained again
     # It syncs when told (`/admin/sync`), so that a test sees what happens before a sync.
-    config = MintConfig(home=home, tracking_uri=server.url, sync_interval_s=SYNC_WHEN_TOLD_S)
+    # A leaving worker keeps listening a sync interval for peers to notice (none here), up to its
+    # drain timeout: 2 s, or its stop would take 30 s.
+    config = MintConfig(
+        home=home, tracking_uri=server.url, sync_interval_s=SYNC_WHEN_TOLD_S, drain_timeout_s=2.0
+    )
     try:
         worker = start_worker(config, env=accounts.worker.env())
         try:
