@@ -16,6 +16,10 @@ import pytest
 # point it at a temporary folder before any test module imports it.
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="mint-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+# What every test process would build alike is built once per run, under the first process's
+# session folder: pytest-xdist's test processes inherit its environment, and it removes the
+# folder last, once they have ended.
+_RUN_DIR = Path(os.environ.setdefault("MINT_TESTS_RUN_DIR", str(_SESSION_DIR)))
 os.environ["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["DO_NOT_TRACK"] = "1"
@@ -121,6 +125,22 @@ def session_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def mint_home(session_dir: Path) -> Path:
-    home = session_dir / "mint"
-    home.mkdir(exist_ok=True)
-    return home
+    """The session's MINT_HOME, its embedded default base linked from the run's."""
+    default = _default_base()
+    (session_dir / "mint" / "base").mkdir(parents=True, exist_ok=True)
+    link = session_dir / "mint" / "base" / default.name
+    if not link.exists():
+        link.symlink_to(default, target_is_directory=True)
+    return session_dir / "mint"
+
+
+def _default_base() -> Path:
+    """The embedded default base, built by the first test process that needs it (about 20 s
+    of pretraining on 2 cores) while the others wait, then taken as it is."""
+    import fcntl
+
+    from mint_core.model.tiny import TinySpec, ensure_tiny
+
+    with (_RUN_DIR / "default-base.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return ensure_tiny(TinySpec(), _RUN_DIR / "default-base")

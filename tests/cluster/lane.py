@@ -42,8 +42,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if BOOT_S:
         hosts = ", ".join(f"{h} {s:.0f} s" for h, s in BOOT_S.items() if h not in ("all", "base"))
         terminalreporter.write_line(
-            f"cluster boot: {BOOT_S['all']:.1f} s ({hosts}), after building the base in "
-            f"{BOOT_S['base']:.1f} s (which the integration lane then reuses)"
+            f"cluster boot: {BOOT_S['all']:.1f} s ({hosts}), after {BOOT_S['base']:.1f} s for "
+            "the base (built once per run, or waited for)"
         )
 
 
