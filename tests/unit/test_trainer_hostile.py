@@ -4,6 +4,8 @@ forward/backward request's values checked before it joins a pass (finite, whole 
 checkpoint paths checked before they name a file; and the error table's answers, a future's
 failures too."""
 
+from pathlib import Path
+
 import pytest
 import zstandard
 from pydantic import ValidationError
@@ -23,6 +25,7 @@ from trainer.checkpoints import CheckpointPath
 from trainer.compute import check_request
 from trainer.errors import QueueFull, failure, trainer_error
 from trainer.futures import Category, Failure
+from trainer.service import names_folder
 from trainer.wire import decompress, read_forward_backward
 
 VOCAB = 100
@@ -174,3 +177,14 @@ def test_a_future_fails_by_the_one_rule(
     error: Exception, mint_errors: Category, expected: Failure
 ) -> None:
     assert failure(error, "registering p", mint_errors) == expected
+
+
+def test_a_base_named_by_another_path_to_its_folder_is_the_base(tmp_path: Path) -> None:
+    """A cookbook script resolves its model path: through a link, it names the same folder."""
+    folder = tmp_path / "models" / "tiny"
+    folder.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(folder, target_is_directory=True)
+    assert names_folder(str(tmp_path / "link"), folder)
+    assert names_folder(str(tmp_path / "models" / ".." / "models" / "tiny"), folder)
+    assert not names_folder(str(tmp_path / "models"), folder)
+    assert not names_folder("org/tiny", folder)
