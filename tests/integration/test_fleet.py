@@ -116,35 +116,51 @@ def queued_ahead(events: list[dict[str, object]], revision: str, at: float) -> i
     return sum(state == "queued" for state in states.values())
 
 
+BURST_TRIES = 3
+"""Bursts of ten the burst test sends until it asks for the last revision while it still waits
+its turn: ten tiny prewarms take about 0.46 s idle, and on a loaded machine the test's own
+request, sent once the sync returns, came after all ten (1 clean run in 5)."""
+
+
 def test_a_burst_of_ten_prewarms_one_at_a_time_behind_a_fast_not_ready(
     fleet: Fleet, base: BaseModel
 ) -> None:
-    revisions = [fleet.register(base, f"burst-{n}") for n in range(10)]
     registry = Registry(fleet.config.tracking_uri)
-    for revision in revisions:
-        registry.aliases.point(revision, CANDIDATE)
-    # The first worker learns of all ten at one sync and admits them in one burst.
-    assert len(WorkerClient(fleet.workers[0].url).sync()) == 10
+    for attempt in range(1, BURST_TRIES + 1):
+        # Each try is the next revision of the ten adapters, pointed at as their candidate.
+        revisions = [fleet.register(base, f"burst-{n}") for n in range(10)]
+        for revision in revisions:
+            registry.aliases.point(revision, CANDIDATE)
+        # The first worker learns of all ten at one sync and admits them in one burst.
+        assert len(WorkerClient(fleet.workers[0].url).sync()) == 10
 
-    # The last one is still waiting its turn: 'not ready' comes at once, naming it.
-    asked = time.time()
-    started = time.perf_counter()
-    gated = fleet.generate(fleet.workers[0], str(revisions[-1]))
-    elapsed = time.perf_counter() - started
-    answered = time.time()
-    assert gated.status_code == 503, gated.text
-    assert gated.headers["Retry-After"]
-    body = gated.json()
-    assert (body["adapter"], body["revision"]) == ("burst-9", 1)
-    assert body["state"] == "queued"
-    # Its place counts the revisions queued before it and not yet started, as the event log has
-    # them between the request and its answer; with K=1, one may have left the queue just
-    # before its first prewarm event was logged.
-    events = fleet.events(fleet.workers[0])
-    at_most = queued_ahead(events, str(revisions[-1]), asked)
-    at_least = queued_ahead(events, str(revisions[-1]), answered) - 1
-    assert at_least <= body["queue_position"] <= at_most, (body, at_least, at_most)
-    assert elapsed < 1.0
+        # The last one is still waiting its turn: 'not ready' comes at once, naming it.
+        asked = time.time()
+        started = time.perf_counter()
+        gated = fleet.generate(fleet.workers[0], str(revisions[-1]))
+        elapsed = time.perf_counter() - started
+        answered = time.time()
+        events = fleet.events(fleet.workers[0])
+        if gated.status_code == 200:
+            # Served only if the burst was over before the answer; then try again.
+            ready_at = {e["id"]: e["at"] for e in events if e["state"] == "ready"}
+            assert cast(float, ready_at[str(revisions[-1])]) <= answered, (gated.text, events)
+            continue
+        assert gated.status_code == 503, gated.text
+        assert gated.headers["Retry-After"]
+        body = gated.json()
+        assert (body["adapter"], body["revision"]) == ("burst-9", attempt)
+        assert body["state"] == "queued"
+        # Its place counts the revisions queued before it and not yet started, as the event log
+        # has them between the request and its answer; with K=1, one may have left the queue
+        # just before its first prewarm event was logged.
+        at_most = queued_ahead(events, str(revisions[-1]), asked)
+        at_least = queued_ahead(events, str(revisions[-1]), answered) - 1
+        assert at_least <= body["queue_position"] <= at_most, (body, at_least, at_most)
+        assert elapsed < 1.0
+        break
+    else:
+        pytest.fail(f"each of {BURST_TRIES} bursts was over before its last revision was asked for")
 
     for revision in revisions:
         admit_revision.fn(fleet.config, revision)
