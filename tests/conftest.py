@@ -128,12 +128,11 @@ def session_dir() -> Path:
 @pytest.fixture(scope="session")
 def mint_home(session_dir: Path) -> Path:
     """The session's MINT_HOME, its embedded default base linked from the run's."""
-    default = _default_base()
-    (session_dir / "mint" / "base").mkdir(parents=True, exist_ok=True)
-    link = session_dir / "mint" / "base" / default.name
-    if not link.exists():
+    home, default = session_dir / "mint", _default_base()
+    (home / "base").mkdir(parents=True, exist_ok=True)
+    if not (link := home / "base" / default.name).exists():
         link.symlink_to(default, target_is_directory=True)
-    return session_dir / "mint"
+    return home
 
 
 def _default_base() -> Path:
