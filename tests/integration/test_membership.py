@@ -178,7 +178,13 @@ def test_a_worker_joins_and_leaves_with_nothing_restarted(
     joiner = start_worker(config, fleet.joiner_port, env=fleet.accounts.worker.env())
     try:
         third = joiner.url
-        assert current_fleet(config) == tuple(sorted((first, second, third)))
+        # It answers health before its first announcement is written (on a thread of its own,
+        # so a slow registry never holds up serving): on a loaded machine that comes later.
+        until(
+            lambda: current_fleet(config) == tuple(sorted((first, second, third))),
+            "the joiner announces itself",
+            deadline_s=30,
+        )
         assert third in {w.url for w in resolve_fleet(config, moves).workers}
         until(
             lambda: answered_by(fleet.gateway.url, moves) == third,
