@@ -12,6 +12,13 @@ from mint_core.registry.canary import canary_percent
 MODELS_PAGE_MAX = 1000
 """The most registered models MLflow's server returns per page (its `search_registered_models`
 refuses more)."""
+FIRST_PAGE = 2
+"""Registered models in a sync's first page. A sync with nothing new stops at the first model
+older than its cursor, and one with one change (read again within the cursor's overlap) at the
+second: one request either way. MLflow's server loads each model it returns with its tags,
+aliases and latest versions, and every worker syncs every interval, so the page is kept small:
+over 40 adapters of 3 versions, an idle sync cost the server a median 21.9 ms of CPU at 20 a
+page and 15.5 ms at 2 (200 syncs a size, three rounds, 2 cores)."""
 
 
 @dataclass(frozen=True)
@@ -43,7 +50,7 @@ class Changes:
 
     store: MlflowStore
 
-    def since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
+    def since(self, since_ms: int, page_size: int = FIRST_PAGE) -> list[AdapterAliases]:
         """Every adapter updated (new revision, alias moved) at or after `since_ms` on the
         registry's clock, newest first: what a worker needs to catch up. The first page is
         small, as a sync usually finds a few changes at most; each next one is larger, up to

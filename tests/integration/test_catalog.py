@@ -24,7 +24,7 @@ from mint_core.catalog.index import CatalogIndex
 from mint_core.config import DEFAULT_CATALOG_SNAPSHOTS, MintConfig
 from mint_core.errors import ConfigurationError, IntegrityError, NotFoundError
 from mint_core.registry import AdapterAliases, RegisteredRevision, Registry
-from mint_core.registry.changes import Changes
+from mint_core.registry.changes import FIRST_PAGE, Changes
 from mint_core.registry.revisions import Revisions
 from mint_core.revisions import CANDIDATE, PRODUCTION, RevisionId, RevisionRef
 from processes import ManagedProcess
@@ -210,7 +210,7 @@ class CountingChanges(Changes):
 
     asked: list[int] = field(default_factory=list)
 
-    def since(self, since_ms: int, page_size: int = 20) -> list[AdapterAliases]:
+    def since(self, since_ms: int, page_size: int = FIRST_PAGE) -> list[AdapterAliases]:
         self.asked.append(since_ms)
         return super().since(since_ms, page_size)
 
