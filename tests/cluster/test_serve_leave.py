@@ -1,10 +1,9 @@
 """A serve host leaving under load (issue 48, item 3): its `mint up` sent SIGTERM while long
 generations run on it through the gateway, once through its relay (a load balancer's place)
 and once advertising its own URL (each again while no long generation was in flight on it as
-it left). It says it is leaving, keeps its listener until the gateway
-has stopped sending to it, finishes what it has, then exits: no request fails, and every long
-generation in flight completes. It is started again as booted
-(tests/cluster/scenarios_serving.py)."""
+it left). It says it is leaving, keeps its listener until the gateway has stopped sending to
+it, finishes what it has, then exits: no request fails, and every long generation in flight
+completes. It is started again as booted (tests/cluster/scenarios_serving.py)."""
 
 import json
 from pathlib import Path
