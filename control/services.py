@@ -138,6 +138,7 @@ def start_mlflow(
         "/health",
         home / "logs" / "mlflow.log",
         env,
+        backing=True,
         # Past its own shutdown timeout, with half a second to spare, what is left is killed; its
         # database keeps only committed transactions (sqlite's journal, PostgreSQL), so a
         # request cut short leaves nothing half-written.
@@ -181,6 +182,7 @@ def start_s3(
         local_url(host, port),
         "/moto-api/",
         home / "logs" / f"s3-{port}.log",
+        backing=True,
     )
     server.url = url
     return server
@@ -221,6 +223,7 @@ def start_prefect(
         "/api/health",
         home / "logs" / "prefect.log",
         env,
+        backing=True,
     )
     server.url = url
     return server
@@ -346,8 +349,6 @@ class _Supervised:
     service: ManagedProcess
     started_at: float
     """`time.monotonic()` of its last start."""
-    backing: bool
-    """Whether the other services use it: it is stopped after them."""
     pause_s: float = RESTART_FIRST_S
     due: float | None = None
     """While it is down: when it is to be started again."""
@@ -357,28 +358,25 @@ class Supervisor:
     """The services `mint up` runs, kept running: one that exits (stopped to restart it, or
     crashed) is started again the same way, after a pause that grows while it keeps exiting,
     with a line (`say`) saying so, while the others run on. `stop_all` stops them all, those
-    the others use (`backing`) last."""
+    the others use last."""
 
     def __init__(self, say: Callable[[str], None]) -> None:
         self._say = say
         self._services: list[_Supervised] = []
 
-    def start(self, start: Callable[[], ManagedProcess], backing: bool = False) -> ManagedProcess:
+    def start(self, start: Callable[[], ManagedProcess]) -> ManagedProcess:
         """Start a service with `start` (which returns once it is healthy) and keep it
-        running with it. `backing`: the other services use it (MLflow, Prefect, S3)."""
-        (service,) = self.start_together(start, backing=backing)
+        running with it."""
+        (service,) = self.start_together(start)
         return service
 
-    def start_together(
-        self, *starts: Callable[[], ManagedProcess], backing: bool = False
-    ) -> list[ManagedProcess]:
+    def start_together(self, *starts: Callable[[], ManagedProcess]) -> list[ManagedProcess]:
         """Start services that wait on none of each other at once (`processes.start_together`)
-        and keep them running; their services in the order of `starts`. `backing`: the other
-        services use them."""
+        and keep them running; their services in the order of `starts`."""
         services = start_together(starts)
         now = time.monotonic()
         self._services += [
-            _Supervised(start, service, now, backing)
+            _Supervised(start, service, now)
             for start, service in zip(starts, services, strict=True)
         ]
         return services
@@ -428,17 +426,5 @@ class Supervisor:
         self._say(f"{name} started again at {supervised.service.url}")
 
     def stop_all(self) -> None:
-        """Stop every service, whatever its state, in two steps, each stopping its services at
-        once: those that use the others, then the backing ones, so that each stops while what
-        it uses still runs. The flow server pauses its deployments on the Prefect server as it
-        stops (stopped together with that server, it retried until killed: 10 s, and a
-        traceback in its log); a worker and the trainer stop before the MLflow server they
-        follow."""
-        errors: list[ServiceError] = []
-        for backing in (False, True):
-            try:
-                stop_all([s.service for s in self._services if s.backing is backing])
-            except ServiceError as e:  # a process that outlives SIGKILL: stop the others still
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        """Stop every service, whatever its state: those the others use last (`stop_all`)."""
+        stop_all(self.services)

@@ -185,7 +185,6 @@ def _up_control(args: argparse.Namespace, config: MintConfig) -> None:
         if args.s3_test_server:
             s3 = supervisor.start(
                 partial(start_s3, home, args.s3_port, host, at(args.s3_port), args.test_network),
-                backing=True,
             )
             s3_url = s3.url
             bucket = config.s3_bucket or "mint"
@@ -203,7 +202,6 @@ def _up_control(args: argparse.Namespace, config: MintConfig) -> None:
                 start_prefect, home, args.prefect_port, host, at(args.prefect_port),
                 secrets.prefect_auth,
             ),
-            backing=True,
         )  # fmt: skip
         api = prefect.url + "/api"
         config = dataclasses.replace(config, tracking_uri=mlflow.url)

@@ -132,7 +132,6 @@ def cmd_up(args: argparse.Namespace, config: MintConfig) -> None:
                 start_mlflow, config.home, args.mlflow_port, registry_db, accounts, store=config
             ),
             partial(start_prefect, config.home, args.prefect_port),
-            backing=True,
         )
         config = dataclasses.replace(config, tracking_uri=mlflow.url)
         os.environ.update(accounts.pipeline.env())  # the flow server's runs write

@@ -55,6 +55,8 @@ class ManagedProcess:
     """How long `stop` lets it shut down after SIGTERM before it kills what is left."""
     accounts: RegistryAccounts | None = None
     """For an MLflow server with authentication: who may sign in, and as what."""
+    backing: bool = False
+    """Whether other services use it (MLflow, Prefect, S3): `stop_all` stops it after them."""
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop the process and everything in its process group: SIGTERM, then SIGKILL to
@@ -118,9 +120,21 @@ def group_running(group: int) -> bool:
 
 
 def stop_all(services: Sequence[ManagedProcess]) -> None:
-    """Stop several services at once: each gets its grace period, in parallel, not in turn."""
-    with ThreadPoolExecutor(max(1, len(services))) as pool:
-        list(pool.map(ManagedProcess.stop, services))
+    """Stop several services in two steps, each stopping its services at once (each gets its
+    grace period in parallel, not in turn): those that use the others, then the `backing` ones,
+    so that each stops while what it uses still runs. A flow server pauses its deployments on
+    the Prefect server as it stops: stopped together with that server, it retried until killed
+    (10 s, where it takes 0.5 s before it); a worker stops before the MLflow server it follows.
+    One that fails to stop (it outlives SIGKILL) leaves none of the others running: the first
+    error is raised once every service was stopped."""
+    errors: list[BaseException] = []
+    for backing in (False, True):
+        step = [service for service in services if service.backing is backing]
+        with ThreadPoolExecutor(max(1, len(step))) as pool:
+            stops = [pool.submit(service.stop) for service in step]
+        errors += [error for stop in stops if (error := stop.exception()) is not None]
+    if errors:
+        raise errors[0]
 
 
 def responds_ok(url: str, headers: Mapping[str, str] | None = None) -> bool:
@@ -150,12 +164,14 @@ def start_process(
     timeout_s: float = 120.0,
     die_with_parent: bool = False,
     grace_s: float = 10.0,
+    backing: bool = False,
 ) -> ManagedProcess:
     """Start `argv` and return once it is healthy: `url + health` answers 200 (a path), or
     `health()` is true (a check); ServiceError if it exits or times out first.
     `die_with_parent`: the process gets SIGTERM when the thread that started it ends (Linux),
     so a child this process supervises never outlives it, even when it is SIGKILLed.
-    `grace_s`: how long it may take to shut down when stopped (see `ManagedProcess.stop`)."""
+    `grace_s`: how long it may take to shut down when stopped (see `ManagedProcess.stop`).
+    `backing`: other services use it (see `stop_all`)."""
     healthy = health if callable(health) else lambda: responds_ok(url + health)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("ab") as log:
@@ -167,7 +183,7 @@ def start_process(
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
-    service = ManagedProcess(name, process, url, log_path, grace_s)
+    service = ManagedProcess(name, process, url, log_path, grace_s, backing=backing)
     try:
         wait_healthy(service, healthy, timeout_s)
     except BaseException:

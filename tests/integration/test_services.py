@@ -282,3 +282,23 @@ def test_a_failed_start_quotes_its_log_only_when_there_is_something_to_quote(
             tmp_path / "service.log",
             timeout_s=30,
         )
+
+
+def test_stop_all_stops_the_services_others_use_after_them(tmp_path: Path) -> None:
+    # The user, 0.3 s into its shutdown, notes whether the backing service still runs (as a
+    # flow server pausing its deployments needs its Prefect server), then exits.
+    backing = tmp_path / "backing"
+    backing.mkdir()
+    server, server_pid = started(backing, "sleep 300 & echo $! > PID_FILE; wait")
+    server.backing = True
+    seen = tmp_path / "seen"
+    script = (
+        f"trap 'sleep 0.3; kill -0 {server_pid} && echo running > {seen}; exit 0' TERM; "
+        "sleep 300 & echo $! > PID_FILE; wait"
+    )
+    user, _ = started(tmp_path, script)
+    started_at = time.monotonic()
+    stop_all([server, user])  # in the order they started: the backing one first
+    assert seen.exists(), "the backing service was stopped before the one that uses it"
+    assert not group_running(server.process.pid) and not group_running(user.process.pid)
+    assert time.monotonic() - started_at < user.grace_s  # neither waited out its grace
