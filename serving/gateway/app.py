@@ -28,7 +28,7 @@ from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.tenancy import Limiter, TenancyFile
 from processes import ManagedProcess, start_mint
 from serving.gateway.fleet import Fleet, WorkerView
-from serving.gateway.forward import forward_to, json_answer, whole_answer
+from serving.gateway.forward import forward_to, json_answer, not_ready_revision, whole_answer
 from serving.gateway.links import Links
 from serving.gateway.requests import gateway_document, model_of
 from serving.http.common import ADAPTER_PREFIX, BASE_NAMES, adapter_of_url
@@ -42,6 +42,10 @@ log = logging.getLogger(__name__)
 DEFAULT_REFRESH_S = ROUTING_REFRESH_S
 _POLL = aiohttp.ClientTimeout(total=2.0)
 """A worker that takes longer to say what it holds counts as down until it answers again."""
+CATCH_UP_S = 5.0
+"""The longest a request waits for the catalog to catch up with an alias a worker has seen
+move: a registry that answers takes a fraction of a second; one that does not leaves the
+request its not-ready answer."""
 
 
 class Gateway:
@@ -85,6 +89,13 @@ class Gateway:
         tokenizes nothing), so a token quota is enforced where the request is served."""
         self.links = Links()
         self._closed = threading.Event()
+        self._nudge = threading.Event()
+        """Set: the sync loop syncs now rather than at its next interval."""
+        self._syncs = threading.Condition()
+        self._syncs_started = 0
+        self._syncs_done = 0
+        """Syncs the loop started and finished: a caller waits for one that started after it
+        asked (`synced`)."""
         self._document: dict[str, object] | None = None
         """The OpenAPI document, once a worker has described the routes it forwards."""
 
@@ -161,8 +172,27 @@ class Gateway:
 
     def _sync_loop(self) -> None:
         while not self._closed.is_set():
+            with self._syncs:
+                self._syncs_started += 1
+                started = self._syncs_started
             self.sync_catalog()
-            self._closed.wait(self.sync_interval_s)
+            with self._syncs:
+                self._syncs_done = started
+                self._syncs.notify_all()
+            self._nudge.wait(self.sync_interval_s)
+            self._nudge.clear()
+
+    def synced(self, timeout_s: float = CATCH_UP_S) -> None:
+        """Return once a sync that started after this call has finished (the sync loop
+        nudged), or after `timeout_s` (a registry that does not answer: the catalog keeps
+        what it had). Blocks: for a thread, not the event loop."""
+        with self._syncs:
+            wanted = self._syncs_started + 1
+        self._nudge.set()
+        with self._syncs:
+            self._syncs.wait_for(
+                lambda: self._syncs_done >= wanted or self._closed.is_set(), timeout_s
+            )
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
@@ -180,6 +210,7 @@ class Gateway:
             for loop in loops:
                 loop.cancel()
             self._closed.set()
+            self._nudge.set()
             sync.join(timeout=30)  # a sync under way finishes before its index goes
             self.catalog.close()
             await self.links.close()
@@ -271,6 +302,26 @@ class Gateway:
         workers, revision = await self.route(model)
         if revision is None:
             return await forward_to(self.links, request, body, model, workers, None)
+        answer = await self._forward_revision(request, body, model, workers, revision)
+        moved = not_ready_revision(answer)
+        if moved is None or moved == revision:
+            return answer
+        # The worker resolved `model` to a revision this gateway has not synced yet: an alias
+        # moved since its last sync (an activation nudges the workers, not the gateways). The
+        # request goes again, once, where the catalog caught up says.
+        await asyncio.to_thread(self.synced)
+        workers, revision = await self.route(model)
+        assert revision is not None  # `model` names an adapter: it did a moment ago
+        return await self._forward_revision(request, body, model, workers, revision)
+
+    async def _forward_revision(
+        self,
+        request: Request,
+        body: bytes,
+        model: str | None,
+        workers: list[WorkerView],
+        revision: str,
+    ) -> Response:
         self.demand.started(revision)
         try:
             return await forward_to(self.links, request, body, model, workers, revision)

@@ -100,6 +100,21 @@ def never_answered(error: BaseException, link: Link) -> bool:
     return isinstance(error, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
 
 
+def not_ready_revision(answer: Response) -> str | None:
+    """The revision a worker's "not ready" answer is about (as its worker resolved the name);
+    None for any other answer (a stream has no body here)."""
+    if answer.status_code != 503 or not isinstance(answer.body, bytes):
+        return None
+    try:
+        body = orjson.loads(answer.body)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(body, dict) or body.get("error_type") != "not_ready":
+        return None
+    revision = body.get("id")
+    return revision if isinstance(revision, str) else None
+
+
 def _error_type(content: bytes) -> str | None:
     """The `error_type` of a worker's error answer; None if it has none."""
     try:

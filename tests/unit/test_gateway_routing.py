@@ -133,6 +133,10 @@ class FakeWorker:
     """Answers `/generate` only once set (a long generation)."""
     leaving: bool = False
     """What `/admin/routing` says: told to stop, finishing what it has."""
+    ready: tuple[str, ...] = ()
+    """What `/admin/routing` says it holds ready."""
+    not_ready: str | None = None
+    """Answers `/generate` 503 "not ready" for this revision (the one it resolved the name to)."""
     seen: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -153,12 +157,15 @@ class FakeWorker:
             await asyncio.Event().wait()
         if self.hold is not None:
             await self.hold.wait()
+        if self.not_ready is not None:
+            body = {"error": "not ready", "error_type": "not_ready", "id": self.not_ready}
+            return web.json_response(body, status=503, headers={"Retry-After": "1"})
         return web.json_response(ANSWER)
 
     async def routing(self, _: web.Request) -> web.Response:
         if self.stalled:
             await asyncio.Event().wait()
-        answer = web.json_response(ROUTING | {"leaving": self.leaving})
+        answer = web.json_response(ROUTING | {"leaving": self.leaving, "ready": list(self.ready)})
         if self.leaving:
             answer.force_close()  # as uvicorn closes idle connections when it stops listening
         return answer
@@ -517,3 +524,38 @@ def test_which_failures_before_an_answer_go_to_the_next_worker(
 ) -> None:
     link = links.Link(session=None, cut=cut)  # type: ignore[arg-type]
     assert never_answered(error, link) is retried
+
+
+def test_a_worker_that_saw_an_alias_move_first_sends_the_request_where_the_gateway_catches_up(
+    catalog: Catalog, registry: MemoryRegistry
+) -> None:
+    """Production moves r1 -> r2 and the workers hear of it (an activation nudges them) before
+    the gateway's next sync. r1 is ready nowhere, so the gateway, by its view, sends the request
+    to r1's placement, whose "not ready" would be the answer (it admits r1 by demand); but that
+    worker resolved the name to r2, which it does not hold: the gateway syncs at once and the
+    request goes to r2's worker, the client none the wiser."""
+
+    async def run() -> None:
+        fakes = [await FakeWorker().start(), await FakeWorker().start()]
+        gw = Gateway([fake.url for fake in fakes], catalog, sync_interval_s=3600)
+        async with gw.running(), client(gw) as http:
+            workers, revision = await gw.route("bot@production")
+            assert revision == "bot:r1"
+            (placed,) = [fake for fake in fakes if fake.url == workers[0].url]
+            (other,) = [fake for fake in fakes if fake is not placed]
+            placed.not_ready, other.ready = "bot:r2", ("bot:r2",)
+            await gw.refresh()
+            registry.set("bot", production=2)
+            started = time.monotonic()
+            answer = await http.post(
+                "/generate", json={"inputs": "hello", "parameters": {"adapter_id": "bot"}}
+            )
+            took = time.monotonic() - started
+        for fake in fakes:
+            await fake.stop()
+        assert answer.status_code == 200 and answer.json() == ANSWER, answer.text
+        assert answer.headers[WORKER_HEADER] == other.url
+        assert (placed.seen, other.seen) == (1, 1)
+        assert took < 5, took  # one sync, not its hour-long interval
+
+    asyncio.run(run())
