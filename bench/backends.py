@@ -159,6 +159,7 @@ def wait_ready(
 def bare_vllm(config: MintConfig, folders: dict[str, Path]) -> tuple[ManagedProcess, VllmServer]:
     """vLLM started as the worker starts it, with the adapters loaded: no MinT in front."""
     server = VllmServer(VllmSettings.from_config(config), load_text(config.base, config.home))
+    server.sockets = config.home / "vllm-sockets"  # removed with the scratch folder
     process = server.start()
     headers = {"Authorization": f"Bearer {server.api_key}"}
     for name, folder in folders.items():

@@ -16,6 +16,7 @@ import logging
 import secrets
 import shutil
 import sys
+import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -119,6 +120,12 @@ class VllmServer:
         """vLLM answers only the worker: every call carries this key."""
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
+        self.sockets = Path(tempfile.gettempdir()) / f"mint-vllm-{secrets.token_hex(6)}"
+        """Where vLLM's processes make their ZMQ sockets (VLLM_RPC_BASE_PATH): by default in
+        /tmp itself, where each vLLM stopped or killed (a crash, a restart, a worker stopping
+        it) left them for good. Not under MINT_HOME: a socket's path has room for 107 bytes,
+        which a user's home need not leave. (Not vLLM's whole TMPDIR: torch's compile cache is
+        there, which a restart reuses.) `start` makes it afresh; `remove` removes it."""
 
     def argv(self) -> list[str]:
         s = self.settings
@@ -160,6 +167,7 @@ class VllmServer:
             "VLLM_LORA_RESOLVER_HF_REPO_LIST": "",
             "HF_HUB_OFFLINE": "1",
             "VLLM_HOST_IP": LOOPBACK,  # else its processes talk over a non-loopback address
+            "VLLM_RPC_BASE_PATH": str(self.sockets),
             "VLLM_NO_USAGE_STATS": "1",
             "DO_NOT_TRACK": "1",
         }
@@ -168,6 +176,16 @@ class VllmServer:
         return env
 
     def start(self) -> ManagedProcess:
+        """Start vLLM, once the sockets a vLLM before it left (killed) are removed."""
+        self.remove()
+        self.sockets.mkdir(mode=0o700)
+        try:
+            return self._start_process()
+        except BaseException:
+            self.remove()
+            raise
+
+    def _start_process(self) -> ManagedProcess:
         return start_process(
             "vLLM",
             self.argv(),
@@ -180,6 +198,10 @@ class VllmServer:
             # both live as long as the worker.
             die_with_parent=True,
         )
+
+    def remove(self) -> None:
+        """Remove the sockets' folder (vLLM stopped)."""
+        shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def refuse_expert_lora(key: str, adapter: PackedAdapter) -> None:
@@ -483,4 +505,5 @@ class VllmBackend:
         self._calls.close()  # every generation running or waiting fails: its caller hears
         self._client.close()
         self._process.stop(grace_s=5.0)  # within the grace a stopping worker has
+        self._server.remove()
         shutil.rmtree(self._adapters, ignore_errors=True)

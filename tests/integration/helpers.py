@@ -479,3 +479,8 @@ def pause_s(response: httpx.Response, longest_s: float) -> float:
         if name in response.headers:
             return min(longest_s, float(response.headers[name]) / scale)
     return longest_s
+
+
+def vllm_sockets(vllm: int) -> Path:
+    """The folder vLLM server process `vllm` makes its ZMQ sockets in (VLLM_RPC_BASE_PATH)."""
+    return Path(psutil.Process(vllm).environ()["VLLM_RPC_BASE_PATH"])

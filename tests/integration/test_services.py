@@ -197,6 +197,8 @@ def test_vllm_dies_with_a_worker_killed_outright_and_no_preexec_fn_started_it(
     worker = subprocess.Popen(
         [sys.executable, "-c", WORKER_STARTING_VLLM, str(python), str(tmp_path)],
         cwd=Path(__file__).resolve().parents[2],
+        # Where the killed worker leaves its vLLM's sockets folder: the test's own.
+        env=os.environ | {"TMPDIR": str(tmp_path)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -8,14 +8,17 @@ import dataclasses
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import psutil
 import pytest
 
 from control.services import start_mlflow
 from mint_core.config import BackendKind, MintConfig
 from processes import ManagedProcess, stop_all
 from serving.worker.server import start_worker
-from tests.integration.helpers import MixedFleet
+from tests.integration.helpers import MixedFleet, vllm_sockets
 
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+"""The module a worker's vLLM server runs."""
 VLLM_START_TIMEOUT_S = 900
 """A vLLM worker is up once vLLM is: a minute or two of imports on a busy 2-core machine."""
 
@@ -50,4 +53,9 @@ def mixed_fleet(
         both = dataclasses.replace(fleet_config, worker_urls=urls, replicas=2)
         yield MixedFleet(both, workers, mlflow)
     finally:
+        vllm = workers.get(BackendKind.VLLM)
+        servers = psutil.Process(vllm.process.pid).children() if vllm else []
+        sockets = next((vllm_sockets(s.pid) for s in servers if VLLM_SERVER in s.cmdline()), None)
         stop_all([*workers.values(), mlflow])
+        # A worker stopping removes its vLLM's sockets (vLLM left them in /tmp for good).
+        assert sockets is None or not sockets.exists(), f"{sockets} left behind"

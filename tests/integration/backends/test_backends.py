@@ -37,6 +37,7 @@ from tests.integration.helpers import (
     most_prewarming_at_once,
     pause_s,
     register_random_adapter,
+    vllm_sockets,
 )
 from tests.integration.helpers import toy_release as release
 
@@ -334,6 +335,9 @@ def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: S
         )
         assert loaded, f"not every model answered before the kill: {statuses[-8:]} {wrong}"
         vllm = vllm_pid(worker)
+        sockets = vllm_sockets(vllm)
+        killed = set(sockets.iterdir())
+        assert killed, f"vLLM made no socket in {sockets}"
         killed_at = time.monotonic()
         os.kill(vllm, signal.SIGKILL)
         degraded = wait_for(lambda: health(worker)["status"] == "degraded", timeout_s=30)
@@ -359,6 +363,9 @@ def test_vllm_killed_under_load_comes_back_and_never_answers_wrongly(scenario: S
     after = [s for t, _, s in statuses if t > killed_at]
     assert set(after) <= {200, 503}, sorted(set(after))
     assert vllm_pid(worker) != vllm
+    # The killed vLLM's sockets were removed before the next one made its own there.
+    assert vllm_sockets(vllm_pid(worker)) == sockets
+    assert not killed & set(sockets.iterdir())
 
 
 def test_an_engine_core_death_is_answered_503_then_the_worker_restarts_vllm_and_serves_again(
