@@ -28,7 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
+# Named, not made: Prefect makes it when it first writes (a mkdtemp here was a folder left
+# behind by every run, used or not).
+os.environ.setdefault(
+    "PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"mint-bench-prefect-{os.getpid()}")
+)
 # Three engines share this CPU and take turns: OpenMP threads of the idle ones must wait
 # passively, not spin (inherited by the workers and the vLLM servers).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

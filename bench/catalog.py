@@ -45,7 +45,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 # Alias moves take their adapter's roll-out slot, a Prefect limit (Prefect's temporary server).
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
+# Named, not made: Prefect makes it when it first writes (a mkdtemp here was a folder left
+# behind by every run, used or not).
+os.environ.setdefault(
+    "PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"mint-bench-prefect-{os.getpid()}")
+)
 
 import psutil
 from mlflow.tracking import MlflowClient

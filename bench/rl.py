@@ -33,7 +33,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
+# Named, not made: Prefect makes it when it first writes (a mkdtemp here was a folder left
+# behind by every run, used or not).
+os.environ.setdefault(
+    "PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"mint-bench-prefect-{os.getpid()}")
+)
 # The worker (which inherits these) and the trainer share 2 cores: one thread each, waiting
 # passively, or the MoE forward's many small ops stall on each other's spinning threads.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

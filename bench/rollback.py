@@ -42,7 +42,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="mint-bench-prefect-"))
+# Named, not made: Prefect makes it when it first writes (a mkdtemp here was a folder left
+# behind by every run, used or not).
+os.environ.setdefault(
+    "PREFECT_HOME", os.path.join(tempfile.gettempdir(), f"mint-bench-prefect-{os.getpid()}")
+)
 
 import httpx
 from peft import LoraConfig, get_peft_model
