@@ -180,24 +180,21 @@ class VllmServer:
         self.remove()
         self.sockets.mkdir(mode=0o700)
         try:
-            return self._start_process()
+            return start_process(
+                "vLLM",
+                self.argv(),
+                self.url,
+                "/health",
+                self.settings.home / "logs" / f"vllm-{self.port}.log",
+                self.env(),
+                START_TIMEOUT_S,
+                # Started from the worker's main thread, or its supervisor thread when
+                # restarted: both live as long as the worker.
+                die_with_parent=True,
+            )
         except BaseException:
             self.remove()
             raise
-
-    def _start_process(self) -> ManagedProcess:
-        return start_process(
-            "vLLM",
-            self.argv(),
-            self.url,
-            "/health",
-            self.settings.home / "logs" / f"vllm-{self.port}.log",
-            self.env(),
-            START_TIMEOUT_S,
-            # Started from the worker's main thread, or its supervisor thread when restarted:
-            # both live as long as the worker.
-            die_with_parent=True,
-        )
 
     def remove(self) -> None:
         """Remove the sockets' folder (vLLM stopped)."""

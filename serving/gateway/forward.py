@@ -105,23 +105,24 @@ def not_ready_revision(answer: Response) -> str | None:
     None for any other answer (a stream has no body here)."""
     if answer.status_code != 503 or not isinstance(answer.body, bytes):
         return None
-    try:
-        body = orjson.loads(answer.body)
-    except orjson.JSONDecodeError:
-        return None
-    if not isinstance(body, dict) or body.get("error_type") != "not_ready":
-        return None
-    revision = body.get("id")
+    body = _error_body(answer.body)
+    revision = body.get("id") if body.get("error_type") == "not_ready" else None
     return revision if isinstance(revision, str) else None
 
 
 def _error_type(content: bytes) -> str | None:
     """The `error_type` of a worker's error answer; None if it has none."""
+    error_type = _error_body(content).get("error_type")
+    return error_type if isinstance(error_type, str) else None
+
+
+def _error_body(content: bytes) -> dict[str, object]:
+    """A worker's error answer as its fields; empty if it is not a JSON object."""
     try:
         body = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return None
-    return body.get("error_type") if isinstance(body, dict) else None
+        return {}
+    return body if isinstance(body, dict) else {}
 
 
 def json_answer(payload: object) -> Response:

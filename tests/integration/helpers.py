@@ -481,6 +481,10 @@ def pause_s(response: httpx.Response, longest_s: float) -> float:
     return longest_s
 
 
+VLLM_SERVER = "vllm.entrypoints.openai.api_server"
+"""The module a worker's vLLM server runs (its command line names it)."""
+
+
 def vllm_sockets(vllm: int) -> Path:
     """The folder vLLM server process `vllm` makes its ZMQ sockets in (VLLM_RPC_BASE_PATH)."""
     return Path(psutil.Process(vllm).environ()["VLLM_RPC_BASE_PATH"])

@@ -15,10 +15,8 @@ from control.services import start_mlflow
 from mint_core.config import BackendKind, MintConfig
 from processes import ManagedProcess, stop_all
 from serving.worker.server import start_worker
-from tests.integration.helpers import MixedFleet, vllm_sockets
+from tests.integration.helpers import VLLM_SERVER, MixedFleet, vllm_sockets
 
-VLLM_SERVER = "vllm.entrypoints.openai.api_server"
-"""The module a worker's vLLM server runs."""
 VLLM_START_TIMEOUT_S = 900
 """A vLLM worker is up once vLLM is: a minute or two of imports on a busy 2-core machine."""
 

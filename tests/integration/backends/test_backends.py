@@ -33,6 +33,7 @@ from mint_core.revisions import RevisionId, RevisionRef
 from processes import ManagedProcess
 from serving.worker.readiness import FIRST_PREWARM_S
 from tests.integration.helpers import (
+    VLLM_SERVER,
     MixedFleet,
     most_prewarming_at_once,
     pause_s,
@@ -458,7 +459,7 @@ def health(worker: ManagedProcess) -> dict[str, object]:
 
 def vllm_pid(worker: ManagedProcess) -> int:
     """The vLLM server the worker started: its child running vLLM's OpenAI entry point."""
-    found = child_pid(worker.process.pid, b"vllm.entrypoints.openai.api_server")
+    found = child_pid(worker.process.pid, VLLM_SERVER.encode())
     if found is None:
         raise NotFoundError(f"worker {worker.url} runs no vLLM server")
     return found
