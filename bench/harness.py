@@ -31,6 +31,8 @@ from mint_core.registry_accounts import RegistryAccounts
 from processes import ManagedProcess, stop_all
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DEFAULT_HOME = Path(__file__).resolve().parents[1] / ".mint"
+"""The MinT home whose embedded default base a benchmark uses: `make demo`'s."""
 
 
 def command_line(doc: str | None, name: str) -> argparse.ArgumentParser:
@@ -41,6 +43,22 @@ def command_line(doc: str | None, name: str) -> argparse.ArgumentParser:
         "--out", type=Path, default=RESULTS / f"{name}.json", help="where the JSON goes"
     )
     return parser
+
+
+def add_home(parser: argparse.ArgumentParser) -> None:
+    """`--home`: where the benchmark finds the embedded default base, or builds it once."""
+    parser.add_argument(
+        "--home", type=Path, default=DEFAULT_HOME,
+        help="the MinT home whose embedded default base is used, built there first if missing",
+    )  # fmt: skip
+
+
+def default_base(home: Path) -> Path:
+    """The embedded default base's folder in `home`, built and pretrained there first if missing
+    (about 20 s on 2 cores): kept between runs, as `mint` keeps it."""
+    from mint_core.model.tiny import TinySpec, ensure_tiny
+
+    return ensure_tiny(TinySpec(), home.absolute() / "base")
 
 
 def write(out: Path, result: Mapping[str, Any]) -> None:

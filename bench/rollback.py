@@ -62,7 +62,6 @@ from flows.release import import_adapter
 from mint_core.config import MintConfig
 from mint_core.model.base import BaseSource, load_base
 from mint_core.model.generate import seeded
-from mint_core.model.tiny import TinySpec, ensure_tiny
 from mint_core.registry import Registry
 from mint_core.revisions import PRODUCTION, RevisionId
 from serving.worker.server import start_worker
@@ -196,7 +195,7 @@ def main() -> None:
     parser = harness.command_line(__doc__, "rollback")
     parser.add_argument("--rounds", type=int, default=5, help="r2 -> r1 -> r2 per way")
     parser.add_argument("--no-pool", action="store_true", help="skip the control work pool")
-    parser.add_argument("--home", type=Path, default=Path.home() / ".cache" / "mint-bench")
+    harness.add_home(parser)
     parser.add_argument(
         "--poll-s",
         type=int,
@@ -210,7 +209,7 @@ def main() -> None:
         os.environ["PREFECT_RUNNER_POLL_FREQUENCY"] = str(args.poll_s)
         os.environ["PREFECT_WORKER_QUERY_SECONDS"] = str(args.poll_s)
 
-    folder = ensure_tiny(TinySpec(), args.home / "base")
+    folder = harness.default_base(args.home)
     with harness.scratch("rollback") as (work, services):
         auth = f"mint:{secrets.token_hex(12)}"
         prefect = start_prefect(work / "prefect", auth=auth)

@@ -31,7 +31,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -48,11 +47,10 @@ os.environ.setdefault("TINKER_TELEMETRY", "0")
 
 from bench import harness
 from mint_core.config import MintConfig
+from mint_core.model.base import BaseSource
 from mint_core.model.toy import Task, training_stream
 
 ROOT = Path(__file__).resolve().parents[1]
-PREBUILT_BASE = ROOT / ".mint"
-"""The embedded default as `mint` builds it; copied into the scratch home when there."""
 TASK = Task.UPPER
 ALPHA = 32
 """The trainer's LoRA alpha (`trainer.lora.ALPHA`), used by the separate processes too."""
@@ -142,7 +140,7 @@ def run_separate(request: Row, out: TextIO) -> Row:
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from mint_core.model.base import BaseSource, load_base, servable_modules
+    from mint_core.model.base import load_base, servable_modules
     from mint_core.model.generate import seeded
 
     torch.set_num_threads(request["threads"])
@@ -365,7 +363,9 @@ def case_figures(mode: str, tenants: int, raced: Row, rss_mb: float, **more: Any
 def run_shared(args: argparse.Namespace, tenants: int, home: Path, base: str) -> Row:
     from trainer.server import start_trainer
 
-    config = dataclasses.replace(MintConfig.from_env(), home=home, trainer_models=max(tenants, 8))
+    config = dataclasses.replace(
+        MintConfig.from_env(), home=home, base=BaseSource(base), trainer_models=max(tenants, 8)
+    )
     cores = os.cpu_count() or 1
     children: list[Child] = []
     trainer = start_trainer(config, env=thread_env(cores))
@@ -443,17 +443,6 @@ CASES: dict[str, Callable[[argparse.Namespace, int, Path, str], Row]] = {
 }
 
 
-def prepare_home(home: Path) -> str:
-    """A MinT home holding the embedded default (copied when built already); the base's
-    folder."""
-    from mint_core.model.base import load_text
-
-    if (PREBUILT_BASE / "base").is_dir():
-        shutil.copytree(PREBUILT_BASE / "base", home / "base")
-    config = dataclasses.replace(MintConfig.from_env(), home=home)
-    return str(load_text(config.base, config.home).path)
-
-
 def summarize(cases: Sequence[Row], tenants: Sequence[int]) -> list[Row]:
     """Per (N, mode): the median of each figure over the runs."""
     summary = []
@@ -501,6 +490,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--runs", type=int, default=3)
+    harness.add_home(parser)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -508,8 +498,9 @@ def main() -> None:
         return
 
     cases: list[Row] = []
+    base_folder = harness.default_base(args.home)
     with harness.scratch("tenants") as (work, _):
-        base = prepare_home(work)
+        base = str(base_folder)
         print(f"tenants: {args.tenants}, {args.steps} steps of {args.batch} rows, "
               f"rank {args.rank}, {args.runs} runs; base {base}", flush=True)  # fmt: skip
         for run in range(args.runs):

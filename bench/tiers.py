@@ -485,18 +485,14 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="processes making the artifacts")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--home", type=Path, default=Path(".mint"),
-                        help="where the embedded default base is cached")  # fmt: skip
+    harness.add_home(parser)
     parser.add_argument("--register-only", action="store_true",
                         help="stop after registration and the snapshot (to time them)")  # fmt: skip
     args = parser.parse_args()
 
-    from mint_core.model.base import BaseSource, load_base
-
-    cache = args.home.absolute()
-    load_base(BaseSource(), cache)  # built and pretrained once, kept between runs
+    base = harness.default_base(args.home)
     with harness.scratch("tiers") as (work, services):
-        (work / "base").symlink_to(cache / "base", target_is_directory=True)
+        (work / "base").symlink_to(base.parent, target_is_directory=True)
         mlflow = harness.start_registry(work / "registry", services)
         config = MintConfig(
             home=work,

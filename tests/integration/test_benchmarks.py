@@ -194,9 +194,20 @@ def test_tiers_simulation_compares_with_belady_and_moves_one_nth(tmp_path: Path)
     assert abs(movement["moved_on_leave"] - 1 / 10) < 0.03, movement
 
 
-def test_tenants_benchmark_compares_one_trainer_with_separate_trainings(tmp_path: Path) -> None:
+def test_tenants_benchmark_compares_one_trainer_with_separate_trainings(
+    tmp_path: Path, mint_home: Path
+) -> None:
     result = run_bench(
-        "tenants.py", "--tenants", "2", "--steps", "2", "--runs", "1", out=tmp_path / "t.json"
+        "tenants.py",
+        "--tenants",
+        "2",
+        "--steps",
+        "2",
+        "--runs",
+        "1",
+        "--home",
+        str(mint_home),
+        out=tmp_path / "t.json",
     )
     cases = {(case["tenants"], case["mode"]): case for case in result["cases"]}
     assert cases.keys() == {(2, "shared"), (2, "separate")}
@@ -211,8 +222,11 @@ def test_tenants_benchmark_compares_one_trainer_with_separate_trainings(tmp_path
 
 
 @pytest.mark.slow
-def test_rollback_benchmark_times_each_way_to_users(tmp_path: Path) -> None:
-    result = run_bench("rollback.py", "--rounds", "1", "--no-pool", out=tmp_path / "rollback.json")
+def test_rollback_benchmark_times_each_way_to_users(tmp_path: Path, mint_home: Path) -> None:
+    result = run_bench(
+        "rollback.py", "--rounds", "1", "--no-pool", "--home", str(mint_home),
+        out=tmp_path / "rollback.json",
+    )  # fmt: skip
     samples, medians = result["samples_s"], result["median_s"]
     assert set(samples) == {"alias", "cli", "ui"}
     for way, figures in samples.items():
