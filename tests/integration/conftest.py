@@ -53,15 +53,26 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 _reports = pytest.StashKey[dict[str, pytest.TestReport]]()
 
 
+CLIENT_RETRIES = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
+
+
 @pytest.fixture(autouse=True)
 def _registry_outages_not_waited_out() -> Iterator[None]:
-    """Each test starts with this process's registry calls failing at once on an outage. A
-    test that runs `mint` in this process (`mint_cli.main`) sets MINT_REGISTRY_RETRY_S's wait
-    for the process, as the command does for its own; left behind, it made a later test's
-    call to a closed port wait 60 s before failing."""
+    """Each test starts with this process's registry calls failing at once on an outage, and
+    MLflow's client retrying as the environment the run started with says. A test that runs
+    `mint` in this process (`mint_cli.main`) sets both for the process, as the command does for
+    its own: MINT_REGISTRY_RETRY_S's wait, and no retries of MLflow's own. Left behind, the
+    wait made a later test's call to a closed port wait 60 s before failing, and the retries
+    made a plain MlflowClient call in a later test fail on a connection the server closed as
+    it was reused (clean run ccK: test_mlflow_ui, 'Connection reset by peer')."""
+    retries = os.environ.get(CLIENT_RETRIES)
     OUTAGES.wait_s = 0.0
     yield
     OUTAGES.wait_s = 0.0
+    if retries is None:
+        os.environ.pop(CLIENT_RETRIES, None)
+    else:
+        os.environ[CLIENT_RETRIES] = retries
 
 
 def _held(process: ManagedProcess) -> Iterator[ManagedProcess]:
