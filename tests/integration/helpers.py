@@ -43,7 +43,7 @@ from mint_core.model.toy import RECIPE, Task, write_held_out_data, write_task_da
 from mint_core.model.training import TrainingConfig
 from mint_core.registry import APPROVAL_RUN_TAG, Registry
 from mint_core.revisions import RevisionId
-from processes import ManagedProcess, free_port
+from processes import ManagedProcess
 from serving.backends.embedded import EmbeddedBackend
 from serving.engine.engine import TorchEngine
 from serving.http.app import create_app
@@ -354,33 +354,6 @@ def start_mint(
         )
     started.append(process)
     return process
-
-
-@dataclass(frozen=True)
-class MintUp:
-    """A running `mint up`: its process, its log and the URLs of its services' health."""
-
-    process: subprocess.Popen[bytes]
-    log: Path
-    health: tuple[str, str, str, str]
-    """MLflow, Prefect, the serving worker, the trainer."""
-
-
-def start_mint_up(base: BaseModel, started: list[subprocess.Popen[bytes]], folder: Path) -> MintUp:
-    """`mint up` on free ports with a home under `folder` holding the session's pretrained base
-    (so it does not pretrain it again), once it says everything is up."""
-    home = folder / "home"
-    (home / "base").mkdir(parents=True)
-    os.symlink(base.path, home / "base" / base.path.name)
-    ports = [str(free_port()) for _ in range(4)]
-    log = folder / "up.log"
-    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2],
-            "--trainer-port", ports[3]]  # fmt: skip
-    up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
-    wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
-    mlflow, prefect, worker, trainer = (f"http://127.0.0.1:{port}" for port in ports)
-    health = (f"{mlflow}/health", f"{prefect}/api/health", f"{worker}/health", f"{trainer}/health")
-    return MintUp(up, log, health)
 
 
 def wait_for(

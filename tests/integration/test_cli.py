@@ -618,33 +618,3 @@ def test_an_unsupported_adapter_is_refused_before_prefect_starts(
     )
     args = ["import", str(folder), "--adapter", f"unsupported-{kind.replace('_', '-')}"]
     refused_before_prefect(args, env, tmp_path, message)
-
-
-@pytest.mark.slow
-def test_mint_up_on_a_fresh_home_builds_the_base_before_starting_any_service(
-    started: list[subprocess.Popen[bytes]], tmp_path: Path
-) -> None:
-    """Pretraining the embedded default takes minutes on a loaded machine: `mint up` does it
-    first, with a bar and no time limit, so no service (the worker's health timeout least of
-    all) waits on it."""
-    home = tmp_path / "home"
-    ports = [str(free_port()) for _ in range(4)]
-    log = tmp_path / "up.log"
-    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2],
-            "--trainer-port", ports[3]]  # fmt: skip
-    up = start_mint(started, args, mint_env(MINT_HOME=str(home)), log)
-    first_service_log = home / "logs" / "mlflow.log"
-    wait_for(first_service_log.exists, up, log, timeout_s=1800)
-    assert list((home / "base").glob("mint-tiny-*/config.json")), "a service started first"
-    assert f"building the default base model in {home / 'base'}" in log.read_text()
-    assert "Warning" not in log.read_text()  # e.g. Prefect's, for a home it could not make
-    wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
-    urls = [
-        f"http://127.0.0.1:{ports[0]}/health",
-        f"http://127.0.0.1:{ports[1]}/api/health",
-        f"http://127.0.0.1:{ports[2]}/health",
-        f"http://127.0.0.1:{ports[3]}/health",
-    ]
-    stop_and_check(up, signal.SIGTERM, urls, log)
-    stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
-    assert stopped in log.read_text()

@@ -1,7 +1,8 @@
-"""`mint up` starts every service and says where each is (the release deployment served among
-them), keeps them running: one that exits (the trainer, stopped to restart it) is started again
-with a line saying so while the others run on, and Ctrl-C stops them all. (SIGTERM, on a fresh
-home that first builds the base: tests/integration/test_cli.py.)"""
+"""`mint up` on a fresh home builds the base before starting any service, then starts every
+service and says where each is (the release deployment served among them), keeps them running:
+one that exits (the trainer, stopped to restart it) is started again with a line saying so while
+the others run on, and Ctrl-C stops them all. (Every `mint` command takes SIGTERM as it takes
+Ctrl-C, `mint_cli.main`: both are tested on `mint registry`, tests/integration/test_cli.py.)"""
 
 import re
 import signal
@@ -12,8 +13,8 @@ import httpx
 import psutil
 import pytest
 
-from mint_core.model.base import BaseModel
-from tests.integration.helpers import start_mint_up, stop_and_check, wait_for
+from processes import free_port
+from tests.integration.helpers import mint_env, start_mint, stop_and_check, wait_for
 
 STOPPED_WITHIN_S = 5.0
 """How long Ctrl-C may take to stop `mint up` and everything it started, on two busy cores."""
@@ -29,14 +30,27 @@ def child(up: subprocess.Popen[bytes], command: str) -> psutil.Process:
 
 
 @pytest.mark.slow
-def test_mint_up_starts_everything_restarts_a_child_that_exits_and_ctrl_c_stops_all(
-    base: BaseModel, started: list[subprocess.Popen[bytes]], tmp_path: Path
+def test_mint_up_builds_the_base_then_starts_all_restarts_a_child_that_exits_ctrl_c_stops_all(
+    started: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
-    up = start_mint_up(base, started, tmp_path)
-    mlflow_url, prefect_url, worker_url, trainer_url = (
-        health.removesuffix("/api/health").removesuffix("/health") for health in up.health
-    )
-    said = up.log.read_text()
+    # Pretraining the embedded default takes minutes on a loaded machine: `mint up` does it
+    # first, with a bar and no time limit, so no service (the worker's health timeout least of
+    # all) waits on it.
+    home, log = tmp_path / "home", tmp_path / "up.log"
+    ports = [free_port() for _ in range(4)]
+    args = ["up", "--mlflow-port", ports[0], "--prefect-port", ports[1], "--worker-port", ports[2],
+            "--trainer-port", ports[3]]  # fmt: skip
+    up = start_mint(started, [str(a) for a in args], mint_env(MINT_HOME=str(home)), log)
+    wait_for((home / "logs" / "mlflow.log").exists, up, log, timeout_s=1800)
+    assert list((home / "base").glob("mint-tiny-*/config.json")), "a service started first"
+    assert f"building the default base model in {home / 'base'}" in log.read_text()
+    assert "Warning" not in log.read_text()  # e.g. Prefect's, for a home it could not make
+    wait_for(lambda: "Ctrl-C stops everything" in log.read_text(), up, log, timeout_s=600)
+
+    mlflow_url, prefect_url, worker_url, trainer_url = (f"http://127.0.0.1:{p}" for p in ports)
+    health = [f"{mlflow_url}/health", f"{prefect_url}/api/health", f"{worker_url}/health",
+              f"{trainer_url}/health"]  # fmt: skip
+    said = log.read_text()
     for service, url in (
         ("MLflow UI (registry)", mlflow_url),
         ("Prefect UI (flows)", prefect_url),
@@ -48,25 +62,25 @@ def test_mint_up_starts_everything_restarts_a_child_that_exits_and_ctrl_c_stops_
     deployment = httpx.get(f"{prefect_url}/api/deployments/name/release/release", timeout=10)
     assert deployment.status_code == 200
 
-    worker, trainer = child(up.process, "serve"), child(up.process, "trainer")
+    worker, trainer = child(up, "serve"), child(up, "trainer")
 
     trainer.kill()  # as a user stopping it to restart it, or a crash, would
-    wait_for(lambda: "trainer started again" in up.log.read_text(), up.process, up.log, 600)
-    said = up.log.read_text()
+    wait_for(lambda: "trainer started again" in log.read_text(), up, log, 600)
+    said = log.read_text()
     assert re.search(r"^trainer exited \(code -9\); starting it again in 1 s", said, re.M), said
     assert f"trainer started again at {trainer_url}" in said
     assert httpx.get(trainer_url + "/health", timeout=10).status_code == 200
-    assert child(up.process, "trainer").pid != trainer.pid
-    assert child(up.process, "serve").pid == worker.pid  # the others ran on
-    for health in up.health[:3]:
-        assert httpx.get(health, timeout=10).status_code == 200
+    assert child(up, "trainer").pid != trainer.pid
+    assert child(up, "serve").pid == worker.pid  # the others ran on
+    for url in health[:3]:
+        assert httpx.get(url, timeout=10).status_code == 200
 
-    stopped_s = stop_and_check(up.process, signal.SIGINT, list(up.health), up.log)  # Ctrl-C
+    stopped_s = stop_and_check(up, signal.SIGINT, health, log)  # Ctrl-C
     print(f"mint up and all it started stopped {stopped_s:.2f} s after Ctrl-C")
     stopped = "stopped: trainer, flow server, serving worker, prefect server, mlflow server"
-    assert stopped in up.log.read_text()
+    assert stopped in log.read_text()
     # The flow server stops before the Prefect server it talks to, and at once: not killed
     # when its grace runs out, nor left to retry a server that is gone.
-    assert stopped_s < STOPPED_WITHIN_S, up.log.read_text()[-3000:]
-    flows_log = (tmp_path / "home" / "logs" / "flows.log").read_text()
+    assert stopped_s < STOPPED_WITHIN_S, log.read_text()[-3000:]
+    flows_log = (home / "logs" / "flows.log").read_text()
     assert "Traceback" not in flows_log, flows_log[-3000:]
