@@ -24,6 +24,7 @@ from mint_core.model.training import TrainingConfig
 from mint_core.planning.evaluation import EVAL_GENERATION_ROWS
 from mint_core.revisions import RevisionId, RevisionRef, check_adapter_name
 from mint_core.shipping import Shipment
+from tasks.policies import handed_whole
 from tasks.runs import label_run, production_move, summarize
 from tasks.training import check_import, load_data, train_adapter
 
@@ -137,7 +138,8 @@ def release(
         raise ConfigurationError(f"eval_fraction={eval_fraction} must be between 0 and 1")
     timed = StageClock()
     rows, held_out = timed("data", load_data, config, data, eval_data, eval_fraction, adapter)
-    trained = timed("train", train_adapter, config, adapter, rows, held_out, training, launch)
+    train = handed_whole(train_adapter)  # the datasets, not walked row by row
+    trained = timed("train", train, config, adapter, rows, held_out, training, launch)
     shipment = Shipment(
         adapter,
         trained,

@@ -19,7 +19,7 @@ from mint_core.model.datasets import Dataset
 from mint_core.registry import StageMark
 from mint_core.revisions import RevisionId, RevisionRef
 from mint_core.shipping import Exported
-from tasks.policies import ONCE_PER_RUN, transient
+from tasks.policies import ONCE_PER_RUN, handed_whole, transient
 from tasks.runs import run_log
 
 if TYPE_CHECKING:  # torch and PEFT, for types only: promotions and rollbacks run ensure-exported
@@ -88,5 +88,7 @@ def ensure_exported(
     return shipping.ensure_exported(config, revision, shard_bytes)
 
 
-SHIP_TASKS = shipping.Steps(freeze_adapter, pack_adapter, export_adapter, register_revision)
-"""`shipping.ship`'s steps as the tasks above."""
+SHIP_TASKS = shipping.Steps(
+    freeze_adapter, pack_adapter, export_adapter, handed_whole(register_revision)
+)
+"""`shipping.ship`'s steps as the tasks above (register takes the datasets it records)."""

@@ -11,6 +11,7 @@ from uuid import UUID
 
 import pytest
 from prefect import flow, get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.deployments import run_deployment
 from prefect.states import State
 
@@ -71,6 +72,27 @@ def test_release_and_rollback_runs_say_what_they_did(
     assert re.search(r"\| eval_exact_match \(\d+ (held-out )?rows of [^|]+\) \| ", summary), summary
     (rolled,) = run_markdown(back)
     assert "| production | r2 → r1 |" in rolled and "| actor | oncall |" in rolled
+
+    # The run's graph (the Prefect UI's) links each step to the steps whose results it took,
+    # the datasets handed over whole (`tasks.policies.handed_whole`) included.
+    assert step_inputs(second, "train") == {"data": {"load-data"}, "held_out": {"load-data"}}
+    assert step_inputs(second, "register") == {
+        "source": {"train"}, "frozen": {"freeze"}, "exported": {"export"},
+        "held_out": {"load-data"}, "trained_on": {"load-data"},
+    }  # fmt: skip
+
+
+def step_inputs(run: UUID, step: str) -> dict[str, set[str]]:
+    """Which steps' results `step` of flow run `run` took, by parameter, as Prefect recorded."""
+    with get_client(sync_client=True) as client:
+        steps = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run])))
+    named = {s.id: s.name.rsplit("-", 1)[0] for s in steps}
+    (taken,) = (s for s in steps if named[s.id] == step)
+    return {
+        parameter: {named[i.id] for i in inputs}
+        for parameter, inputs in taken.task_inputs.items()
+        if inputs
+    }
 
 
 @pytest.fixture(scope="module")
