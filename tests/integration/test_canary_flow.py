@@ -28,7 +28,10 @@ pytestmark = pytest.mark.slow
 
 ADAPTER = "canary-flow-bot"
 WORDS = held_out_words(32)
-SETTINGS = {"percent": 25, "window_s": 15, "min_requests": 20}
+SETTINGS = {"percent": 25, "window_s": 5, "min_requests": 20}
+"""Judged on requests, not seconds: a window is extended, up to three, until the candidate has
+served `min_requests` (the scoring client's quarter reaching it: 119 to 128 in a 5 s window,
+idle)."""
 
 
 @dataclass
